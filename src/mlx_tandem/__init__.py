@@ -1,0 +1,43 @@
+"""mlx-tandem: one in-process MLX inference engine, fast under concurrency."""
+
+from . import _platform  # noqa: F401  - must run before anything imports mlx
+
+from .engine import AsyncStream, Engine, SyncStream
+from .errors import (
+    ContextLengthError,
+    EngineClosedError,
+    EngineStepError,
+    InvalidRequestError,
+    ModelLoadError,
+    RequestAbortedError,
+    TandemError,
+    TemplateError,
+    UnsupportedContentError,
+)
+from .messages import normalize_messages
+from .options import EngineOptions
+from .outputs import RequestOutput, StreamDelta, Usage
+from .params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncStream",
+    "ContextLengthError",
+    "Engine",
+    "EngineClosedError",
+    "EngineOptions",
+    "EngineStepError",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "RequestAbortedError",
+    "RequestOutput",
+    "SamplingParams",
+    "StreamDelta",
+    "SyncStream",
+    "TandemError",
+    "TemplateError",
+    "UnsupportedContentError",
+    "Usage",
+    "normalize_messages",
+]

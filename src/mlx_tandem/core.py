@@ -1,0 +1,296 @@
+"""EngineCore: the one thread that owns MLX, and its step loop.
+
+Model load, every forward, every cache operation and every mx.array creation happen on
+this thread. Other threads only put commands in the inbox (thread-safe) and read their
+request's sink. The loop is schedule -> step lanes -> process outputs; errors become values
+attached to requests, and a failed step fails only the requests in it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .detokenizer import RequestDetokenizer
+from .errors import EngineClosedError, EngineStepError, InvalidRequestError, TandemError
+from .lanes import Lane, TextLane, TokenEvent
+from .model_loader import LoadedModel, load_text_model
+from .options import EngineOptions
+from .outputs import StreamDelta, Usage
+from .request import Request, RequestState, dispatch
+from .stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+OWNER_THREAD_NAME = "mlx-tandem-engine"
+
+_STOP = object()
+
+
+class EngineCore:
+    def __init__(self, model_path: Path, options: EngineOptions):
+        self.model_path = model_path
+        self.options = options
+        self.stats = EngineStats()
+        self.ready: concurrent.futures.Future[LoadedModel] = concurrent.futures.Future()
+        self.loaded: Optional[LoadedModel] = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=OWNER_THREAD_NAME, daemon=True)
+        self._lanes: dict[str, Lane] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: dict[str, Request] = {}
+        self._outbox: list[tuple[Any, Any]] = []
+        self._closed = threading.Event()
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def owner_thread(self) -> threading.Thread:
+        return self._thread
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def submit(self, request: Request) -> None:
+        if self._closed.is_set():
+            raise EngineClosedError("the engine is closed")
+        self.stats.count("requests_submitted")
+        self._inbox.put(("add", request))
+
+    def abort(self, request_id: str) -> None:
+        if not self._closed.is_set():
+            self._inbox.put(("abort", request_id))
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the owner thread (for hooks that touch mlx state) and return its future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._closed.is_set():
+            fut.set_exception(EngineClosedError("the engine is closed"))
+        else:
+            self._inbox.put(("call", (fn, fut)))
+        return fut
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        if self._thread.is_alive():
+            self._inbox.put((_STOP, None))
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout)
+        self._closed.set()
+
+    # ------------------------------------------------------------------ owner thread
+    def _run(self) -> None:
+        try:
+            self.loaded = load_text_model(self.model_path, show_progress=self.options.show_progress)
+            self._lanes["text"] = TextLane(
+                self.loaded.model,
+                eos_token_ids=self.loaded.eos_token_ids,
+                max_batch_size=self.options.max_batch_size,
+                prefill_batch_size=self.options.prefill_batch_size,
+                prefill_step_size=self.options.prefill_step_size,
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported through the ready future
+            self._closed.set()
+            self.ready.set_exception(exc)
+            self._fail_inbox(exc)
+            return
+        self.ready.set_result(self.loaded)
+        try:
+            self._loop()
+        except BaseException:  # noqa: BLE001 - last resort: never leave callers hanging
+            logger.exception("engine loop crashed")
+        finally:
+            self._closed.set()
+            self._fail_everything(EngineClosedError("the engine was closed"))
+            for lane in self._lanes.values():
+                lane.close()
+
+    def _loop(self) -> None:
+        while True:
+            busy = bool(self._waiting) or any(l.has_work() for l in self._lanes.values())
+            if not self._drain_inbox(block=not busy):
+                return
+            self._admit()
+            for lane in self._lanes.values():
+                if lane.has_work():
+                    self._step_lane(lane)
+            self._flush()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply pending commands; False when asked to stop."""
+        while True:
+            try:
+                kind, arg = self._inbox.get() if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if kind is _STOP:
+                return False
+            if kind == "add":
+                self._add(arg)
+            elif kind == "abort":
+                self._abort(arg)
+            elif kind == "call":
+                fn, fut = arg
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001
+                        fut.set_exception(exc)
+            self._flush()
+
+    def _add(self, req: Request) -> None:
+        if len(self._waiting) >= self.options.max_waiting:
+            self._fail(req, InvalidRequestError(
+                f"too many waiting requests ({self.options.max_waiting}); try again later"))
+            return
+        self._waiting.append(req)
+        self._update_queue_stats()
+
+    def _abort(self, request_id: str) -> None:
+        for req in self._waiting:
+            if req.request_id == request_id:
+                self._waiting.remove(req)
+                self._finish_aborted(req)
+                return
+        req = self._running.get(request_id)
+        if req is not None:
+            self._lanes[req.lane].remove([request_id])
+            self._finish_aborted(req)
+
+    def _admit(self) -> None:
+        while self._waiting:
+            lane = self._lanes[self._waiting[0].lane]
+            if lane.num_active >= self.options.max_batch_size:
+                break
+            req = self._waiting.popleft()
+            try:
+                req.detokenizer = RequestDetokenizer(self.loaded.tokenizer.detokenizer, req.params.stop)
+                lane.add(req)
+            except TandemError as exc:
+                self._fail(req, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop
+                logger.exception("could not admit %s", req.request_id)
+                self._fail(req, InvalidRequestError(f"could not start the request: {exc}"))
+                continue
+            req.state = RequestState.RUNNING
+            self._running[req.request_id] = req
+        self._update_queue_stats()
+
+    def _step_lane(self, lane: Lane) -> None:
+        try:
+            events, st = lane.step()
+        except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
+            logger.exception("step of lane %r failed; failing its requests and recovering", lane.name)
+            self.stats.count("step_errors")
+            error = EngineStepError(f"the forward step failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            for rid in lane.reset():
+                req = self._running.get(rid)
+                if req is not None:
+                    self._fail(req, error)
+            return
+        self.stats.record_step(
+            batch_size=st.batch_size,
+            prompt_tokens=st.prompt_tokens,
+            prompt_time=st.prompt_time,
+            generation_tokens=st.generation_tokens,
+            decode_time=st.decode_time,
+        )
+        for ev in events:
+            self._process(lane, ev)
+
+    def _process(self, lane: Lane, ev: TokenEvent) -> None:
+        req = self._running.get(ev.request_id)
+        if req is None:
+            return
+        if ev.error is not None:
+            err = ev.error if isinstance(ev.error, TandemError) else InvalidRequestError(
+                f"logits processor failed: {type(ev.error).__name__}: {ev.error}")
+            self._fail(req, err)
+            return
+        now = time.perf_counter()
+        if req.first_token_time is None and ev.tokens:
+            req.first_token_time = now
+            self.stats.record_ttft(now - req.arrival)
+        eos = self.loaded.eos_token_ids
+        text, new_ids, finish = "", [], None
+        for tok in ev.tokens:
+            req.num_generated += 1
+            if tok in eos:
+                finish = "stop"
+                break
+            new_ids.append(tok)
+            text += req.detokenizer.add(tok)
+            if req.detokenizer.stopped:
+                finish = "stop"
+                lane.remove([req.request_id])
+                break
+        finish = finish or ev.finish_reason
+        if finish is None:
+            if text or new_ids:
+                self._emit(req, StreamDelta(req.request_id, text, tuple(new_ids)))
+            return
+        text += req.detokenizer.finish()
+        req.finish_time = now
+        self._emit(req, StreamDelta(
+            req.request_id, text, tuple(new_ids), finish_reason=finish,
+            usage=Usage(req.num_prompt_tokens, req.num_generated)))
+        self._retire(req)
+        self.stats.count("requests_finished")
+
+    # ------------------------------------------------------------------ helpers
+    def _emit(self, req: Request, item) -> None:
+        self._outbox.append((req.sink, item))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            items, self._outbox = self._outbox, []
+            dispatch(items)
+
+    def _retire(self, req: Request) -> None:
+        req.state = RequestState.FINISHED
+        self._running.pop(req.request_id, None)
+        self._update_queue_stats()
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        self._emit(req, exc)
+        self._retire(req)
+        self.stats.count("requests_failed")
+
+    def _finish_aborted(self, req: Request) -> None:
+        self._emit(req, StreamDelta(req.request_id, "", (), finish_reason="abort",
+                                    usage=Usage(req.num_prompt_tokens, req.num_generated)))
+        self._retire(req)
+        self.stats.count("requests_aborted")
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        for req in list(self._waiting) + list(self._running.values()):
+            self._fail(req, exc)
+        self._waiting.clear()
+        self._fail_inbox(exc)
+        self._flush()
+
+    def _fail_inbox(self, exc: BaseException) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._emit(arg, exc)
+            elif kind == "call":
+                arg[1].set_exception(EngineClosedError("the engine is closed"))
+        self._flush()
+
+    def _update_queue_stats(self) -> None:
+        self.stats.set_queue(running=len(self._running), waiting=len(self._waiting))

@@ -1,0 +1,414 @@
+"""Engine: the public facade. Async-first API with sync twins; never touches mlx itself.
+
+Front-end work (validation, message normalization, chat rendering, tokenization) runs on
+the caller's thread; the request then goes to the EngineCore's owner thread, and results
+come back through a per-request sink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+
+from . import _platform
+from .core import EngineCore
+from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, TandemError, UnsupportedContentError
+from .messages import has_media, validate_messages
+from .model_loader import LoadedModel, resolve_model_path
+from .options import EngineOptions
+from .outputs import RequestOutput, StreamDelta, Usage
+from .params import SamplingParams
+from .prompt import PromptRenderer
+from .request import AsyncSink, Request, SyncSink, new_request_id
+
+logger = logging.getLogger(__name__)
+
+_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _model_key(model: Optional[str | Path]) -> str:
+    if model is None:
+        return "<default>"
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else str(model)
+
+
+class Engine:
+    """One model, one owner thread, continuous batching for every caller in the process.
+
+    ``Engine(model)`` is cheap: the model loads on first use or on ``await engine.start()``.
+    ``model`` is a checkpoint directory or hub repo id; None means the embedded default model.
+    """
+
+    _shared: dict[tuple, "Engine"] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(self, model: Optional[str | Path] = None, **options: Any):
+        self.options = EngineOptions.from_kwargs(**options)
+        self._model_arg = model
+        self._core: Optional[EngineCore] = None
+        self._renderer: Optional[PromptRenderer] = None
+        self._lock = threading.Lock()
+        self._closed = False
+        _live_engines.add(self)
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def shared(cls, model: Optional[str | Path] = None, **options: Any) -> "Engine":
+        """The process-wide engine for (model, options): adapters share weights through this."""
+        opts = EngineOptions.from_kwargs(**options)
+        key = (_model_key(model), opts)
+        with cls._shared_lock:
+            engine = cls._shared.get(key)
+            if engine is None or engine._closed:
+                engine = cls(model, **options)
+                cls._shared[key] = engine
+            return engine
+
+    def _ensure_core(self) -> EngineCore:
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("the engine is closed")
+            if self._core is None:
+                core = EngineCore(resolve_model_path(self._model_arg), self.options)
+                core.start()
+                self._core = core
+            return self._core
+
+    def _on_ready(self, loaded: LoadedModel) -> None:
+        if self._renderer is None:
+            self._renderer = PromptRenderer(loaded.tokenizer)
+
+    async def start(self) -> "Engine":
+        """Load the model (on the engine thread) if it is not loaded yet."""
+        core = self._ensure_core()
+        self._on_ready(await asyncio.wrap_future(core.ready))
+        return self
+
+    def start_sync(self) -> "Engine":
+        core = self._ensure_core()
+        self._on_ready(core.ready.result())
+        return self
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close_sync)
+
+    def close_sync(self) -> None:
+        with self._lock:
+            self._closed = True
+            core = self._core
+        if core is not None:
+            core.shutdown()
+        with Engine._shared_lock:
+            for key, engine in list(Engine._shared.items()):
+                if engine is self:
+                    del Engine._shared[key]
+
+    async def __aenter__(self) -> "Engine":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def __enter__(self) -> "Engine":
+        return self.start_sync()
+
+    def __exit__(self, *exc) -> None:
+        self.close_sync()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ information
+    @property
+    def loaded(self) -> LoadedModel:
+        core = self._ensure_core()
+        loaded = core.ready.result()
+        self._on_ready(loaded)
+        return loaded
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.options.max_model_len or self.loaded.context_length
+
+    @property
+    def owner_thread(self) -> threading.Thread:
+        return self._ensure_core().owner_thread
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and rates: requests, running, waiting, max batch size seen, tokens/s, ..."""
+        core = self._core
+        out = core.stats.snapshot() if core is not None else {}
+        out.update(
+            model=str(core.model_path) if core is not None else str(self._model_arg),
+            loaded=bool(core is not None and core.ready.done() and not core.ready.exception()),
+            blas=_platform.active_blas(),
+            max_batch_size_option=self.options.max_batch_size,
+        )
+        return out
+
+    def run_on_owner_thread(self, fn) -> Any:
+        """Run ``fn()`` on the engine thread and return its result (blocking).
+
+        The one sanctioned way for extensions and tests to touch mlx state.
+        """
+        return self._ensure_core().call(fn).result()
+
+    # ------------------------------------------------------------------ front end
+    def _make_request(
+        self,
+        messages: Optional[Sequence[dict]],
+        prompt: Optional[str | Sequence[int]],
+        params: SamplingParams | dict | None,
+        tools: Optional[Sequence[dict]],
+        template_kwargs: Optional[dict],
+        sink,
+        request_id: Optional[str],
+    ) -> Request:
+        params = SamplingParams.coerce(params)
+        renderer = self._renderer
+        if messages is not None:
+            messages = validate_messages(messages)
+            if has_media(messages):
+                raise UnsupportedContentError(
+                    f"{self.loaded.path.name} is a text-only model; this request carries an image, "
+                    "video or audio part")
+            prompt_ids = renderer.render(messages, tools=tools, template_kwargs=template_kwargs)
+        elif isinstance(prompt, str):
+            prompt_ids = renderer.encode(prompt)
+        elif prompt is not None:
+            prompt_ids = [int(t) for t in prompt]
+            vocab = self.loaded.vocab_size
+            if any(t < 0 or t >= vocab for t in prompt_ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        else:
+            raise InvalidRequestError("give messages or a prompt")
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        ctx = self.context_length
+        if len(prompt_ids) >= ctx:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens; the context window is {ctx} "
+                "(leave room for at least one generated token)",
+                prompt_tokens=len(prompt_ids), max_context=ctx)
+        req = Request(
+            request_id=request_id or new_request_id(),
+            prompt_ids=prompt_ids,
+            params=params,
+            sink=sink,
+        )
+        # Generation stops at the context window: finish_reason "length".
+        req.max_tokens = min(params.max_tokens, ctx - len(prompt_ids))
+        return req
+
+    async def _astream(self, messages, prompt, params, tools, template_kwargs, request_id) -> "AsyncStream":
+        await self.start()
+        sink = AsyncSink(asyncio.get_running_loop())
+        req = self._make_request(messages, prompt, params, tools, template_kwargs, sink, request_id)
+        self._core.submit(req)
+        return AsyncStream(self._core, req, sink)
+
+    def _sstream(self, messages, prompt, params, tools, template_kwargs, request_id) -> "SyncStream":
+        self.start_sync()
+        sink = SyncSink()
+        req = self._make_request(messages, prompt, params, tools, template_kwargs, sink, request_id)
+        self._core.submit(req)
+        return SyncStream(self._core, req, sink)
+
+    # ------------------------------------------------------------------ chat API
+    async def chat(
+        self,
+        messages: Sequence[dict],
+        params: SamplingParams | dict | None = None,
+        *,
+        tools: Optional[Sequence[dict]] = None,
+        template_kwargs: Optional[dict] = None,
+        request_id: Optional[str] = None,
+    ) -> RequestOutput:
+        """Answer a chat. ``messages`` are OpenAI-style dicts; ``tools`` OpenAI function schemas."""
+        stream = await self._astream(messages, None, params, tools, template_kwargs, request_id)
+        return await stream.collect()
+
+    async def stream_chat(
+        self,
+        messages: Sequence[dict],
+        params: SamplingParams | dict | None = None,
+        *,
+        tools: Optional[Sequence[dict]] = None,
+        template_kwargs: Optional[dict] = None,
+        request_id: Optional[str] = None,
+    ) -> AsyncIterator[StreamDelta]:
+        """Stream a chat answer as StreamDeltas. Closing or cancelling it aborts the request."""
+        stream = await self._astream(messages, None, params, tools, template_kwargs, request_id)
+        async with stream:
+            async for delta in stream:
+                yield delta
+
+    def chat_sync(self, messages, params=None, *, tools=None, template_kwargs=None, request_id=None) -> RequestOutput:
+        return self._sstream(messages, None, params, tools, template_kwargs, request_id).collect()
+
+    def stream_chat_sync(self, messages, params=None, *, tools=None, template_kwargs=None,
+                         request_id=None) -> Iterator[StreamDelta]:
+        stream = self._sstream(messages, None, params, tools, template_kwargs, request_id)
+        with stream:
+            yield from stream
+
+    # ------------------------------------------------------------------ raw prompt API
+    async def complete(self, prompt: str | Sequence[int], params=None, *, request_id=None) -> RequestOutput:
+        """Continue a raw prompt (text or token ids), no chat template."""
+        stream = await self._astream(None, prompt, params, None, None, request_id)
+        return await stream.collect()
+
+    async def stream_complete(self, prompt: str | Sequence[int], params=None, *,
+                              request_id=None) -> AsyncIterator[StreamDelta]:
+        stream = await self._astream(None, prompt, params, None, None, request_id)
+        async with stream:
+            async for delta in stream:
+                yield delta
+
+    def complete_sync(self, prompt, params=None, *, request_id=None) -> RequestOutput:
+        return self._sstream(None, prompt, params, None, None, request_id).collect()
+
+    def stream_complete_sync(self, prompt, params=None, *, request_id=None) -> Iterator[StreamDelta]:
+        stream = self._sstream(None, prompt, params, None, None, request_id)
+        with stream:
+            yield from stream
+
+    def apply_chat_template(self, messages: Sequence[dict], *, tools=None, template_kwargs=None) -> list[int]:
+        """The prompt token ids the engine would use for these messages."""
+        self.start_sync()
+        return self._renderer.render(validate_messages(messages), tools=tools, template_kwargs=template_kwargs)
+
+
+class _StreamBase:
+    """Shared bookkeeping of a request's stream: accumulate, detect the end, abort if left early."""
+
+    def __init__(self, core: EngineCore, req: Request, sink):
+        self._core = core
+        self._req = req
+        self._sink = sink
+        self._done = False
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
+
+    @property
+    def request_id(self) -> str:
+        return self._req.request_id
+
+    def _accept(self, item) -> StreamDelta:
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self.text_parts.append(item.text)
+        self.token_ids.extend(item.token_ids)
+        if item.finish_reason is not None:
+            self._done = True
+            self._last = item
+        return item
+
+    def _output(self) -> RequestOutput:
+        last = self._last
+        req = self._req
+        return RequestOutput(
+            request_id=req.request_id,
+            text="".join(self.text_parts),
+            token_ids=self.token_ids,
+            finish_reason=last.finish_reason,
+            usage=last.usage or Usage(req.num_prompt_tokens, len(self.token_ids)),
+            prompt_token_ids=req.prompt_ids,
+            time_to_first_token=(req.first_token_time - req.arrival) if req.first_token_time else None,
+            latency=(req.finish_time - req.arrival) if req.finish_time else None,
+        )
+
+    def cancel(self) -> None:
+        """Abort the request now: it leaves the batch within one engine step."""
+        if not self._done:
+            self._done = True
+            self._core.abort(self._req.request_id)
+
+    def __del__(self):
+        try:
+            self.cancel()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class AsyncStream(_StreamBase):
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._sink.get()
+        except BaseException:
+            self.cancel()  # cancelled while waiting: free the slot
+            raise
+        return self._accept(item)
+
+    async def collect(self) -> RequestOutput:
+        async with self:
+            async for _ in self:
+                pass
+        return self._output()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.cancel()
+
+
+class SyncStream(_StreamBase):
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StreamDelta:
+        if self._done:
+            raise StopIteration
+        try:
+            item = self._sink.get()
+        except BaseException:
+            self.cancel()
+            raise
+        return self._accept(item)
+
+    def collect(self) -> RequestOutput:
+        with self:
+            for _ in self:
+                pass
+        return self._output()
+
+    def close(self) -> None:
+        self.cancel()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cancel()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    for engine in list(_live_engines):
+        try:
+            core = engine._core
+            if core is not None:
+                core.shutdown(timeout=5.0)
+        except Exception:  # noqa: BLE001
+            pass

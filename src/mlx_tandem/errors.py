@@ -1,0 +1,44 @@
+"""The one exception hierarchy of mlx-tandem. Every error a caller can see is a TandemError."""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base class of every error raised by mlx-tandem."""
+
+
+class InvalidRequestError(TandemError, ValueError):
+    """The request itself is wrong: bad parameters, bad messages, bad content."""
+
+
+class TemplateError(InvalidRequestError):
+    """The chat template could not render these messages."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt does not fit in the model's context window."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, max_context: int):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_context = max_context
+
+
+class UnsupportedContentError(InvalidRequestError):
+    """The request carries content this model cannot take (e.g. an image on a text model)."""
+
+
+class ModelLoadError(TandemError):
+    """The model could not be loaded."""
+
+
+class EngineClosedError(TandemError):
+    """The engine was closed before or while the request ran."""
+
+
+class EngineStepError(TandemError):
+    """A forward step failed unexpectedly; the requests in it were failed, the engine recovered."""
+
+
+class RequestAbortedError(TandemError):
+    """The request was aborted by its caller."""

@@ -1,0 +1,120 @@
+"""Neutral chat messages (OpenAI-style dicts): validation, media detection and normalization.
+
+Normalization makes real clients' histories acceptable to strict chat templates without
+losing anything: developer -> system, system messages hoisted and merged at the front,
+consecutive same-role plain messages merged. A message that carries ``tool_calls`` or
+``tool_call_id`` is never merged or dropped.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+from .errors import InvalidRequestError
+
+Message = dict[str, Any]
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLE_ALIASES = {"developer": "system"}
+MEDIA_PART_TYPES = frozenset({"image", "image_url", "input_image", "video", "video_url", "audio", "input_audio"})
+TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
+_SEPARATOR = "\n\n"
+
+
+def validate_messages(messages: Any) -> list[Message]:
+    """Check the shape of a message list; returns a list (the input is not modified)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Iterable):
+        raise InvalidRequestError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    messages = list(messages)
+    if not messages:
+        raise InvalidRequestError("messages must not be empty")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequestError(f"messages[{i}] must be a dict, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise InvalidRequestError(f"messages[{i}].role={role!r}: expected one of {ROLES}")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise InvalidRequestError(f"messages[{i}].content must be a string, a list of parts or None")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or "type" not in part:
+                    raise InvalidRequestError(f"messages[{i}].content[{j}] must be a dict with a 'type'")
+        if role == "tool" and not m.get("tool_call_id") and not m.get("name"):
+            raise InvalidRequestError(f"messages[{i}]: a tool message needs 'tool_call_id' (or 'name')")
+    return messages
+
+
+def has_media(messages: Iterable[Message]) -> bool:
+    """True when any message carries an image, video or audio part."""
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list) and any(p.get("type") in MEDIA_PART_TYPES for p in content):
+            return True
+    return False
+
+
+def text_of(content: Any) -> str:
+    """The text of a content value (string or list of parts); media parts are skipped."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if p.get("type") in TEXT_PART_TYPES)
+
+
+def _is_plain(m: Message) -> bool:
+    return not m.get("tool_calls") and not m.get("tool_call_id") and m["role"] != "tool"
+
+
+def _merge_content(a: Any, b: Any) -> Any:
+    if a is None or a == "":
+        return copy.deepcopy(b)
+    if b is None or b == "":
+        return a
+    if isinstance(a, str) and isinstance(b, str):
+        return a + _SEPARATOR + b
+    parts_a = [{"type": "text", "text": a}] if isinstance(a, str) else list(a)
+    parts_b = [{"type": "text", "text": b}] if isinstance(b, str) else copy.deepcopy(b)
+    return parts_a + [{"type": "text", "text": _SEPARATOR}] + parts_b
+
+
+def normalize_messages(messages: Iterable[Message]) -> list[Message]:
+    """Return a normalized deep copy; the caller's messages are never modified.
+
+    1. ``developer`` becomes ``system``.
+    2. All system messages are hoisted to the front and merged into one, in order.
+    3. Consecutive messages of the same role are merged when neither carries
+       ``tool_calls``/``tool_call_id`` and neither has a ``name`` that differs.
+    """
+    msgs = [copy.deepcopy(m) for m in validate_messages(messages)]
+    for m in msgs:
+        m["role"] = ROLE_ALIASES.get(m["role"], m["role"])
+
+    system = [m for m in msgs if m["role"] == "system"]
+    rest = [m for m in msgs if m["role"] != "system"]
+    out: list[Message] = []
+    if system:
+        head = {"role": "system", "content": None}
+        for m in system:
+            head["content"] = _merge_content(head["content"], m.get("content"))
+        if head["content"] is None:
+            head["content"] = ""
+        out.append(head)
+
+    for m in rest:
+        prev = out[-1] if out else None
+        if (
+            prev is not None
+            and prev["role"] == m["role"]
+            and prev["role"] != "system"
+            and _is_plain(prev)
+            and _is_plain(m)
+            and prev.get("name") == m.get("name")
+        ):
+            prev["content"] = _merge_content(prev.get("content"), m.get("content"))
+            continue
+        out.append(m)
+    return out

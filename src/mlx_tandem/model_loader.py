@@ -1,0 +1,115 @@
+"""Model loading for the text lane. Called only on the owner thread.
+
+Uses mlx-lm's loader (model classes, sanitize, tokenizer wrapper with the right streaming
+detokenizer) and applies the platform dtype policy (float32 on CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from . import _platform
+from .errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    model: Any
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict
+    eos_token_ids: list[int]
+    context_length: int
+    vocab_size: int
+    model_type: str
+    dtype: str
+
+
+def resolve_model_path(model: Optional[str | os.PathLike]) -> Path:
+    """A local checkpoint directory for ``model``: None -> the embedded default model."""
+    if model is None:
+        from .default_model import default_model_path
+
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise ModelLoadError(f"{path} is a file; expected a checkpoint directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model)))
+    except Exception as exc:
+        raise ModelLoadError(
+            f"model {str(model)!r} is neither a local directory nor an available hub repo "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _context_length(config: dict) -> int:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+            if isinstance(cfg.get(key), int):
+                return cfg[key]
+    return 4096
+
+
+def _eos_ids(tokenizer, config: dict) -> list[int]:
+    ids = set(tokenizer.eos_token_ids)
+    for cfg in (config, config.get("text_config") or {}):
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return sorted(ids)
+
+
+def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
+    from tqdm.auto import tqdm
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    bar = tqdm(total=3, desc=f"Loading {path.name}", unit="step", disable=not show_progress, leave=False)
+    try:
+        bar.set_postfix_str("weights")
+        model, config = load_model(path)
+        bar.update()
+        bar.set_postfix_str("tokenizer")
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        bar.update()
+        bar.set_postfix_str("dtype")
+        dtype = _platform.compute_dtype()
+        if dtype is not None:
+            model.set_dtype(dtype)
+            mx.eval(model.parameters())
+        bar.update()
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"could not load {path}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        bar.close()
+    params = [p for _, p in tree_flatten(model.parameters())]
+    loaded = LoadedModel(
+        path=path,
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        eos_token_ids=_eos_ids(tokenizer, config),
+        context_length=_context_length(config),
+        vocab_size=int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")),
+        model_type=config.get("model_type", "unknown"),
+        dtype=str(params[0].dtype) if params else "unknown",
+    )
+    logger.info("loaded %s (%s, %s, context %d, BLAS %s)", path, loaded.model_type,
+                loaded.dtype, loaded.context_length, _platform.active_blas())
+    return loaded

@@ -1,0 +1,40 @@
+"""Engine options: validated once, hashable so that ``Engine.shared`` can key on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from .errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    #: Most requests decoding together in one forward step.
+    max_batch_size: int = 32
+    #: Most requests prefilled together in one forward step.
+    prefill_batch_size: int = 8
+    #: Prompt tokens per prefill chunk; decode steps of other requests run between chunks.
+    prefill_step_size: int = 512
+    #: Context window; defaults to the model config's max_position_embeddings.
+    max_model_len: Optional[int] = None
+    #: Requests allowed to wait for a batch slot; beyond that, submissions are refused.
+    max_waiting: int = 4096
+    #: Show a progress bar while loading.
+    show_progress: bool = True
+
+    def __post_init__(self):
+        for name in ("max_batch_size", "prefill_batch_size", "prefill_step_size", "max_waiting"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 1")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise InvalidRequestError(f"engine option max_model_len={self.max_model_len!r}: must be an integer >= 2")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise InvalidRequestError(f"unknown engine options {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**kwargs)

@@ -1,0 +1,103 @@
+"""Sampling parameters: plain, validated data. No mlx here; samplers are built on the owner thread."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Sequence
+
+from .errors import InvalidRequestError
+
+# A logits processor as mlx-lm defines it: (token_ids so far, logits) -> logits.
+LogitsProcessor = Callable[[Any, Any], Any]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request.
+
+    temperature 0 means greedy. ``stop`` strings are matched on the decoded text, across
+    token boundaries, and never emitted. ``seed`` makes sampling reproducible per request,
+    whatever else shares the batch. ``logits_processors`` run on the engine thread.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+    stop: tuple[str, ...] = ()
+    seed: Optional[int] = None
+    logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
+
+    def __post_init__(self):
+        # Accept a single string or any sequence for stop; a list for processors.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name, why):
+            raise InvalidRequestError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                bad(name, "must be a finite number")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not 0 <= self.min_p < 1:
+            bad("min_p", "must be in [0, 1)")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (0 disables it)")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if not isinstance(self.repetition_context_size, int) or self.repetition_context_size < 1:
+            bad("repetition_context_size", "must be an integer >= 1")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+            bad("seed", "must be a non-negative integer or None")
+        if any(not callable(p) for p in self.logits_processors):
+            bad("logits_processors", "must be callables (tokens, logits) -> logits")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_updates(self, **changes) -> "SamplingParams":
+        return replace(self, **changes)
+
+    @classmethod
+    def coerce(cls, params: "SamplingParams | dict | None", **overrides) -> "SamplingParams":
+        """Accept SamplingParams, a dict of its fields, or None; apply keyword overrides."""
+        if params is None:
+            params = cls()
+        elif isinstance(params, dict):
+            unknown = set(params) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise InvalidRequestError(f"unknown sampling parameters: {sorted(unknown)}")
+            params = cls(**params)
+        elif not isinstance(params, cls):
+            raise InvalidRequestError(f"expected SamplingParams or dict, got {type(params).__name__}")
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        return params.with_updates(**overrides) if overrides else params
+
+
+def stop_strings(stop: Sequence[str] | str | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple(stop)

@@ -1,0 +1,104 @@
+"""Per-request samplers and logits processors for mlx-lm's BatchGenerator. Owner thread only.
+
+Greedy requests get ``None`` (the generator's shared greedy sampler), and unseeded requests
+with equal settings share one sampler object, so a batch of them samples in one call.
+Seeded requests get their own PRNG key chain, so their output depends only on the seed,
+never on who else is in the batch.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+    make_sampler,
+)
+
+from .params import SamplingParams
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+@lru_cache(maxsize=256)
+def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
+    return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+
+
+def _filters(p: SamplingParams):
+    out = []
+    if 0 < p.top_p < 1.0:
+        out.append(lambda x: apply_top_p(x, p.top_p))
+    if p.min_p > 0.0:
+        out.append(lambda x: apply_min_p(x, p.min_p))
+    if p.top_k > 0:
+        out.append(lambda x: apply_top_k(x, p.top_k))
+    return out
+
+
+def _seeded_sampler(p: SamplingParams) -> Sampler:
+    key = mx.random.key(p.seed)
+    filters = _filters(p)
+    inv_temp = 1.0 / p.temperature
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        for f in filters:
+            logprobs = f(logprobs)
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sample
+
+
+def make_request_sampler(p: SamplingParams) -> Optional[Sampler]:
+    if p.greedy:
+        return None
+    if p.seed is not None:
+        return _seeded_sampler(p)
+    return _shared_sampler(p.temperature, p.top_p, p.min_p, p.top_k)
+
+
+def make_request_processors(p: SamplingParams, on_error: Callable[[BaseException], None]) -> list:
+    """mlx-lm processors for the request, with user processors guarded.
+
+    An exception in a user's processor must fail that request only: the guard records it
+    (the engine fails the request after the step) and passes the logits through unchanged.
+    """
+    processors = []
+    if p.repetition_penalty != 1.0:
+        processors += make_logits_processors(
+            repetition_penalty=p.repetition_penalty,
+            repetition_context_size=p.repetition_context_size,
+        )
+    for user_fn in p.logits_processors:
+        processors.append(_guard(user_fn, on_error))
+    return processors
+
+
+def _guard(fn, on_error):
+    failed = False
+
+    def guarded(tokens, logits):
+        nonlocal failed
+        if failed:
+            return logits
+        try:
+            out = fn(tokens, logits)
+            if not isinstance(out, mx.array) or out.shape != logits.shape:
+                raise TypeError(
+                    f"logits processor returned {type(out).__name__} "
+                    f"{getattr(out, 'shape', '')}, expected an mx.array of shape {logits.shape}"
+                )
+            return out
+        except Exception as exc:  # noqa: BLE001 - reported to the request, not raised
+            failed = True
+            on_error(exc)
+            return logits
+
+    return guarded

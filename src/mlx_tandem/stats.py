@@ -1,0 +1,76 @@
+"""Engine counters: written by the owner thread, read as a snapshot by anyone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+
+class EngineStats:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.started_at = time.perf_counter()
+        self.requests_submitted = 0
+        self.requests_finished = 0
+        self.requests_failed = 0
+        self.requests_aborted = 0
+        self.running = 0
+        self.waiting = 0
+        self.max_batch_size_seen = 0
+        self.steps = 0
+        self.decode_steps = 0
+        self.step_errors = 0
+        self.prompt_tokens = 0
+        self.prompt_time = 0.0
+        self.generation_tokens = 0
+        self.decode_time = 0.0
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
+
+    def record_step(self, *, batch_size: int, prompt_tokens: int, prompt_time: float,
+                    generation_tokens: int, decode_time: float) -> None:
+        with self._lock:
+            self.steps += 1
+            if generation_tokens:
+                self.decode_steps += 1
+            self.max_batch_size_seen = max(self.max_batch_size_seen, batch_size)
+            self.prompt_tokens += prompt_tokens
+            self.prompt_time += prompt_time
+            self.generation_tokens += generation_tokens
+            self.decode_time += decode_time
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def set_queue(self, *, running: int, waiting: int) -> None:
+        with self._lock:
+            self.running = running
+            self.waiting = waiting
+
+    def record_ttft(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft_sum += seconds
+            self.ttft_count += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "requests": self.requests_submitted,
+                "finished": self.requests_finished,
+                "failed": self.requests_failed,
+                "aborted": self.requests_aborted,
+                "running": self.running,
+                "waiting": self.waiting,
+                "max_batch_size": self.max_batch_size_seen,
+                "mean_batch_size": (self.generation_tokens / self.decode_steps) if self.decode_steps else 0.0,
+                "steps": self.steps,
+                "step_errors": self.step_errors,
+                "prompt_tokens": self.prompt_tokens,
+                "generation_tokens": self.generation_tokens,
+                "prompt_tokens_per_s": (self.prompt_tokens / self.prompt_time) if self.prompt_time else 0.0,
+                "generation_tokens_per_s": (self.generation_tokens / self.decode_time) if self.decode_time else 0.0,
+                "mean_ttft_s": (self.ttft_sum / self.ttft_count) if self.ttft_count else 0.0,
+                "uptime_s": time.perf_counter() - self.started_at,
+            }

@@ -1,0 +1,97 @@
+"""A byte-level BPE tokenizer trained offline on local text (the Python standard library).
+
+Deterministic for a given Python installation: the corpus is a fixed, sorted list of
+stdlib sources plus a fixed multilingual sample, and the BPE trainer is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+from .chat_template import CHAT_TEMPLATE
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# Added, not special: they stay in decoded text, so reasoning and tool calls can be parsed.
+MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+_STDLIB_FILES = [
+    "json/__init__.py", "json/decoder.py", "json/encoder.py", "textwrap.py", "string.py",
+    "functools.py", "collections/__init__.py", "argparse.py", "pathlib.py", "datetime.py",
+    "statistics.py", "fractions.py", "heapq.py", "bisect.py", "shlex.py", "calendar.py",
+]
+_SAMPLE = (
+    "Hello world! The quick brown fox jumps over the lazy dog. 12 + 30 = 42. "
+    "Unicode: café, naïve, 東京, 北京欢迎你, こんにちは, 안녕하세요, emoji 🙂🚀👍🏽, ∑∫√. "
+    "You are a helpful assistant. What is the weather in Paris? Call the tool get_weather. "
+)
+
+
+def corpus(max_chars: int = 1_200_000) -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [_SAMPLE] * 20
+    total = 0
+    for rel in _STDLIB_FILES:
+        path = stdlib / rel
+        if path.exists():
+            text = path.read_text(encoding="utf-8", errors="replace")
+            texts.append(text)
+            total += len(text)
+            if total >= max_chars:
+                break
+    return texts
+
+
+def train_tokenizer(vocab_size: int = 2048):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(MARKUP_TOKENS),
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens(MARKUP_TOKENS)
+    return tok
+
+
+def write_tokenizer(path: Path, vocab_size: int = 2048, model_max_length: int = 4096) -> dict[str, int]:
+    """Write tokenizer.json and tokenizer_config.json; return the ids of the named tokens."""
+    tok = train_tokenizer(vocab_size)
+    tok.save(str(path / "tokenizer.json"))
+    added = {}
+    for t in SPECIAL_TOKENS + MARKUP_TOKENS:
+        added[str(tok.token_to_id(t))] = {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": t in SPECIAL_TOKENS,
+        }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    (path / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2))
+    return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + MARKUP_TOKENS} | {"__vocab_size__": tok.get_vocab_size()}

@@ -27,14 +27,15 @@ _DRAFT_DEFAULTS = dict(hidden_size=32, num_hidden_layers=1, intermediate_size=64
                        num_attention_heads=2, num_key_value_heads=1)
 _QWEN3_5_DEFAULTS = dict(
     hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+    num_key_value_heads=2, head_dim=32, linear_num_value_heads=4, linear_num_key_heads=2,
     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
     full_attention_interval=2,
 )
 # Qwen3.5 (like Qwen3-Next) stores these RMSNorm weights zero-centred (the model uses 1 + w).
+# (linear_attn.norm, a gated RMSNorm, is not; nor are vision LayerNorms.)
 _QWEN_ZERO_CENTRED_NORMS = (
-    ".input_layernorm.weight", ".post_attention_layernorm.weight", ".norm.weight",
-    ".q_norm.weight", ".k_norm.weight", ".pre_fc_norm_embedding.weight", ".pre_fc_norm_hidden.weight",
+    ".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+    ".q_norm.weight", ".k_norm.weight",
 )
 
 
@@ -70,22 +71,41 @@ def make_tiny_model(kind: str, path: str | Path, *, seed: int = 0, mtp_layers: i
 
 
 # --------------------------------------------------------------------------- helpers
-def _init_model(module_name: str, config: dict, seed: int):
-    """Instantiate mlx-lm's model class for ``config`` with seeded random weights."""
+def randomize_vectors(params: dict) -> dict:
+    """Jitter 1-D parameters (norms, biases, A_log, dt_bias), deterministically.
+
+    Matrices keep mlx's default init. Norm weights stay in [0.5, 1.5] so storing them
+    zero-centred is exact ((w - 1) + 1 == w), and a loader that mishandles norms is caught.
+    Uses the global mx.random state: seed it first.
+    """
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
+
+    out = {}
+    for k in sorted(params):
+        v = params[k]
+        if v.ndim == 1:
+            if k.endswith("A_log"):
+                v = mx.log(mx.random.uniform(1.0, 16.0, v.shape))
+            elif k.endswith("weight") or k.endswith("dt_bias"):
+                v = mx.clip(1.0 + 0.1 * mx.random.normal(v.shape), 0.5, 1.5)
+            else:
+                v = 0.02 * mx.random.normal(v.shape)
+        out[k] = v
+    mx.eval(out)
+    return out
+
+
+def _init_model(module_name: str, config: dict, seed: int) -> dict:
+    """Seeded random parameters of mlx-lm's model class for ``config`` (mlx layout)."""
+    import copy
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     mx.random.seed(seed)
     arch = importlib.import_module(f"mlx_lm.models.{module_name}")
-    model = arch.Model(arch.ModelArgs.from_dict(config))
-    # Norm weights start at 1; jitter them so a loader that mishandles norms is caught.
-    flat = dict(tree_flatten(model.parameters()))
-    for k, v in flat.items():
-        if k.endswith("norm.weight") and v.ndim == 1:
-            flat[k] = v + 0.1 * mx.random.normal(v.shape)
-    model.load_weights(list(flat.items()))
-    mx.eval(model.parameters())
-    return model, dict(tree_flatten(model.parameters()))
+    model = arch.Model(arch.ModelArgs.from_dict(copy.deepcopy(config)))
+    return randomize_vectors(dict(tree_flatten(model.parameters())))
 
 
 def _save(path: Path, weights: dict, dtype: str) -> None:
@@ -94,7 +114,10 @@ def _save(path: Path, weights: dict, dtype: str) -> None:
     dt = getattr(mx, dtype)
     weights = {k: v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     mx.eval(weights)
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    # "pt": these are HF-layout tensors. "mlx" would tell mlx-vlm's MTP splitter that the
+    # norms are already shifted (mlx-vlm 0.7.10), and it would load them wrong.
+    mx.save_safetensors(str(path / "model.safetensors"), dict(sorted(weights.items())),
+                        metadata={"format": "pt"})
 
 
 def _write_config(path: Path, config: dict) -> None:
@@ -124,7 +147,7 @@ def _write_llama(path: Path, ids: dict, *, seed, dtype, max_position_embeddings,
         "torch_dtype": dtype,
         **_sizes(defaults, sizes),
     }
-    _, weights = _init_model("llama", config, seed)
+    weights = _init_model("llama", config, seed)
     _write_config(path, config)
     _save(path, weights, dtype)
 
@@ -135,19 +158,32 @@ def _write_draft(path: Path, ids: dict, **kw):
 
 # --------------------------------------------------------------------------- qwen3_5
 def qwen3_5_text_config(ids: dict, *, mtp_layers: int, max_position_embeddings: int, sizes: dict) -> dict:
+    dims = _sizes(_QWEN3_5_DEFAULTS, sizes)
+    n, interval = dims["num_hidden_layers"], dims["full_attention_interval"]
+    rotary = int(dims["head_dim"] * 0.25)
+    if rotary % 2 or dims["linear_conv_kernel_dim"] < 2:
+        raise ValueError("head_dim * 0.25 must be even and linear_conv_kernel_dim >= 2")
+    half = rotary // 2
     return {
         "model_type": "qwen3_5_text",
+        "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)],
+        "hidden_act": "silu",
+        "attn_output_gate": True,
         "vocab_size": ids["__vocab_size__"],
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
         "attention_bias": False,
         "max_position_embeddings": max_position_embeddings,
+        # mrope_section sums to rotary_dim / 2 = head_dim * partial_rotary_factor / 2.
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
-                            "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+                            "partial_rotary_factor": 0.25,
+                            "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
                             "mrope_interleaved": True},
         "mtp_num_hidden_layers": mtp_layers,
+        "mtp_use_dedicated_embeddings": False,
+        "bos_token_id": None,
         "eos_token_id": ids["<|im_end|>"],
-        **_sizes(_QWEN3_5_DEFAULTS, sizes),
+        **dims,
     }
 
 
@@ -157,7 +193,8 @@ def qwen3_5_to_hf(weights: dict, prefix: str = "model.language_model.") -> dict:
     for k, v in weights.items():
         if "conv1d.weight" in k:
             v = v.moveaxis(2, 1)
-        if any(k.endswith(s) for s in _QWEN_ZERO_CENTRED_NORMS) and v.ndim == 1 and "linear_attn" not in k:
+        if k.startswith("language_model.") and v.ndim == 1 and "linear_attn" not in k \
+                and any(k.endswith(s) for s in _QWEN_ZERO_CENTRED_NORMS):
             v = v - 1.0
         if k.startswith("language_model.model."):
             k = prefix + k[len("language_model.model."):]
@@ -170,31 +207,24 @@ def qwen3_5_to_hf(weights: dict, prefix: str = "model.language_model.") -> dict:
 def mtp_weights(text_config: dict, seed: int) -> dict:
     """A Qwen3.5 multi-token-prediction head in HF layout (``mtp.*``), random weights.
 
-    fc: Linear(2h -> h) over [norm(embedding of t+1); norm(hidden at t)], then
-    ``mtp_num_hidden_layers`` full-attention decoder layers, then a final norm; the
-    backbone's lm_head produces the logits.
+    Built from mlx-vlm's own MTP drafter class, so the keys and shapes are exactly what
+    ``mlx_vlm``'s ``load_drafter(kind="mtp")`` reads: fc over [norm(embed(t+1)); norm(h_t)],
+    ``mtp_num_hidden_layers`` full-attention layers, a final norm (norms zero-centred).
     """
+    import copy
+
     import mlx.core as mx
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
-    from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp import Model as MTPModel
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp import ModelConfig as MTPConfig
 
     mx.random.seed(seed + 1)
-    args = TextModelArgs.from_dict({**text_config, "full_attention_interval": 1})
-    h = args.hidden_size
-    head = {
-        "fc.weight": nn.Linear(2 * h, h, bias=False).weight,
-        "pre_fc_norm_embedding.weight": mx.ones((h,)) + 0.1 * mx.random.normal((h,)),
-        "pre_fc_norm_hidden.weight": mx.ones((h,)) + 0.1 * mx.random.normal((h,)),
-        "norm.weight": mx.ones((h,)) + 0.1 * mx.random.normal((h,)),
-    }
-    for i in range(text_config["mtp_num_hidden_layers"]):
-        layer = DecoderLayer(args, layer_idx=args.full_attention_interval - 1)
-        for k, v in tree_flatten(layer.parameters()):
-            head[f"layers.{i}.{k}"] = v
+    draft = MTPModel(MTPConfig.from_dict(
+        {"model_type": "qwen3_5_mtp", "text_config": copy.deepcopy(text_config)}))
+    params = randomize_vectors(dict(tree_flatten(draft.parameters())))
     out = {}
-    for k, v in head.items():
-        if any(("." + k).endswith(s) for s in _QWEN_ZERO_CENTRED_NORMS) and v.ndim == 1:
+    for k, v in params.items():
+        if k.endswith("norm.weight") and v.ndim == 1:
             v = v - 1.0
         out["mtp." + k] = v
     mx.eval(out)
@@ -206,14 +236,14 @@ def _write_qwen3_5(path: Path, ids: dict, *, seed, mtp_layers, dtype, max_positi
                                       max_position_embeddings=max_position_embeddings, sizes=sizes)
     config = {
         "architectures": ["Qwen3_5ForCausalLM"],
+        "vocab_size": ids["__vocab_size__"],
         "model_type": "qwen3_5",
         "text_config": text_config,
         "tie_word_embeddings": False,
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
         "torch_dtype": dtype,
     }
-    _, weights = _init_model("qwen3_5", config, seed)
-    hf = qwen3_5_to_hf(weights)
+    hf = qwen3_5_to_hf(_init_model("qwen3_5", config, seed))
     if mtp_layers > 0:
         hf.update(mtp_weights(text_config, seed))
     _write_config(path, config)

@@ -22,6 +22,12 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 # Added, not special: they stay in decoded text, so reasoning and tool calls can be parsed.
+# Qwen3.5's pre-tokenizer regex: transformers rebuilds a `qwen3_5` tokenizer with it from the
+# vocab and merges whatever tokenizer.json says, so the BPE must be trained with it too.
+QWEN3_5_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 _STDLIB_FILES = [
@@ -52,12 +58,15 @@ def corpus(max_chars: int = 1_200_000) -> list[str]:
 
 
 def train_tokenizer(vocab_size: int = 2048):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN3_5_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(MARKUP_TOKENS),
         min_frequency=2,
@@ -65,8 +74,8 @@ def train_tokenizer(vocab_size: int = 2048):
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    tok.add_tokens(MARKUP_TOKENS)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     return tok
 
 
@@ -81,7 +90,10 @@ def write_tokenizer(path: Path, vocab_size: int = 2048, model_max_length: int = 
             "single_word": False, "special": t in SPECIAL_TOKENS,
         }
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
+        "tokenizer_class": "TokenizersBackend",
+        "add_prefix_space": False,
+        "errors": "replace",
+        "split_special_tokens": False,
         "added_tokens_decoder": added,
         "bos_token": None,
         "eos_token": "<|im_end|>",
@@ -92,6 +104,7 @@ def write_tokenizer(path: Path, vocab_size: int = 2048, model_max_length: int = 
         "chat_template": CHAT_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (path / "special_tokens_map.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2))
     return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + MARKUP_TOKENS} | {"__vocab_size__": tok.get_vocab_size()}

@@ -1,0 +1,51 @@
+"""Pytest fixtures: each factory model kind is built once per session, offline."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class TinyModels:
+    """Builds factory checkpoints lazily, once each, under one session directory."""
+
+    def __init__(self, root):
+        self.root = root
+        self._paths = {}
+
+    def get(self, kind: str, **kwargs):
+        key = (kind, tuple(sorted(kwargs.items())))
+        if key not in self._paths:
+            from .factory import make_tiny_model
+
+            name = kind + "".join(f"-{k}{v}" for k, v in sorted(kwargs.items()))
+            self._paths[key] = make_tiny_model(kind, self.root / name, **kwargs)
+        return self._paths[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def llama_path(tiny_models):
+    return tiny_models.get("llama")
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_path(tiny_models):
+    return tiny_models.get("qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def draft_path(tiny_models):
+    return tiny_models.get("draft")
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_vl_path(tiny_models):
+    return tiny_models.get("qwen3_5_vl")

@@ -9,6 +9,7 @@ attached to requests, and a failed step fails only the requests in it.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import logging
 import queue
 import threading
@@ -102,6 +103,10 @@ class EngineCore:
             self.ready.set_exception(exc)
             self._fail_inbox(exc)
             return
+        # The owner thread decodes with its own tokenizer copy: HF fast tokenizers raise
+        # "Already borrowed" when one instance is used from several threads at once.
+        hf_tokenizer = copy.deepcopy(self.loaded.tokenizer._tokenizer)
+        self._decode = lambda ids: hf_tokenizer.decode(ids, skip_special_tokens=False)
         self.ready.set_result(self.loaded)
         try:
             self._loop()
@@ -173,7 +178,7 @@ class EngineCore:
                 break
             req = self._waiting.popleft()
             try:
-                req.detokenizer = RequestDetokenizer(self.loaded.tokenizer.detokenizer, req.params.stop)
+                req.detokenizer = RequestDetokenizer(self._decode, req.params.stop)
                 lane.add(req)
             except TandemError as exc:
                 self._fail(req, exc)
@@ -184,6 +189,7 @@ class EngineCore:
                 continue
             req.state = RequestState.RUNNING
             self._running[req.request_id] = req
+            self.stats.count("prompt_tokens", req.num_prompt_tokens)
         self._update_queue_stats()
 
     def _step_lane(self, lane: Lane) -> None:

@@ -7,7 +7,7 @@ emitted.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 class StopStringMatcher:
@@ -52,38 +52,45 @@ class StopStringMatcher:
 
 
 class RequestDetokenizer:
-    """Token ids in, safe text deltas out.
+    """Token ids in, safe text deltas out; the deltas concatenate to ``decode(all tokens)``.
 
-    Wraps mlx-lm's streaming detokenizer (BPE/SPM/naive, chosen by mlx-lm for the
-    tokenizer), which holds back incomplete UTF-8 sequences and knows each tokenizer
-    family's space handling. ``detokenizer`` must be this request's own instance
-    (``TokenizerWrapper.detokenizer`` returns a fresh copy on every access).
+    Incremental decoding by prefix window (the scheme vLLM uses): decode a short window
+    of already-emitted tokens with and without the new ones and emit the difference. It
+    works for any tokenizer family (byte-level BPE, SentencePiece) because both decodes
+    see the same leading context, and it holds back text ending in an incomplete UTF-8
+    sequence. (mlx-lm 0.32's BPEStreamingDetokenizer drops the first token's leading
+    space, which ``decode`` keeps, so it is not used here.)
     """
 
-    def __init__(self, detokenizer, stop: Sequence[str] = ()):
-        self._detok = detokenizer
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
+        self._decode = decode
+        self._tokens: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
         self._stop = StopStringMatcher(stop)
-        self._emitted = 0
         self.stopped = False
 
-    def _new_text(self) -> str:
-        text = self._detok.text
-        new = text[self._emitted :]
-        self._emitted = len(text)
-        return new
+    def _delta(self, final: bool) -> str:
+        window = self._tokens[self._prefix_offset:]
+        prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        new_text = self._decode(window)
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return new_text[len(prefix_text):]
 
     def add(self, token: int) -> str:
         """Add one generated token; returns the text that may be emitted now."""
-        self._detok.add_token(token)
-        out, self.stopped = self._stop.feed(self._new_text())
+        self._tokens.append(token)
+        out, self.stopped = self._stop.feed(self._delta(final=False))
         return out
 
     def finish(self) -> str:
         """The end of generation (length or EOS): flush everything held back."""
         if self.stopped:
             return ""
-        self._detok.finalize()
-        out, self.stopped = self._stop.feed(self._new_text())
+        out, self.stopped = self._stop.feed(self._delta(final=True))
         if not self.stopped:
             out += self._stop.flush()
         return out

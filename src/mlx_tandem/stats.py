@@ -21,7 +21,8 @@ class EngineStats:
         self.steps = 0
         self.decode_steps = 0
         self.step_errors = 0
-        self.prompt_tokens = 0
+        self.prompt_tokens = 0  # the prompts of admitted requests
+        self.prefill_tokens = 0  # tokens the forward passes prefilled (for the rate)
         self.prompt_time = 0.0
         self.generation_tokens = 0
         self.decode_time = 0.0
@@ -35,7 +36,7 @@ class EngineStats:
             if generation_tokens:
                 self.decode_steps += 1
             self.max_batch_size_seen = max(self.max_batch_size_seen, batch_size)
-            self.prompt_tokens += prompt_tokens
+            self.prefill_tokens += prompt_tokens
             self.prompt_time += prompt_time
             self.generation_tokens += generation_tokens
             self.decode_time += decode_time
@@ -69,7 +70,7 @@ class EngineStats:
                 "step_errors": self.step_errors,
                 "prompt_tokens": self.prompt_tokens,
                 "generation_tokens": self.generation_tokens,
-                "prompt_tokens_per_s": (self.prompt_tokens / self.prompt_time) if self.prompt_time else 0.0,
+                "prompt_tokens_per_s": (self.prefill_tokens / self.prompt_time) if self.prompt_time else 0.0,
                 "generation_tokens_per_s": (self.generation_tokens / self.decode_time) if self.decode_time else 0.0,
                 "mean_ttft_s": (self.ttft_sum / self.ttft_count) if self.ttft_count else 0.0,
                 "uptime_s": time.perf_counter() - self.started_at,

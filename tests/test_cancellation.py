@@ -1,0 +1,83 @@
+"""Cancellation frees the slot within one engine step; the others are undisturbed."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mlx_tandem import SamplingParams
+
+from .prompts import chat_prompts
+from .reference import reference_greedy
+
+
+def _running_ids(engine) -> set[str]:
+    # Runs on the owner thread after every earlier command (aborts included) was applied.
+    return engine.run_on_owner_thread(lambda: set(engine._core._running))
+
+
+async def test_closing_half_of_16_streams(engine, model_path):
+    prompts = chat_prompts(16)
+    params = SamplingParams(max_tokens=20)
+    expected = [reference_greedy(model_path, engine.apply_chat_template(p), 20) for p in prompts]
+    aborted_before = engine.stats()["aborted"]
+
+    streams = [await engine._astream(p, None, params, None, None, None) for p in prompts]
+    firsts = [await s.__anext__() for s in streams]
+    cancelled = streams[1::2]
+    for s in cancelled:
+        await s.aclose()
+    running = _running_ids(engine)
+    assert not running & {s.request_id for s in cancelled}
+
+    kept = [await s.collect() for s in streams[0::2]]
+    for i, out in zip(range(0, 16, 2), kept):
+        assert out.token_ids == expected[i]
+    for first, exp in zip(firsts[1::2], expected[1::2]):
+        assert list(first.token_ids) == exp[: len(first.token_ids)]
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["aborted"] - aborted_before == 8
+
+
+async def test_cancelling_the_awaiting_task(engine):
+    params = SamplingParams(max_tokens=2000)
+    task = asyncio.create_task(engine.chat(chat_prompts(1)[0], params))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if engine.stats()["running"]:
+            break
+    assert engine.stats()["running"] == 1
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    assert _running_ids(engine) == set()
+    assert engine.stats()["running"] == 0
+
+
+async def test_breaking_out_of_a_stream_aborts(engine):
+    params = SamplingParams(max_tokens=2000)
+    async for _ in engine.stream_chat(chat_prompts(1)[0], params):
+        break
+    # The async generator is closed when collected; make that deterministic.
+    import gc
+
+    gc.collect()
+    await asyncio.sleep(0)
+    for _ in range(100):
+        if not _running_ids(engine):
+            break
+        await asyncio.sleep(0.01)
+    assert _running_ids(engine) == set()
+
+
+def test_closing_a_sync_stream(llama_path):
+    from mlx_tandem import Engine
+
+    with Engine(llama_path, show_progress=False) as engine:
+        stream = engine.stream_chat_sync(chat_prompts(1)[0], SamplingParams(max_tokens=2000))
+        next(stream)
+        stream.close()
+        assert _running_ids(engine) == set()
+        assert engine.stats()["aborted"] == 1

@@ -1,0 +1,61 @@
+"""The Engine facade: sharing, lifecycle, stats."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mlx_tandem import Engine, SamplingParams
+
+from .prompts import chat_prompts
+
+
+def test_shared_engine_per_model_and_options(llama_path, qwen3_5_path):
+    a = Engine.shared(llama_path, show_progress=False)
+    b = Engine.shared(str(llama_path), show_progress=False)
+    c = Engine.shared(llama_path, show_progress=False, max_batch_size=4)
+    d = Engine.shared(qwen3_5_path, show_progress=False)
+    try:
+        assert a is b
+        assert a is not c and a is not d
+        a.close_sync()
+        assert Engine.shared(llama_path, show_progress=False) is not a
+    finally:
+        for e in (a, c, d, Engine.shared(llama_path, show_progress=False)):
+            e.close_sync()
+
+
+def test_construction_is_cheap(llama_path):
+    engine = Engine(llama_path)
+    assert engine.stats()["loaded"] is False and engine._core is None
+    engine.close_sync()
+
+
+async def test_stats_count_what_happened(llama_path):
+    async with Engine(llama_path, show_progress=False, max_batch_size=4) as engine:
+        outs = await asyncio.gather(*[engine.chat(p, SamplingParams(max_tokens=9)) for p in chat_prompts(10)])
+        s = engine.stats()
+        assert s["requests"] == s["finished"] == 10
+        assert s["running"] == 0 and s["waiting"] == 0
+        assert s["max_batch_size"] == 4  # the option caps the batch; the rest waited
+        assert s["prompt_tokens"] == sum(o.usage.prompt_tokens for o in outs)
+        assert s["generation_tokens"] == sum(o.usage.completion_tokens for o in outs)
+        assert s["generation_tokens_per_s"] > 0 and s["prompt_tokens_per_s"] > 0
+        assert all(o.time_to_first_token is not None and o.latency >= o.time_to_first_token for o in outs)
+
+
+async def test_template_kwargs_reach_the_template(llama_engine):
+    msgs = [{"role": "user", "content": "hi"}]
+    on = llama_engine.apply_chat_template(msgs, template_kwargs={"enable_thinking": True})
+    off = llama_engine.apply_chat_template(msgs, template_kwargs={"enable_thinking": False})
+    assert llama_engine.tokenizer.decode(off).endswith("<think>\n\n</think>\n\n")
+    assert off[: len(on)] == on and len(off) > len(on)
+
+
+async def test_tools_reach_the_template(llama_engine):
+    tools = [{"type": "function", "function": {"name": "lookup_capital", "description": "capital of a country",
+                                               "parameters": {"type": "object", "properties": {"country": {"type": "string"}}}}}]
+    ids = llama_engine.apply_chat_template([{"role": "user", "content": "capital of France?"}], tools=tools)
+    text = llama_engine.tokenizer.decode(ids)
+    assert "lookup_capital" in text and "<tools>" in text
+    out = await llama_engine.chat([{"role": "user", "content": "capital of France?"}], SamplingParams(max_tokens=3), tools=tools)
+    assert out.prompt_token_ids == ids

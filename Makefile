@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make demo` and `make test` (each creates .venv on first use).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test bench bench-quick clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m mlx_tandem.demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/batching.py benchmarks/results/batching.json
+
+bench-quick: $(VENV)/.installed
+	$(PY) benchmarks/batching.py benchmarks/results/batching-quick.json --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache benchmarks/results

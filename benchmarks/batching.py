@@ -1,0 +1,163 @@
+"""Continuous-batching throughput, measured side by side in one run.
+
+For N in (1, 4, 16, 32) the same greedy chat prompts run:
+  (a) one at a time through the engine,
+  (b) N concurrently through the engine (continuous batching),
+  (c) through mlx-lm's raw BatchGenerator, no engine around it (same prompts, all inserted at once).
+It prints aggregate generated tokens/s and the ratios (b)/(a) and (b)/(c), checks that all
+three produced the same tokens, and writes JSON to the path given.
+
+    python benchmarks/batching.py results/batching.json           # full
+    python benchmarks/batching.py results/batching.json --quick   # under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import mlx_tandem  # noqa: E402  - OpenBLAS before mlx
+from mlx_tandem import Engine, SamplingParams, _platform  # noqa: E402
+from mlx_tandem.testing import make_tiny_model  # noqa: E402
+
+FULL = dict(sizes=dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=2816,
+                       num_attention_heads=16, num_key_value_heads=8),
+            ns=(1, 4, 16, 32), max_tokens=48)
+QUICK = dict(sizes=dict(hidden_size=768, num_hidden_layers=4, intermediate_size=2048,
+                        num_attention_heads=12, num_key_value_heads=4),
+             ns=(1, 4, 16), max_tokens=24)
+
+QUESTIONS = [
+    "What does json.dumps do?", "Explain functools.lru_cache.", "How do I sort a list by length?",
+    "What is pathlib.Path.read_text?", "Describe textwrap.dedent.", "What is heapq used for?",
+    "Summarize the argparse module.", "What does calendar.isleap return?",
+]
+
+
+def prompts(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"}] for i in range(n)]
+
+
+def run_raw_batch_generator(model_path: Path, prompt_ids: list[list[int]], max_tokens: int, eos: list[int],
+                            max_batch_size: int, prefill_step_size: int):
+    """(c): mlx-lm's BatchGenerator alone, on this thread, with its own copy of the model."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.utils import load
+
+    model, _ = load(str(model_path))
+    model.set_dtype(mx.float32)
+    gen = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=max_batch_size,
+                         prefill_batch_size=8, prefill_step_size=prefill_step_size)
+    # Warm-up, as the engine's first request warms its model.
+    gen.insert([prompt_ids[0]], max_tokens=[2])
+    while gen.next_generated():
+        pass
+    t0 = time.perf_counter()
+    uids = gen.insert(prompt_ids, max_tokens=[max_tokens] * len(prompt_ids))
+    out = {u: [] for u in uids}
+    pending = set(uids)
+    while pending:
+        for r in gen.next_generated():
+            if r.token not in eos:
+                out[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                pending.discard(r.uid)
+    wall = time.perf_counter() - t0
+    gen.close()
+    tokens = [out[u] for u in uids]
+    return tokens, wall
+
+
+async def bench(args) -> dict:
+    from tqdm.auto import tqdm
+
+    cfg = QUICK if args.quick else FULL
+    model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="tandem-bench-"))
+    model_path = model_dir / ("bench-llama-quick" if args.quick else "bench-llama")
+    if not (model_path / "config.json").exists():
+        print(f"building the benchmark model at {model_path} ...", flush=True)
+        make_tiny_model("llama", model_path, seed=0, vocab_size=2048, **cfg["sizes"])
+    ns, max_tokens = cfg["ns"], cfg["max_tokens"]
+    n_params = None
+    results = {"model": str(model_path), "sizes": cfg["sizes"], "max_tokens": max_tokens, "runs": []}
+    engine = Engine(model_path, max_batch_size=max(ns), prefill_step_size=512, show_progress=False)
+    await engine.start()
+    from mlx.utils import tree_flatten
+
+    n_params = engine.run_on_owner_thread(lambda: sum(v.size for _, v in tree_flatten(engine.loaded.model.parameters())))
+    results["parameters"] = n_params
+    print(f"model: llama {cfg['sizes']} = {n_params / 1e6:.1f}M parameters, float32, "
+          f"BLAS {_platform.active_blas()}, {os.cpu_count()} CPUs; greedy, {max_tokens} new tokens per request")
+    params = SamplingParams(max_tokens=max_tokens)
+    await engine.chat(prompts(1)[0], SamplingParams(max_tokens=2))  # warm-up
+    eos = engine.loaded.eos_token_ids
+
+    bar = tqdm(total=len(ns) * 3, desc="batching benchmark", unit="run")
+    for n in ns:
+        ps = prompts(n)
+        # (a) one at a time
+        t0 = time.perf_counter()
+        seq = [await engine.chat(p, params) for p in ps]
+        wall_a = time.perf_counter() - t0
+        bar.update()
+        # (b) N concurrently
+        t0 = time.perf_counter()
+        conc = await asyncio.gather(*[engine.chat(p, params) for p in ps])
+        wall_b = time.perf_counter() - t0
+        bar.update()
+        # (c) raw BatchGenerator (engine idle meanwhile)
+        ids = [engine.apply_chat_template(p) for p in ps]
+        raw_tokens, wall_c = run_raw_batch_generator(model_path, ids, max_tokens, eos, max(ns), 512)
+        bar.update()
+
+        tokens = sum(len(o.token_ids) for o in conc)
+        same = ([o.token_ids for o in seq] == [o.token_ids for o in conc] == raw_tokens)
+        row = {
+            "n": n, "tokens": tokens,
+            "one_at_a_time_tps": tokens / wall_a, "engine_concurrent_tps": tokens / wall_b,
+            "raw_batch_generator_tps": tokens / wall_c,
+            "ratio_b_over_a": wall_a / wall_b, "ratio_b_over_c": wall_c / wall_b,
+            "outputs_identical": same,
+        }
+        results["runs"].append(row)
+    bar.close()
+    results["engine_stats"] = engine.stats()
+    await engine.close()
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("output", help="path of the JSON file to write")
+    ap.add_argument("--quick", action="store_true", help="smaller model, N up to 16 (under a minute)")
+    ap.add_argument("--model-dir", help="where to build/reuse the benchmark model")
+    args = ap.parse_args(argv)
+    results = asyncio.run(bench(args))
+    results["machine"] = {"platform": platform.platform(), "python": sys.version.split()[0],
+                          "cpus": os.cpu_count(), "blas": _platform.active_blas(),
+                          "mlx_tandem": mlx_tandem.__version__}
+    print(f"\n{'N':>4} {'tokens':>7} {'(a) 1-by-1 tok/s':>17} {'(b) engine tok/s':>17} "
+          f"{'(c) raw BG tok/s':>17} {'(b)/(a)':>8} {'(b)/(c)':>8}  same")
+    for r in results["runs"]:
+        print(f"{r['n']:>4} {r['tokens']:>7} {r['one_at_a_time_tps']:>17.1f} {r['engine_concurrent_tps']:>17.1f} "
+              f"{r['raw_batch_generator_tps']:>17.1f} {r['ratio_b_over_a']:>8.2f} {r['ratio_b_over_c']:>8.2f}  "
+              f"{r['outputs_identical']}")
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

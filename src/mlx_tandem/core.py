@@ -119,10 +119,17 @@ class EngineCore:
                 lane.close()
 
     def _loop(self) -> None:
+        coalesce = self.options.coalesce_ms / 1000.0
         while True:
             busy = bool(self._waiting) or any(l.has_work() for l in self._lanes.values())
             if not self._drain_inbox(block=not busy):
                 return
+            if not busy and coalesce > 0:
+                # Woken from idle: concurrent callers are usually still tokenizing their
+                # prompts; a short wait lets them join the first prefill instead of trickling in.
+                time.sleep(coalesce)
+                if not self._drain_inbox(block=False):
+                    return
             self._admit()
             for lane in self._lanes.values():
                 if lane.has_work():

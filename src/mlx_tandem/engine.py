@@ -218,6 +218,12 @@ class Engine:
         self._core.submit(req)
         return AsyncStream(self._core, req, sink)
 
+    async def _relay(self, *args) -> AsyncIterator[StreamDelta]:
+        stream = await self._astream(*args)
+        async with stream:
+            async for delta in stream:
+                yield delta
+
     def _sstream(self, messages, prompt, params, tools, template_kwargs, request_id) -> "SyncStream":
         self.start_sync()
         sink = SyncSink()
@@ -249,10 +255,8 @@ class Engine:
         request_id: Optional[str] = None,
     ) -> AsyncIterator[StreamDelta]:
         """Stream a chat answer as StreamDeltas. Closing or cancelling it aborts the request."""
-        stream = await self._astream(messages, None, params, tools, template_kwargs, request_id)
-        async with stream:
-            async for delta in stream:
-                yield delta
+        async for delta in self._relay(messages, None, params, tools, template_kwargs, request_id):
+            yield delta
 
     def chat_sync(self, messages, params=None, *, tools=None, template_kwargs=None, request_id=None) -> RequestOutput:
         return self._sstream(messages, None, params, tools, template_kwargs, request_id).collect()
@@ -271,10 +275,8 @@ class Engine:
 
     async def stream_complete(self, prompt: str | Sequence[int], params=None, *,
                               request_id=None) -> AsyncIterator[StreamDelta]:
-        stream = await self._astream(None, prompt, params, None, None, request_id)
-        async with stream:
-            async for delta in stream:
-                yield delta
+        async for delta in self._relay(None, prompt, params, None, None, request_id):
+            yield delta
 
     def complete_sync(self, prompt, params=None, *, request_id=None) -> RequestOutput:
         return self._sstream(None, prompt, params, None, None, request_id).collect()

@@ -39,6 +39,3 @@ class EngineClosedError(TandemError):
 class EngineStepError(TandemError):
     """A forward step failed unexpectedly; the requests in it were failed, the engine recovered."""
 
-
-class RequestAbortedError(TandemError):
-    """The request was aborted by its caller."""

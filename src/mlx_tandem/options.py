@@ -20,6 +20,8 @@ class EngineOptions:
     max_model_len: Optional[int] = None
     #: Requests allowed to wait for a batch slot; beyond that, submissions are refused.
     max_waiting: int = 4096
+    #: When idle and a request arrives, wait this long for more before the first step.
+    coalesce_ms: float = 5.0
     #: Show a progress bar while loading.
     show_progress: bool = True
 
@@ -28,6 +30,8 @@ class EngineOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 1")
+        if not isinstance(self.coalesce_ms, (int, float)) or not 0 <= self.coalesce_ms <= 1000:
+            raise InvalidRequestError(f"engine option coalesce_ms={self.coalesce_ms!r}: must be in [0, 1000]")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise InvalidRequestError(f"engine option max_model_len={self.max_model_len!r}: must be an integer >= 2")
 

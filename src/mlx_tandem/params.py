@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from .errors import InvalidRequestError
 
@@ -94,10 +94,3 @@ class SamplingParams:
         overrides = {k: v for k, v in overrides.items() if v is not None}
         return params.with_updates(**overrides) if overrides else params
 
-
-def stop_strings(stop: Sequence[str] | str | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    return tuple(stop)

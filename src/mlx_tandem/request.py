@@ -37,10 +37,10 @@ Item = Union[StreamDelta, TandemError]
 class SyncSink:
     """For threads: a blocking queue."""
 
+    loop = None  # not tied to an event loop: dispatch() puts items directly
+
     def __init__(self):
         self._q: queue.SimpleQueue[Item] = queue.SimpleQueue()
-
-    loop = None
 
     def put(self, item: Item) -> None:
         self._q.put(item)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from .detokenizer import RequestDetokenizer
 from .errors import EngineClosedError, EngineStepError, InvalidRequestError, TandemError
 from .lanes import Lane, TextLane, TokenEvent
-from .model_loader import LoadedModel, load_text_model
+from .model_loader import LoadedModel, load_text_model, resolve_model_path
 from .options import EngineOptions
 from .outputs import StreamDelta, Usage
 from .request import Request, RequestState, dispatch
@@ -35,8 +35,9 @@ _STOP = object()
 
 
 class EngineCore:
-    def __init__(self, model_path: Path, options: EngineOptions):
-        self.model_path = model_path
+    def __init__(self, model: Any, options: EngineOptions):
+        self.model = model  # as given: a path, a repo id, or None for the default model
+        self.model_path: Optional[Path] = None
         self.options = options
         self.stats = EngineStats()
         self.ready: concurrent.futures.Future[LoadedModel] = concurrent.futures.Future()
@@ -90,6 +91,8 @@ class EngineCore:
     # ------------------------------------------------------------------ owner thread
     def _run(self) -> None:
         try:
+            # Resolved here, not by the caller: building the default model uses mlx.
+            self.model_path = resolve_model_path(self.model)
             self.loaded = load_text_model(self.model_path, show_progress=self.options.show_progress)
             self._lanes["text"] = TextLane(
                 self.loaded.model,

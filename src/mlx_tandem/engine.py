@@ -19,7 +19,7 @@ from . import _platform
 from .core import EngineCore
 from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, TandemError, UnsupportedContentError
 from .messages import has_media, validate_messages
-from .model_loader import LoadedModel, resolve_model_path
+from .model_loader import LoadedModel
 from .options import EngineOptions
 from .outputs import RequestOutput, StreamDelta, Usage
 from .params import SamplingParams
@@ -75,7 +75,7 @@ class Engine:
             if self._closed:
                 raise EngineClosedError("the engine is closed")
             if self._core is None:
-                core = EngineCore(resolve_model_path(self._model_arg), self.options)
+                core = EngineCore(self._model_arg, self.options)
                 core.start()
                 self._core = core
             return self._core
@@ -150,7 +150,7 @@ class Engine:
         core = self._core
         out = core.stats.snapshot() if core is not None else {}
         out.update(
-            model=str(core.model_path) if core is not None else str(self._model_arg),
+            model=str(core.model_path or self._model_arg) if core is not None else str(self._model_arg),
             loaded=bool(core is not None and core.ready.done() and not core.ready.exception()),
             blas=_platform.active_blas(),
             max_batch_size_option=self.options.max_batch_size,

@@ -120,6 +120,24 @@ class EngineCore:
             self._fail_everything(EngineClosedError("the engine was closed"))
             for lane in self._lanes.values():
                 lane.close()
+            self._drain_device()
+
+    @staticmethod
+    def _drain_device() -> None:
+        """Wait for work still in flight on this thread's streams before the thread ends.
+
+        mlx-lm's generator keeps the next step in flight (async_eval); a thread that exits
+        with it pending can make MLX abort the process at exit ("terminate called without
+        an active exception", seen with mlx 0.32.4 on CPU).
+        """
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        try:
+            mx.synchronize(generation_stream)  # thread-local: this thread's stream
+            mx.synchronize()
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            logger.debug("synchronize at shutdown failed", exc_info=True)
 
     def _loop(self) -> None:
         coalesce = self.options.coalesce_ms / 1000.0

@@ -110,6 +110,7 @@ class EngineCore:
         # "Already borrowed" when one instance is used from several threads at once.
         hf_tokenizer = copy.deepcopy(self.loaded.tokenizer._tokenizer)
         self._decode = lambda ids: hf_tokenizer.decode(ids, skip_special_tokens=False)
+        self._eos = frozenset(self.loaded.eos_token_ids)
         self.ready.set_result(self.loaded)
         try:
             self._loop()
@@ -256,7 +257,7 @@ class EngineCore:
         if req.first_token_time is None and ev.tokens:
             req.first_token_time = now
             self.stats.record_ttft(now - req.arrival)
-        eos = self.loaded.eos_token_ids
+        eos = self._eos
         text, new_ids, finish = "", [], None
         for tok in ev.tokens:
             req.num_generated += 1

@@ -41,7 +41,7 @@ async def test_requests_join_while_others_decode(engine, model_path):
         expected[i] = reference_greedy(model_path, engine.apply_chat_template(p), 24)
 
     params = SamplingParams(max_tokens=24)
-    streams = [await engine._astream(p, None, params, None, None, None) for p in first]
+    streams = [await engine.open_chat_stream(p, params) for p in first]
     # Let the first wave start decoding before the second wave arrives.
     for s in streams:
         await s.__anext__()

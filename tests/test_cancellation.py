@@ -21,7 +21,7 @@ async def test_closing_half_of_16_streams(engine, model_path):
     expected = [reference_greedy(model_path, engine.apply_chat_template(p), 20) for p in prompts]
     aborted_before = engine.stats()["aborted"]
 
-    streams = [await engine._astream(p, None, params, None, None, None) for p in prompts]
+    streams = [await engine.open_chat_stream(p, params) for p in prompts]
     firsts = [await s.__anext__() for s in streams]
     cancelled = streams[1::2]
     for s in cancelled:

@@ -122,6 +122,7 @@ class EngineCore:
             for lane in self._lanes.values():
                 lane.close()
             self._drain_device()
+            self._release_arrays()
 
     @staticmethod
     def _drain_device() -> None:
@@ -139,6 +140,28 @@ class EngineCore:
             mx.synchronize()
         except Exception:  # noqa: BLE001 - best effort at shutdown
             logger.debug("synchronize at shutdown failed", exc_info=True)
+
+    def _release_arrays(self) -> None:
+        """Free every mx.array this thread made while the thread is still alive.
+
+        Arrays made here and freed later, by the interpreter's final teardown on another
+        thread, abort the process ("terminate called without an active exception", mlx
+        0.32.4 CPU), e.g. a script that keeps its engine in a global. So close() releases
+        the weights: the model's parameters are dropped here, on the owner thread.
+        """
+        import gc
+
+        self._lanes.clear()
+        if self.loaded is not None and hasattr(self.loaded.model, "clear"):
+            self.loaded.model.clear()  # nn.Module is a dict of its children and parameters
+        gc.collect()
+        import mlx.core as mx
+
+        mx.clear_cache()
+        # mlx >= 0.32 wants each thread that used MLX to destroy its streams before it
+        # ends (ml-explore/mlx#3395, mlx-vlm#1945); otherwise exit may abort.
+        if hasattr(mx, "clear_streams"):
+            mx.clear_streams()
 
     def _loop(self) -> None:
         coalesce = self.options.coalesce_ms / 1000.0
@@ -219,6 +242,8 @@ class EngineCore:
             req.state = RequestState.RUNNING
             self._running[req.request_id] = req
             self.stats.count("prompt_tokens", req.num_prompt_tokens)
+            if req.extra.get("constrained"):
+                self.stats.count("constrained_requests")
         self._update_queue_stats()
 
     def _step_lane(self, lane: Lane) -> None:

@@ -16,11 +16,17 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 
 from . import _platform
+from .chat_format import ChatFormat
+from .chat_output import ChatOutputParser
+from .chat_plan import plan_chat
+from .constraints import GrammarCompiler, GrammarProcessor, TokenBan
 from .core import EngineCore
 from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, TandemError, UnsupportedContentError
 from .messages import has_media, validate_messages
 from .model_loader import LoadedModel
 from .options import EngineOptions
+import dataclasses
+
 from .outputs import RequestOutput, StreamDelta, Usage
 from .params import SamplingParams
 from .prompt import PromptRenderer
@@ -53,6 +59,8 @@ class Engine:
         self._model_arg = model
         self._core: Optional[EngineCore] = None
         self._renderer: Optional[PromptRenderer] = None
+        self._format: Optional[ChatFormat] = None
+        self._grammar: Optional[GrammarCompiler] = None
         self._lock = threading.Lock()
         self._closed = False
         _live_engines.add(self)
@@ -82,7 +90,11 @@ class Engine:
 
     def _on_ready(self, loaded: LoadedModel) -> None:
         if self._renderer is None:
-            self._renderer = PromptRenderer(loaded.tokenizer)
+            renderer = PromptRenderer(loaded.tokenizer)
+            self._format = ChatFormat.from_tokenizer(loaded.tokenizer)
+            self._grammar = GrammarCompiler(
+                loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids, lock=renderer.lock)
+            self._renderer = renderer
 
     async def start(self) -> "Engine":
         """Load the model (on the engine thread) if it is not loaded yet."""
@@ -142,6 +154,12 @@ class Engine:
         return self.options.max_model_len or self.loaded.context_length
 
     @property
+    def chat_format(self) -> ChatFormat:
+        """Reasoning markers and tool-call syntax of the model's chat template."""
+        self.loaded
+        return self._format
+
+    @property
     def owner_thread(self) -> threading.Thread:
         return self._ensure_core().owner_thread
 
@@ -165,34 +183,48 @@ class Engine:
         return self._ensure_core().call(fn).result()
 
     # ------------------------------------------------------------------ front end
-    def _make_request(
-        self,
-        messages: Optional[Sequence[dict]],
-        prompt: Optional[str | Sequence[int]],
-        params: SamplingParams | dict | None,
-        tools: Optional[Sequence[dict]],
-        template_kwargs: Optional[dict],
-        sink,
-        request_id: Optional[str],
-    ) -> Request:
-        params = SamplingParams.coerce(params)
+    def _make_request(self, spec: "_Spec", sink) -> tuple[Request, Optional[ChatOutputParser]]:
+        params = SamplingParams.coerce(spec.params)
         renderer = self._renderer
-        if messages is not None:
-            messages = validate_messages(messages)
+        parser = None
+        processors: list = []
+        if spec.messages is not None:
+            messages = validate_messages(spec.messages)
             if has_media(messages):
                 raise UnsupportedContentError(
                     f"{self.loaded.path.name} is a text-only model; this request carries an image, "
                     "video or audio part")
-            prompt_ids = renderer.render(messages, tools=tools, template_kwargs=template_kwargs)
-        elif isinstance(prompt, str):
-            prompt_ids = renderer.encode(prompt)
-        elif prompt is not None:
-            prompt_ids = [int(t) for t in prompt]
-            vocab = self.loaded.vocab_size
-            if any(t < 0 or t >= vocab for t in prompt_ids):
-                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+            plan = plan_chat(
+                self._format, tools=spec.tools, tool_choice=spec.tool_choice,
+                response_format=spec.response_format, reasoning=spec.reasoning,
+                parallel_tool_calls=spec.parallel_tool_calls, template_kwargs=spec.template_kwargs,
+                marker=self._grammar.marker, encode=renderer.encode)
+            text, prompt_ids = renderer.render_with_text(
+                messages, tools=plan.tools, template_kwargs=plan.template_kwargs)
+            fmt = self._format
+            parser = ChatOutputParser(
+                fmt, tools=plan.tools, parse_tool_calls=plan.parse_tool_calls,
+                forced_json_calls=plan.forced_json_calls,
+                starts_in_reasoning=fmt.has_thinking and text.rstrip().endswith(fmt.think_start))
+            if plan.banned_token_ids:
+                processors.append(TokenBan(plan.banned_token_ids))
+            constraint = plan.constraint
         else:
-            raise InvalidRequestError("give messages or a prompt")
+            prompt = spec.prompt
+            constraint = None
+            if spec.response_format is not None:
+                from .constraints import response_format_constraint
+
+                constraint = response_format_constraint(spec.response_format)
+            if isinstance(prompt, str):
+                prompt_ids = renderer.encode(prompt)
+            elif prompt is not None:
+                prompt_ids = [int(t) for t in prompt]
+                vocab = self.loaded.vocab_size
+                if any(t < 0 or t >= vocab for t in prompt_ids):
+                    raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+            else:
+                raise InvalidRequestError("give messages or a prompt")
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         ctx = self.context_length
@@ -202,105 +234,156 @@ class Engine:
                 "(leave room for at least one generated token)",
                 prompt_tokens=len(prompt_ids), max_context=ctx)
         req = Request(
-            request_id=request_id or new_request_id(),
+            request_id=spec.request_id or new_request_id(),
             prompt_ids=prompt_ids,
             params=params,
             sink=sink,
         )
         # Generation stops at the context window: finish_reason "length".
         req.max_tokens = min(params.max_tokens, ctx - len(prompt_ids))
-        return req
+        if constraint is not None:
+            grammar = self._grammar
+            processors.append(GrammarProcessor(
+                grammar.compile(constraint), tiers=grammar.tiers(), eos_token_ids=grammar.eos_token_ids,
+                max_tokens=req.max_tokens, vocab_size=grammar.vocab_size))
+            req.extra["constrained"] = constraint.description
+        req.processors = processors
+        return req, parser
 
-    async def _astream(self, messages, prompt, params, tools, template_kwargs, request_id) -> "AsyncStream":
+    async def _astream(self, spec: "_Spec") -> "AsyncStream":
         await self.start()
         sink = AsyncSink(asyncio.get_running_loop())
-        req = self._make_request(messages, prompt, params, tools, template_kwargs, sink, request_id)
+        req, parser = self._make_request(spec, sink)
         self._core.submit(req)
-        return AsyncStream(self._core, req, sink)
+        return AsyncStream(self._core, req, sink, parser)
 
-    async def _relay(self, *args) -> AsyncIterator[StreamDelta]:
-        stream = await self._astream(*args)
+    async def _relay(self, spec: "_Spec") -> AsyncIterator[StreamDelta]:
+        stream = await self._astream(spec)
         async with stream:
             async for delta in stream:
                 yield delta
 
-    def _sstream(self, messages, prompt, params, tools, template_kwargs, request_id) -> "SyncStream":
+    def _sstream(self, spec: "_Spec") -> "SyncStream":
         self.start_sync()
         sink = SyncSink()
-        req = self._make_request(messages, prompt, params, tools, template_kwargs, sink, request_id)
+        req, parser = self._make_request(spec, sink)
         self._core.submit(req)
-        return SyncStream(self._core, req, sink)
+        return SyncStream(self._core, req, sink, parser)
 
     # ------------------------------------------------------------------ chat API
-    async def chat(
-        self,
-        messages: Sequence[dict],
-        params: SamplingParams | dict | None = None,
-        *,
-        tools: Optional[Sequence[dict]] = None,
-        template_kwargs: Optional[dict] = None,
-        request_id: Optional[str] = None,
-    ) -> RequestOutput:
-        """Answer a chat. ``messages`` are OpenAI-style dicts; ``tools`` OpenAI function schemas."""
-        stream = await self._astream(messages, None, params, tools, template_kwargs, request_id)
+    async def chat(self, messages: Sequence[dict], params: SamplingParams | dict | None = None,
+                   **options: Any) -> RequestOutput:
+        """Answer a chat.
+
+        ``messages`` are OpenAI-style dicts. Keyword options: ``tools`` (OpenAI function
+        schemas), ``tool_choice`` ("auto", "none", "required"/"any", a tool name),
+        ``parallel_tool_calls`` (default True), ``response_format`` ({"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"schema": ...}}, lark/regex), ``reasoning``
+        (thinking on/off; None = the template's default), ``template_kwargs`` (extra chat
+        template variables), ``request_id``.
+        """
+        stream = await self._astream(_Spec.chat(messages, params, options))
         return await stream.collect()
 
-    async def stream_chat(
-        self,
-        messages: Sequence[dict],
-        params: SamplingParams | dict | None = None,
-        *,
-        tools: Optional[Sequence[dict]] = None,
-        template_kwargs: Optional[dict] = None,
-        request_id: Optional[str] = None,
-    ) -> AsyncIterator[StreamDelta]:
+    async def stream_chat(self, messages: Sequence[dict], params: SamplingParams | dict | None = None,
+                          **options: Any) -> AsyncIterator[StreamDelta]:
         """Stream a chat answer as StreamDeltas. Closing or cancelling it aborts the request."""
-        async for delta in self._relay(messages, None, params, tools, template_kwargs, request_id):
+        async for delta in self._relay(_Spec.chat(messages, params, options)):
             yield delta
 
-    def chat_sync(self, messages, params=None, *, tools=None, template_kwargs=None, request_id=None) -> RequestOutput:
-        return self._sstream(messages, None, params, tools, template_kwargs, request_id).collect()
+    async def open_chat_stream(self, messages: Sequence[dict], params: SamplingParams | dict | None = None,
+                               **options: Any) -> "AsyncStream":
+        """Submit a chat now and return its stream handle (iterate it, ``collect()`` it or ``cancel()`` it)."""
+        return await self._astream(_Spec.chat(messages, params, options))
 
-    def stream_chat_sync(self, messages, params=None, *, tools=None, template_kwargs=None,
-                         request_id=None) -> Iterator[StreamDelta]:
-        stream = self._sstream(messages, None, params, tools, template_kwargs, request_id)
+    def chat_sync(self, messages, params=None, **options) -> RequestOutput:
+        return self._sstream(_Spec.chat(messages, params, options)).collect()
+
+    def stream_chat_sync(self, messages, params=None, **options) -> Iterator[StreamDelta]:
+        stream = self._sstream(_Spec.chat(messages, params, options))
         with stream:
             yield from stream
 
     # ------------------------------------------------------------------ raw prompt API
-    async def complete(self, prompt: str | Sequence[int], params=None, *, request_id=None) -> RequestOutput:
+    async def complete(self, prompt: str | Sequence[int], params=None, *, response_format=None,
+                       request_id=None) -> RequestOutput:
         """Continue a raw prompt (text or token ids), no chat template."""
-        stream = await self._astream(None, prompt, params, None, None, request_id)
+        stream = await self._astream(_Spec(prompt=prompt, params=params, response_format=response_format,
+                                           request_id=request_id))
         return await stream.collect()
 
-    async def stream_complete(self, prompt: str | Sequence[int], params=None, *,
+    async def stream_complete(self, prompt: str | Sequence[int], params=None, *, response_format=None,
                               request_id=None) -> AsyncIterator[StreamDelta]:
-        async for delta in self._relay(None, prompt, params, None, None, request_id):
+        async for delta in self._relay(_Spec(prompt=prompt, params=params, response_format=response_format,
+                                             request_id=request_id)):
             yield delta
 
-    def complete_sync(self, prompt, params=None, *, request_id=None) -> RequestOutput:
-        return self._sstream(None, prompt, params, None, None, request_id).collect()
+    def complete_sync(self, prompt, params=None, *, response_format=None, request_id=None) -> RequestOutput:
+        return self._sstream(_Spec(prompt=prompt, params=params, response_format=response_format,
+                                   request_id=request_id)).collect()
 
-    def stream_complete_sync(self, prompt, params=None, *, request_id=None) -> Iterator[StreamDelta]:
-        stream = self._sstream(None, prompt, params, None, None, request_id)
+    def stream_complete_sync(self, prompt, params=None, *, response_format=None,
+                             request_id=None) -> Iterator[StreamDelta]:
+        stream = self._sstream(_Spec(prompt=prompt, params=params, response_format=response_format,
+                                     request_id=request_id))
         with stream:
             yield from stream
 
-    def apply_chat_template(self, messages: Sequence[dict], *, tools=None, template_kwargs=None) -> list[int]:
-        """The prompt token ids the engine would use for these messages."""
+    def apply_chat_template(self, messages: Sequence[dict], *, tools=None, tool_choice=None,
+                            response_format=None, reasoning=None, template_kwargs=None) -> list[int]:
+        """The prompt token ids the engine would use for this chat."""
         self.start_sync()
-        return self._renderer.render(validate_messages(messages), tools=tools, template_kwargs=template_kwargs)
+        plan = plan_chat(
+            self._format, tools=tools, tool_choice=tool_choice, response_format=response_format,
+            reasoning=reasoning, parallel_tool_calls=True, template_kwargs=template_kwargs,
+            marker=self._grammar.marker, encode=self._renderer.encode)
+        return self._renderer.render(validate_messages(messages), tools=plan.tools,
+                                     template_kwargs=plan.template_kwargs)
+
+
+_CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning",
+                 "template_kwargs", "request_id")
+
+
+@dataclasses.dataclass
+class _Spec:
+    """One call's inputs, as given (validated in _make_request)."""
+
+    messages: Optional[Sequence[dict]] = None
+    prompt: Optional[str | Sequence[int]] = None
+    params: Any = None
+    tools: Optional[Sequence[dict]] = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    response_format: Optional[dict] = None
+    reasoning: Optional[bool] = None
+    template_kwargs: Optional[dict] = None
+    request_id: Optional[str] = None
+
+    @classmethod
+    def chat(cls, messages, params, options: dict) -> "_Spec":
+        unknown = set(options) - set(_CHAT_OPTIONS)
+        if unknown:
+            raise InvalidRequestError(f"unknown chat options {sorted(unknown)}; known: {list(_CHAT_OPTIONS)}")
+        if messages is None:
+            raise InvalidRequestError("messages are required")
+        return cls(messages=messages, params=params, **options)
 
 
 class _StreamBase:
-    """Shared bookkeeping of a request's stream: accumulate, detect the end, abort if left early."""
+    """Shared bookkeeping of a request's stream: accumulate, parse, detect the end, abort if left early."""
 
-    def __init__(self, core: EngineCore, req: Request, sink):
+    def __init__(self, core: EngineCore, req: Request, sink, parser: Optional[ChatOutputParser] = None):
         self._core = core
         self._req = req
         self._sink = sink
+        self._parser = parser
         self._done = False
         self.text_parts: list[str] = []
+        self.content_parts: list[str] = []
+        self.reasoning_parts: list[str] = []
+        self.tool_calls: list = []
+        self.invalid_tool_calls: list = []
         self.token_ids: list[int] = []
 
     @property
@@ -313,7 +396,27 @@ class _StreamBase:
             raise item
         self.text_parts.append(item.text)
         self.token_ids.extend(item.token_ids)
-        if item.finish_reason is not None:
+        finish = item.finish_reason
+        if self._parser is None:
+            item = dataclasses.replace(item, content=item.text)
+        else:
+            parsed = self._parser.feed(item.text)
+            if finish is not None:
+                end = self._parser.finish()
+                parsed.content += end.content
+                parsed.reasoning += end.reasoning
+                parsed.tool_calls += end.tool_calls
+                parsed.invalid_tool_calls += end.invalid_tool_calls
+            if finish == "stop" and (self.tool_calls or parsed.tool_calls):
+                finish = "tool_calls"
+            item = dataclasses.replace(
+                item, content=parsed.content, reasoning=parsed.reasoning, finish_reason=finish,
+                tool_calls=tuple(parsed.tool_calls), invalid_tool_calls=tuple(parsed.invalid_tool_calls))
+        self.content_parts.append(item.content)
+        self.reasoning_parts.append(item.reasoning)
+        self.tool_calls.extend(item.tool_calls)
+        self.invalid_tool_calls.extend(item.invalid_tool_calls)
+        if finish is not None:
             self._done = True
             self._last = item
         return item
@@ -330,6 +433,10 @@ class _StreamBase:
             prompt_token_ids=req.prompt_ids,
             time_to_first_token=(req.first_token_time - req.arrival) if req.first_token_time else None,
             latency=(req.finish_time - req.arrival) if req.finish_time else None,
+            content="".join(self.content_parts),
+            reasoning="".join(self.reasoning_parts),
+            tool_calls=list(self.tool_calls),
+            invalid_tool_calls=list(self.invalid_tool_calls),
         )
 
     def cancel(self) -> None:

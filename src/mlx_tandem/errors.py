@@ -28,6 +28,10 @@ class UnsupportedContentError(InvalidRequestError):
     """The request carries content this model cannot take (e.g. an image on a text model)."""
 
 
+class ConstraintError(InvalidRequestError):
+    """A grammar, JSON schema, tool choice or response format is invalid or cannot be enforced."""
+
+
 class ModelLoadError(TandemError):
     """The model could not be loaded."""
 

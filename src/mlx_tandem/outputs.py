@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
 @dataclass(frozen=True)
@@ -19,14 +20,46 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A parsed tool call. ``arguments`` is the decoded JSON object."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class InvalidToolCall:
+    """A tool call the model wrote but that could not be parsed (kept, not dropped)."""
+
+    id: str
+    name: Optional[str]
+    arguments: Optional[str]
+    error: str
+
+
+@dataclass(frozen=True)
 class StreamDelta:
-    """One piece of a streamed answer. The last one has ``finish_reason`` and ``usage`` set."""
+    """One piece of a streamed answer. The last one has ``finish_reason`` and ``usage`` set.
+
+    ``text`` is the raw generated text. For chats it is also split into ``content``,
+    ``reasoning`` and complete ``tool_calls`` (the stream's parser holds back text that may
+    be a marker, so these can lag ``text`` by a few characters).
+    """
 
     request_id: str
     text: str
     token_ids: tuple[int, ...] = ()
     finish_reason: Optional[FinishReason] = None
     usage: Optional[Usage] = None
+    content: Optional[str] = None
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    invalid_tool_calls: tuple[InvalidToolCall, ...] = ()
 
 
 @dataclass
@@ -42,3 +75,8 @@ class RequestOutput:
     # Seconds from submission to the first token, and for the whole request.
     time_to_first_token: Optional[float] = None
     latency: Optional[float] = None
+    # Chats: the answer split by the output parser (``content`` is ``text`` for raw prompts).
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    invalid_tool_calls: list[InvalidToolCall] = field(default_factory=list)

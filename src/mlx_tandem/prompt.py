@@ -52,7 +52,7 @@ class PromptRenderer:
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     def render(
         self,
@@ -62,12 +62,24 @@ class PromptRenderer:
         add_generation_prompt: bool = True,
         template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[int]:
+        return self.render_with_text(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                     template_kwargs=template_kwargs)[1]
+
+    def render_with_text(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Optional[Sequence[dict]] = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Optional[dict[str, Any]] = None,
+    ) -> tuple[str, list[int]]:
+        """The rendered prompt text and its token ids."""
         msgs = _template_ready(normalize_messages(messages))
         kwargs = dict(template_kwargs or {})
         if tools:
             kwargs["tools"] = list(tools)
         try:
-            with self._lock:
+            with self.lock:
                 text = self._tokenizer.apply_chat_template(
                     msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
                 )
@@ -75,12 +87,12 @@ class PromptRenderer:
             raise
         except Exception as exc:  # jinja2 errors, raise_exception() in templates, ...
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
-        return self.encode(text)
+        return text, self.encode(text)
 
     def encode(self, text: str) -> list[int]:
-        with self._lock:
+        with self.lock:
             return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        with self._lock:
+        with self.lock:
             return self._tokenizer.decode(list(token_ids))

@@ -107,6 +107,8 @@ class Request:
     lane_state: Any = None
     detokenizer: Any = None
     extra: dict = field(default_factory=dict)
+    # Engine-made logits processors (grammar, token bans), applied after the params' ones.
+    processors: list = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,7 +9,7 @@ never on who else is in the batch.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -64,8 +64,9 @@ def make_request_sampler(p: SamplingParams) -> Optional[Sampler]:
     return _shared_sampler(p.temperature, p.top_p, p.min_p, p.top_k)
 
 
-def make_request_processors(p: SamplingParams, on_error: Callable[[BaseException], None]) -> list:
-    """mlx-lm processors for the request, with user processors guarded.
+def make_request_processors(p: SamplingParams, on_error: Callable[[BaseException], None],
+                            extra: Sequence = ()) -> list:
+    """mlx-lm processors for the request, with user and engine processors guarded.
 
     An exception in a user's processor must fail that request only: the guard records it
     (the engine fails the request after the step) and passes the logits through unchanged.
@@ -78,6 +79,9 @@ def make_request_processors(p: SamplingParams, on_error: Callable[[BaseException
         )
     for user_fn in p.logits_processors:
         processors.append(_guard(user_fn, on_error))
+    # Engine processors (grammar masks, bans) go last: a constraint has the final word.
+    for fn in extra:
+        processors.append(_guard(fn, on_error))
     return processors
 
 

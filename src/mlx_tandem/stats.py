@@ -21,6 +21,7 @@ class EngineStats:
         self.steps = 0
         self.decode_steps = 0
         self.step_errors = 0
+        self.constrained_requests = 0  # grammar-constrained (forced tool call, response_format)
         self.prompt_tokens = 0  # the prompts of admitted requests
         self.prefill_tokens = 0  # tokens the forward passes prefilled (for the rate)
         self.prompt_time = 0.0
@@ -68,6 +69,7 @@ class EngineStats:
                 "mean_batch_size": (self.generation_tokens / self.decode_steps) if self.decode_steps else 0.0,
                 "steps": self.steps,
                 "step_errors": self.step_errors,
+                "constrained_requests": self.constrained_requests,
                 "prompt_tokens": self.prompt_tokens,
                 "generation_tokens": self.generation_tokens,
                 "prompt_tokens_per_s": (self.prefill_tokens / self.prompt_time) if self.prompt_time else 0.0,

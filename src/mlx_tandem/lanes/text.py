@@ -58,7 +58,8 @@ class TextLane:
         rid = request.request_id
         sampler = make_request_sampler(request.params)
         processors = make_request_processors(
-            request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc))
+            request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc)),
+            extra=request.processors,
         )
         (uid,) = self._gen.insert(
             [request.prompt_ids],

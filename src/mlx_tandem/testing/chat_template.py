@@ -37,10 +37,10 @@ CHAT_TEMPLATE = r"""
 {{- render_content(message.content) -}}
 {%- if message.tool_calls -%}
 {%- for tool_call in message.tool_calls -%}
-{%- set fn = tool_call.function if tool_call.function is defined else tool_call -%}
+{%- if tool_call.function is defined -%}{%- set tool_call = tool_call.function -%}{%- endif -%}
 {%- if (loop.first and message.content) or not loop.first -%}{{- '\n' -}}{%- endif -%}
-{{- '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' -}}
-{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}
+{{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' -}}
+{%- if tool_call.arguments is string -%}{{- tool_call.arguments -}}{%- else -%}{{- tool_call.arguments | tojson -}}{%- endif -%}
 {{- '}\n</tool_call>' -}}
 {%- endfor -%}
 {%- endif -%}

@@ -1,0 +1,59 @@
+"""What a model's chat format looks like: reasoning markers and the tool-call syntax.
+
+Inferred by mlx-lm's TokenizerWrapper from the chat template and vocabulary (the same
+inference ``mlx_lm.server`` uses), so every format mlx-lm can parse, we can parse. A
+``tool_parser_type`` in tokenizer_config.json overrides the inference (mlx-lm reads it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+# Tool-call syntaxes the engine can *force* with a grammar (tool_choice="required" or a
+# tool name). Parsing works for every syntax mlx-lm has a parser for.
+FORCEABLE_TOOL_FORMATS = ("json_tools", "qwen3_coder")
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    think_start: Optional[str] = None
+    think_end: Optional[str] = None
+    thinking_kwarg: str = "enable_thinking"
+    tool_call_start: Optional[str] = None
+    tool_call_end: Optional[str] = None
+    tool_format: Optional[str] = None  # mlx-lm tool parser module name, e.g. "json_tools"
+    tool_parser: Optional[Callable[[str, Any], Any]] = None
+    template_has_tools: bool = False  # the template renders a ``tools`` list
+
+    @property
+    def has_thinking(self) -> bool:
+        return bool(self.think_start and self.think_end)
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return self.tool_parser is not None and bool(self.tool_call_start)
+
+    @property
+    def can_force_tool_calls(self) -> bool:
+        return self.has_tool_calling and self.tool_format in FORCEABLE_TOOL_FORMATS
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "ChatFormat":
+        """``tokenizer`` is mlx-lm's TokenizerWrapper."""
+        parser = getattr(tokenizer, "tool_parser", None)
+        fmt = parser.__module__.rsplit(".", 1)[-1] if parser is not None else None
+        template = getattr(tokenizer, "chat_template", None) or ""
+        if not isinstance(template, str):  # named templates: {"default": ..., "tool_use": ...}
+            template = " ".join(str(t) for t in dict(template).values()) if template else ""
+        has_thinking = bool(getattr(tokenizer, "has_thinking", False))
+        return cls(
+            think_start=tokenizer.think_start if has_thinking else None,
+            think_end=tokenizer.think_end if has_thinking else None,
+            thinking_kwarg=getattr(tokenizer, "_thinking_kwarg", "enable_thinking") or "enable_thinking",
+            tool_call_start=getattr(tokenizer, "tool_call_start", None),
+            tool_call_end=getattr(tokenizer, "tool_call_end", None),
+            tool_format=fmt,
+            tool_parser=parser,
+            template_has_tools="tools" in template,
+        )

@@ -1,0 +1,207 @@
+"""Split a chat answer into reasoning, content and tool calls, incrementally.
+
+Runs on the caller's side of a stream (pure Python, per request), so both adapters get the
+same parsing: ``<think>...</think>`` becomes reasoning, each ``<tool_call>...</tool_call>``
+becomes a ToolCall (or an InvalidToolCall when it cannot be parsed), the rest is content.
+Text that might be the start of a marker is held back until it is decided, so a marker
+split across stream deltas is never leaked as content.
+
+Whitespace decisions (the ones vLLM's reasoning and Hermes tool parsers make): reasoning
+is stripped, content after ``</think>`` or after a tool call loses its leading whitespace,
+and whitespace right before a tool call is dropped. With no markers in the output the
+content is exactly the generated text.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from .chat_format import ChatFormat
+from .outputs import InvalidToolCall, ToolCall
+
+CONTENT, REASONING, TOOL_CALL = "content", "reasoning", "tool_call"
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ParsedDelta:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    invalid_tool_calls: list[InvalidToolCall] = field(default_factory=list)
+
+
+class _Channel:
+    """A text channel that strips leading whitespace on demand and holds trailing whitespace."""
+
+    def __init__(self, strip_leading: bool):
+        self.strip_leading = strip_leading
+        self.pending_ws = ""
+
+    def push(self, text: str) -> str:
+        if self.strip_leading:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self.strip_leading = False
+        body = text.rstrip()
+        out = self.pending_ws + body if body else ""
+        self.pending_ws = text[len(body):] if body else self.pending_ws + text
+        return out
+
+    def drop_pending(self) -> None:
+        self.pending_ws = ""
+
+    def take_pending(self) -> str:
+        out, self.pending_ws = self.pending_ws, ""
+        return out
+
+
+class ChatOutputParser:
+    def __init__(
+        self,
+        fmt: ChatFormat,
+        *,
+        tools: Optional[Sequence[dict]] = None,
+        parse_tool_calls: bool = False,
+        starts_in_reasoning: bool = False,
+        forced_json_calls: bool = False,
+    ):
+        self._fmt = fmt
+        self._tools = list(tools or [])
+        self._parse_tools = parse_tool_calls and fmt.has_tool_calling
+        self._forced_json = forced_json_calls
+        self._state = REASONING if (starts_in_reasoning and fmt.has_thinking) else CONTENT
+        self._buf = ""
+        self._call_buf = ""
+        self._content = _Channel(strip_leading=False)
+        self._reasoning = _Channel(strip_leading=True)
+        self._seen_content = False
+        self.num_tool_calls = 0
+
+    # ------------------------------------------------------------------ markers
+    def _markers(self) -> list[str]:
+        f = self._fmt
+        if self._state == REASONING:
+            return [f.think_end]
+        if self._state == TOOL_CALL:
+            return [f.tool_call_end]
+        out = []
+        if f.has_thinking and not self._seen_content and not self.num_tool_calls:
+            out.append(f.think_start)
+        if self._parse_tools:
+            out.append(f.tool_call_start)
+        return out
+
+    @staticmethod
+    def _holdback(buf: str, markers: Sequence[str]) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of a marker."""
+        best = 0
+        for m in markers:
+            for k in range(min(len(m) - 1, len(buf)), best, -1):
+                if buf.endswith(m[:k]):
+                    best = k
+                    break
+        return best
+
+    # ------------------------------------------------------------------ feeding
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        self._buf += text
+        while True:
+            markers = self._markers()
+            hits = [(self._buf.find(m), m) for m in markers]
+            hits = [(i, m) for i, m in hits if i >= 0]
+            if not hits:
+                keep = self._holdback(self._buf, markers)
+                cut = len(self._buf) - keep
+                self._take(self._buf[:cut], out)
+                self._buf = self._buf[cut:]
+                return out
+            i, marker = min(hits)
+            self._take(self._buf[:i], out)
+            self._buf = self._buf[i + len(marker):]
+            self._switch(marker, out)
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        rest, self._buf = self._buf, ""
+        self._take(rest, out)
+        if self._state == TOOL_CALL:  # stopped inside a call: parse what there is
+            self._close_call(out)
+        if not self.num_tool_calls:
+            out.content += self._content.take_pending()
+        return out
+
+    def _take(self, text: str, out: ParsedDelta) -> None:
+        if not text:
+            return
+        if self._state == CONTENT:
+            piece = self._content.push(text)
+            if piece:
+                self._seen_content = True
+                out.content += piece
+            elif text.strip():
+                self._seen_content = True
+        elif self._state == REASONING:
+            out.reasoning += self._reasoning.push(text)
+        else:
+            self._call_buf += text
+
+    def _switch(self, marker: str, out: ParsedDelta) -> None:
+        f = self._fmt
+        if self._state == CONTENT and marker == f.think_start:
+            self._state = REASONING
+        elif self._state == REASONING:
+            self._reasoning.drop_pending()
+            self._state = CONTENT
+            self._content.strip_leading = True
+        elif self._state == CONTENT:  # tool_call_start
+            self._content.drop_pending()
+            self._state = TOOL_CALL
+            self._call_buf = ""
+        else:  # tool_call_end
+            self._close_call(out)
+
+    def _close_call(self, out: ParsedDelta) -> None:
+        body, self._call_buf = self._call_buf, ""
+        self._state = CONTENT
+        self._content.strip_leading = True
+        for item in self._parse_call(body):
+            if isinstance(item, ToolCall):
+                out.tool_calls.append(item)
+                self.num_tool_calls += 1
+            else:
+                out.invalid_tool_calls.append(item)
+
+    def _parse_call(self, body: str) -> list:
+        try:
+            if self._forced_json or self._fmt.tool_parser is None:
+                parsed: Any = json.loads(body.strip())
+            else:
+                parsed = self._fmt.tool_parser(body, self._tools or None)
+            items = parsed if isinstance(parsed, list) else [parsed]
+            calls = []
+            for item in items:
+                name = item["name"]
+                args = item.get("arguments", {})
+                if isinstance(args, str):
+                    args = json.loads(args) if args.strip() else {}
+                if not isinstance(name, str) or not isinstance(args, dict):
+                    raise ValueError("a tool call needs a string name and object arguments")
+                calls.append(ToolCall(id=new_tool_call_id(), name=name, arguments=args))
+            return calls
+        except Exception as exc:  # noqa: BLE001 - any parser failure is an invalid call
+            name = None
+            try:
+                name = json.loads(body.strip()).get("name")
+            except Exception:  # noqa: BLE001
+                pass
+            return [InvalidToolCall(id=new_tool_call_id(), name=name, arguments=body.strip(),
+                                    error=f"{type(exc).__name__}: {exc}")]

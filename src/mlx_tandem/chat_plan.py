@@ -1,0 +1,123 @@
+"""Plan a chat request: tools, tool_choice, response_format and reasoning -> how to run it.
+
+Front end, caller's thread. Decides what the template renders, which grammar (if any)
+constrains the output, which tokens are banned, and how the output is parsed. Both
+adapters go through this, so tool calling and structured output behave the same in
+LangChain and LlamaIndex.
+
+Decisions (see docs/design.md, "Tools and structured output"):
+- ``tool_choice``: None/"auto" lets the model choose; "none" renders no tools and bans the
+  tool-call marker token; "required"/"any"/True forces a call of any tool, a tool name (or
+  ``{"type": "function", "function": {"name": ...}}``) forces that tool.
+- A constrained request (forced tool call or response_format) is rendered with reasoning
+  off: a grammar constrains the answer from its first token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from .chat_format import ChatFormat
+from .constraints import Constraint, response_format_constraint, tool_call_constraint
+from .errors import ConstraintError, InvalidRequestError
+
+
+@dataclass
+class ChatPlan:
+    tools: Optional[list[dict]]  # what the template renders
+    template_kwargs: dict[str, Any]
+    constraint: Optional[Constraint] = None
+    banned_token_ids: list[int] = field(default_factory=list)
+    parse_tool_calls: bool = False
+    forced_json_calls: bool = False
+
+
+def normalize_tools(tools: Optional[Sequence[Any]]) -> list[dict]:
+    """OpenAI function tools; bare ``{"name", "parameters"}`` dicts are wrapped."""
+    out = []
+    for t in tools or []:
+        if not isinstance(t, dict):
+            raise InvalidRequestError(f"a tool must be a dict (OpenAI function schema), got {type(t).__name__}")
+        if "function" not in t and "name" in t:
+            t = {"type": "function", "function": t}
+        fn = t.get("function")
+        if t.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+            raise InvalidRequestError(f"not an OpenAI function tool: {t!r}")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequestError(f"tool {fn['name']!r}: parameters must be a JSON schema object")
+        out.append({"type": "function", "function": dict(fn)})
+    names = [t["function"]["name"] for t in out]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError(f"duplicate tool names: {names}")
+    return out
+
+
+def _forced_names(tool_choice: Any, names: list[str]) -> Optional[list[str]]:
+    """None for "auto"; [] for "none"; the names a forced call may use otherwise."""
+    tc = tool_choice
+    if isinstance(tc, dict):
+        kind = tc.get("type")
+        if kind == "function":
+            tc = (tc.get("function") or {}).get("name") or tc.get("name")
+        elif kind == "tool":  # Anthropic form
+            tc = tc.get("name")
+        else:
+            tc = kind
+    if tc is None or tc == "auto" or tc is False:
+        return None
+    if tc == "none":
+        return []
+    if not names:
+        raise ConstraintError(f"tool_choice={tool_choice!r} needs tools")
+    if tc is True or tc in ("required", "any"):
+        return list(names)
+    if isinstance(tc, str):
+        if tc not in names:
+            raise ConstraintError(f"tool_choice names {tc!r}, which is not among the tools {names}")
+        return [tc]
+    raise ConstraintError(f"unsupported tool_choice {tool_choice!r}")
+
+
+def plan_chat(
+    fmt: ChatFormat,
+    *,
+    tools: Optional[Sequence[Any]],
+    tool_choice: Any,
+    response_format: Optional[dict],
+    reasoning: Optional[bool],
+    parallel_tool_calls: bool,
+    template_kwargs: Optional[dict],
+    marker,
+    encode,
+) -> ChatPlan:
+    tools = normalize_tools(tools)
+    names = [t["function"]["name"] for t in tools]
+    forced = _forced_names(tool_choice, names) if (tools or tool_choice not in (None, "auto", "none")) else None
+    kwargs = dict(template_kwargs or {})
+    if reasoning is not None and fmt.has_thinking:
+        kwargs[fmt.thinking_kwarg] = bool(reasoning)
+
+    constraint = response_format_constraint(response_format)
+    if forced:
+        if constraint is not None:
+            raise ConstraintError("give either a forced tool_choice or a response_format, not both")
+        constraint = tool_call_constraint(fmt, tools, forced, parallel=parallel_tool_calls, marker=marker)
+    if constraint is not None and fmt.has_thinking:
+        kwargs[fmt.thinking_kwarg] = False
+
+    if forced == []:  # tool_choice="none": no tools in the prompt, no call markers out
+        banned = []
+        if fmt.tool_call_start:
+            ids = encode(fmt.tool_call_start)
+            if len(ids) == 1:
+                banned = ids
+        return ChatPlan(tools=None, template_kwargs=kwargs, banned_token_ids=banned)
+    return ChatPlan(
+        tools=tools or None,
+        template_kwargs=kwargs,
+        constraint=constraint,
+        parse_tool_calls=bool(tools),
+        forced_json_calls=bool(forced) and fmt.tool_format != "json_tools",
+    )

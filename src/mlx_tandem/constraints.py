@@ -1,0 +1,341 @@
+"""Grammar-constrained decoding: JSON schemas, forced tool calls, Lark and regex grammars.
+
+Built on llguidance (Microsoft's grammar engine, also used by vLLM, SGLang and llama.cpp):
+it computes a token mask from an Earley parser over the tokenizer's trie in ~50-100 us per
+token, supports JSON Schema and Lark with embedded JSON, treats special tokens exactly,
+and its Python API (LLMatcher) exposes consume/rollback/deep_copy, which the budget-aware
+"closing" below needs. Outlines-core and xgrammar were the alternatives; llguidance is
+already a dependency of mlx-vlm and the only one with a Lark front end that embeds JSON.
+
+Split across threads the way the engine is split: ``GrammarCompiler`` compiles on the
+caller's thread (so a bad schema fails the call at once, with a typed error), and
+``GrammarProcessor`` runs on the owner thread as a per-row mlx-lm logits processor.
+
+A constraint must also *finish* within the request's token budget, even on a model that
+never wants to close a string (a random-weight model, or a real one in a loop). Near the
+end of the budget the processor simulates a shortest-path completion on a copy of the
+matcher; when the remaining budget only just covers it, the request is steered onto that
+completion. So structured output is always valid JSON unless the budget is smaller than
+the smallest valid answer (then finish_reason is "length").
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .chat_format import ChatFormat
+from .errors import ConstraintError
+
+logger = logging.getLogger(__name__)
+
+# Compact JSON with the separators chat templates print: in-distribution for real models,
+# and no free whitespace a looping model could fill its budget with.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match. Build with the class methods."""
+
+    kind: str  # "json_schema" | "lark" | "regex"
+    source: str  # the schema (JSON text), grammar or pattern
+    description: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, *, name: str = "") -> "Constraint":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ConstraintError("a JSON schema must be an object")
+        return cls("json_schema", json.dumps(_closed_objects(schema)), name or "json_schema")
+
+    @classmethod
+    def json_object(cls) -> "Constraint":
+        return cls("json_schema", json.dumps({"type": "object"}), "json_object")
+
+    @classmethod
+    def lark(cls, grammar: str) -> "Constraint":
+        return cls("lark", grammar, "lark")
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Constraint":
+        return cls("regex", pattern, "regex")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """Default ``additionalProperties`` to false on objects that list their properties.
+
+    Every output still validates against the caller's schema (it only forbids keys the
+    schema did not name), and a tool never receives arguments it does not declare.
+    """
+    if isinstance(schema, dict):
+        out = {k: _closed_objects(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out and out.get("type", "object") == "object":
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_closed_objects(v) for v in schema]
+    return schema
+
+
+def response_format_constraint(response_format: Optional[dict]) -> Optional[Constraint]:
+    """OpenAI-style ``response_format`` -> Constraint (None for plain text)."""
+    if response_format is None:
+        return None
+    if isinstance(response_format, Constraint):
+        return response_format
+    if not isinstance(response_format, dict):
+        raise ConstraintError("response_format must be a dict such as {'type': 'json_object'}")
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "json_schema":
+        spec = response_format.get("json_schema", response_format)
+        schema = spec.get("schema")
+        if schema is None:
+            raise ConstraintError("response_format json_schema needs a 'schema'")
+        return Constraint.json_schema(schema, name=spec.get("name", ""))
+    if kind in ("lark", "grammar"):
+        return Constraint.lark(response_format["grammar"])
+    if kind == "regex":
+        return Constraint.regex(response_format["pattern"])
+    raise ConstraintError(f"unknown response_format type {kind!r}")
+
+
+def tool_names(tools: Sequence[dict]) -> list[str]:
+    return [t["function"]["name"] for t in tools]
+
+
+def tool_call_constraint(fmt: ChatFormat, tools: Sequence[dict], names: Sequence[str], *,
+                         parallel: bool, marker: Callable[[str], str]) -> Constraint:
+    """Force one call (or several, if ``parallel``) of the named tools.
+
+    The body is ``{"name": ..., "arguments": {...}}`` between the format's tool-call
+    markers: the native syntax of Hermes/Qwen2.5/Qwen3 (``json_tools``). For other
+    syntaxes with markers (e.g. Qwen3.5's XML-like ``qwen3_coder``) the same JSON body is
+    forced and the output parser reads forced bodies as JSON (see docs/design.md).
+    """
+    if not (fmt.tool_call_start and fmt.tool_call_end):
+        raise ConstraintError(
+            "this model's chat template has no tool-call markers, so a tool call cannot be forced")
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    variants = []
+    for name in names:
+        params = by_name[name].get("parameters") or {"type": "object", "properties": {}}
+        variants.append({
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": _closed_objects(params)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })
+    body = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    body = {**body, "x-guidance": JSON_STYLE}
+    call = f'{marker(fmt.tool_call_start)} "\\n" body "\\n" {marker(fmt.tool_call_end)}'
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    grammar = f"{start}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
+    return Constraint("lark", grammar, f"tool_call({', '.join(names)})")
+
+
+def _grammar_text(c: Constraint) -> str:
+    import llguidance
+
+    if c.kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(c.source, overrides=JSON_STYLE)
+    if c.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(c.source)
+    if c.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(c.source)
+    raise ConstraintError(f"unknown constraint kind {c.kind!r}")
+
+
+# Closing-mode preferences: lower tier first. Closers end strings, arrays and objects;
+# separators move on to the next required key. EOS ends the answer once it is complete.
+_CLOSERS = frozenset(b'"}]')
+_SEPARATORS = frozenset(b",:")
+_DIGITS = frozenset(b"0123456789")
+
+
+class GrammarCompiler:
+    """Per-engine: the llguidance tokenizer (built once, lazily) and grammar compilation."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
+                 lock: Optional[threading.Lock] = None):
+        self._hf = hf_tokenizer
+        self._lock = lock or threading.Lock()
+        self._init_lock = threading.Lock()
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
+        self._llt = None
+        self._tiers: Optional[tuple[np.ndarray, np.ndarray]] = None
+
+    @property
+    def tokenizer(self):
+        if self._llt is None:
+            with self._init_lock:
+                if self._llt is None:
+                    import llguidance.hf
+
+                    with self._lock:  # HF tokenizers are not safe to share across threads
+                        hf = copy.deepcopy(self._hf)
+                    self._llt = llguidance.hf.from_tokenizer(
+                        hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+        return self._llt
+
+    def marker(self, text: str) -> str:
+        """A Lark expression for a literal marker such as ``<tool_call>``.
+
+        llguidance treats every added token as special; those only match by id.
+        """
+        llt = self.tokenizer
+        ids = llt.tokenize_str(text)
+        if len(ids) == 1 and llt.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
+
+    def compile(self, constraint: Constraint):
+        """A fresh LLMatcher for one request; ConstraintError if the grammar is invalid."""
+        import llguidance
+
+        try:
+            grammar = _grammar_text(constraint)
+        except ValueError as exc:
+            raise ConstraintError(f"invalid {constraint.description}: {exc}") from None
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(f"invalid {constraint.description}: {matcher.get_error()}")
+        return matcher
+
+    def tiers(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per-token closing preference (tier) and byte length, computed once."""
+        if self._tiers is None:
+            llt = self.tokenizer
+            tier = np.full(self.vocab_size, 4, dtype=np.int64)
+            length = np.zeros(self.vocab_size, dtype=np.int64)
+            for i in range(self.vocab_size):
+                b = llt.decode_bytes([i])
+                length[i] = len(b)
+                if b and all(ch in _CLOSERS for ch in b):
+                    tier[i] = 1
+                elif b and all(ch in _SEPARATORS for ch in b):
+                    tier[i] = 2
+                elif b and all(ch in _DIGITS for ch in b):
+                    tier[i] = 3  # numbers start with a digit, not "-"
+            tier[self.eos_token_ids] = 0
+            self._tiers = (tier, length)
+        return self._tiers
+
+
+def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    allowed = np.zeros(vocab_size, dtype=bool)
+    n = min(vocab_size, bits.shape[0])
+    allowed[:n] = bits[:n].astype(bool)
+    return allowed
+
+
+def closing_path(matcher, tiers: tuple[np.ndarray, np.ndarray], eos: frozenset[int], limit: int) -> Optional[list[int]]:
+    """A short completion from the matcher's state (on a copy), or None if over ``limit``.
+
+    Greedy over preference tiers: EOS, then closers (longest first: ``"}`` closes two
+    levels), then separators, then anything allowed, shortest first (a long byte-level
+    token can leave a UTF-8 sequence open; a single byte completes it).
+    """
+    tier, length = tiers
+    m = matcher.deep_copy()
+    path: list[int] = []
+    while len(path) <= limit:
+        if m.is_stopped():
+            return path + [min(eos)]
+        allowed = allowed_tokens(m, tier.shape[0])
+        if not allowed.any():
+            return None
+        score = np.where(allowed, tier * 100_000 + np.where(tier >= 3, length, -length), np.iinfo(np.int64).max)
+        tok = int(np.argmin(score))
+        path.append(tok)
+        if tok in eos:
+            return path
+        if not m.consume_token(tok):
+            return None
+    return None
+
+
+class GrammarProcessor:
+    """mlx-lm logits processor for one row: mask to the grammar, close within budget.
+
+    mlx-lm calls a row's processors once per generated token, with the row's token
+    context whose last element is the token sampled at the previous call.
+    """
+
+    def __init__(self, matcher, *, tiers, eos_token_ids: Sequence[int], max_tokens: int,
+                 vocab_size: int):
+        self.matcher = matcher
+        self._tiers = tiers
+        self._eos = frozenset(int(t) for t in eos_token_ids)
+        self._max_tokens = int(max_tokens)
+        self._vocab = int(vocab_size)
+        self._calls = 0
+        self._forced: list[int] = []
+        self._estimate = 0  # tokens the last simulated completion needed
+        self._checking = True
+        self.closed_early = False
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        if self._calls > 0:
+            tok = int(tokens[-1].item())
+            if not self.matcher.consume_token(tok):
+                raise ConstraintError(f"grammar rejected token {tok}: {self.matcher.get_error()}")
+        self._calls += 1
+        remaining = self._max_tokens - self._calls + 1  # tokens left, this one included
+        # Simulate at the start (the smallest answer's length) and whenever the budget left
+        # is within twice the last estimate: cheap far from the end, exact near it.
+        if self._checking and not self._forced and (
+                self._calls == 1 or remaining <= 2 * self._estimate + 16):
+            path = closing_path(self.matcher, self._tiers, self._eos, limit=remaining)
+            if path is None:
+                self._checking = False  # no completion fits: it ends with "length"
+            elif len(path) >= remaining - 1:
+                self._forced = path  # the budget only just covers a completion: take it
+                self.closed_early = True
+            else:
+                self._estimate = len(path)
+        if self._forced:
+            allowed = np.zeros(logits.shape[-1], dtype=bool)
+            allowed[self._forced.pop(0)] = True
+        else:
+            allowed = allowed_tokens(self.matcher, logits.shape[-1])
+        return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+
+class TokenBan:
+    """mlx-lm logits processor that forbids some tokens (e.g. tool-call markers for tool_choice="none").
+
+    Keeps a numpy mask, not an mx.array: processors live as long as the caller's stream
+    object, and mx arrays must not outlive the owner thread.
+    """
+
+    def __init__(self, token_ids: Sequence[int]):
+        self._ids = sorted(set(int(t) for t in token_ids))
+        self._keep: Optional[np.ndarray] = None
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        if self._keep is None or self._keep.shape[-1] != logits.shape[-1]:
+            keep = np.ones(logits.shape[-1], dtype=bool)
+            keep[[i for i in self._ids if i < logits.shape[-1]]] = False
+            self._keep = keep
+        return mx.where(mx.array(self._keep), logits, mx.array(-float("inf"), dtype=logits.dtype))

@@ -11,6 +11,9 @@ Decisions (see docs/design.md, "Tools and structured output"):
   ``{"type": "function", "function": {"name": ...}}``) forces that tool.
 - A constrained request (forced tool call or response_format) is rendered with reasoning
   off: a grammar constrains the answer from its first token.
+- A forced tool_choice forces exactly one call unless ``parallel_tool_calls=True`` is given:
+  the grammar governs the whole answer, and an open-ended list of calls lets a weak model
+  loop until its budget runs out. Under "auto" the model may make any number of calls.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def plan_chat(
     tool_choice: Any,
     response_format: Optional[dict],
     reasoning: Optional[bool],
-    parallel_tool_calls: bool,
+    parallel_tool_calls: Optional[bool],
     template_kwargs: Optional[dict],
     marker,
     encode,
@@ -103,7 +106,7 @@ def plan_chat(
     if forced:
         if constraint is not None:
             raise ConstraintError("give either a forced tool_choice or a response_format, not both")
-        constraint = tool_call_constraint(fmt, tools, forced, parallel=parallel_tool_calls, marker=marker)
+        constraint = tool_call_constraint(fmt, tools, forced, parallel=bool(parallel_tool_calls), marker=marker)
     if constraint is not None and fmt.has_thinking:
         kwargs[fmt.thinking_kwarg] = False
 
@@ -113,7 +116,8 @@ def plan_chat(
             ids = encode(fmt.tool_call_start)
             if len(ids) == 1:
                 banned = ids
-        return ChatPlan(tools=None, template_kwargs=kwargs, banned_token_ids=banned)
+        # Keep the response_format constraint: tool_choice="none" only removes the tools.
+        return ChatPlan(tools=None, template_kwargs=kwargs, constraint=constraint, banned_token_ids=banned)
     return ChatPlan(
         tools=tools or None,
         template_kwargs=kwargs,

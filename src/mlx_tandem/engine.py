@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import queue
 import logging
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence
@@ -277,7 +279,7 @@ class Engine:
 
         ``messages`` are OpenAI-style dicts. Keyword options: ``tools`` (OpenAI function
         schemas), ``tool_choice`` ("auto", "none", "required"/"any", a tool name),
-        ``parallel_tool_calls`` (default True), ``response_format`` ({"type": "json_object"},
+        ``parallel_tool_calls`` (a forced call is one call unless True), ``response_format`` ({"type": "json_object"},
         {"type": "json_schema", "json_schema": {"schema": ...}}, lark/regex), ``reasoning``
         (thinking on/off; None = the template's default), ``template_kwargs`` (extra chat
         template variables), ``request_id``.
@@ -295,6 +297,18 @@ class Engine:
                                **options: Any) -> "AsyncStream":
         """Submit a chat now and return its stream handle (iterate it, ``collect()`` it or ``cancel()`` it)."""
         return await self._astream(_Spec.chat(messages, params, options))
+
+    def open_chat_stream_sync(self, messages: Sequence[dict], params: SamplingParams | dict | None = None, *,
+                              timeout: Optional[float] = None, **options: Any) -> "SyncStream":
+        """Submit a chat now; return its blocking stream handle.
+
+        With ``timeout`` (seconds, for the whole request) the stream cancels the request and
+        raises TimeoutError when the deadline passes.
+        """
+        stream = self._sstream(_Spec.chat(messages, params, options))
+        if timeout is not None:
+            stream.deadline = time.monotonic() + timeout
+        return stream
 
     def chat_sync(self, messages, params=None, **options) -> RequestOutput:
         return self._sstream(_Spec.chat(messages, params, options)).collect()
@@ -335,7 +349,7 @@ class Engine:
         self.start_sync()
         plan = plan_chat(
             self._format, tools=tools, tool_choice=tool_choice, response_format=response_format,
-            reasoning=reasoning, parallel_tool_calls=True, template_kwargs=template_kwargs,
+            reasoning=reasoning, parallel_tool_calls=None, template_kwargs=template_kwargs,
             marker=self._grammar.marker, encode=self._renderer.encode)
         return self._renderer.render(validate_messages(messages), tools=plan.tools,
                                      template_kwargs=plan.template_kwargs)
@@ -354,7 +368,7 @@ class _Spec:
     params: Any = None
     tools: Optional[Sequence[dict]] = None
     tool_choice: Any = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict] = None
     reasoning: Optional[bool] = None
     template_kwargs: Optional[dict] = None
@@ -483,6 +497,8 @@ class AsyncStream(_StreamBase):
 
 
 class SyncStream(_StreamBase):
+    deadline: Optional[float] = None  # time.monotonic() past which the request is cancelled
+
     def __iter__(self):
         return self
 
@@ -490,7 +506,14 @@ class SyncStream(_StreamBase):
         if self._done:
             raise StopIteration
         try:
-            item = self._sink.get()
+            if self.deadline is None:
+                item = self._sink.get()
+            else:
+                left = self.deadline - time.monotonic()
+                try:
+                    item = self._sink.get(timeout=max(left, 0.0) or 1e-6)
+                except queue.Empty:
+                    raise TimeoutError(f"request {self.request_id} exceeded its timeout") from None
         except BaseException:
             self.cancel()
             raise

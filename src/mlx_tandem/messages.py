@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Iterable
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, UnsupportedContentError
 
 Message = dict[str, Any]
 
@@ -42,6 +42,10 @@ def validate_messages(messages: Any) -> list[Message]:
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or "type" not in part:
                     raise InvalidRequestError(f"messages[{i}].content[{j}] must be a dict with a 'type'")
+                if part["type"] not in TEXT_PART_TYPES and part["type"] not in MEDIA_PART_TYPES:
+                    # Silently dropping a part (a PDF, say) would answer a different question.
+                    raise UnsupportedContentError(
+                        f"messages[{i}].content[{j}]: unsupported part type {part['type']!r}")
         if role == "tool" and not m.get("tool_call_id") and not m.get("name"):
             raise InvalidRequestError(f"messages[{i}]: a tool message needs 'tool_call_id' (or 'name')")
     return messages

@@ -1,0 +1,155 @@
+"""LangChain messages <-> mlx-tandem's neutral (OpenAI-style) message dicts and outputs.
+
+Adapter code only: no engine logic. Images are read through ``message.content_blocks``
+(LangChain's standard blocks), so base64, data-URI, URL and OpenAI ``image_url`` forms all
+arrive as one shape; the engine decides whether the model can take them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Sequence
+
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+
+from mlx_tandem.errors import InvalidRequestError, UnsupportedContentError
+
+PROVIDER = "mlx_tandem"
+
+
+def _block_to_part(block: dict) -> Optional[dict]:
+    kind = block.get("type")
+    if kind == "text":
+        return {"type": "text", "text": block.get("text", "")}
+    if kind in ("image", "audio", "video"):
+        if block.get("base64"):
+            mime = block.get("mime_type") or f"{kind}/*"
+            src: Any = f"data:{mime};base64,{block['base64']}"
+        elif block.get("url"):
+            src = block["url"]
+        elif block.get("file_id") or block.get("id"):
+            raise UnsupportedContentError(f"{kind} blocks given by file id cannot be read locally")
+        else:
+            raise InvalidRequestError(f"{kind} block without base64 data or url")
+        return {"type": kind, kind: src}
+    if kind in ("reasoning", "tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call",
+                "server_tool_result", "non_standard"):
+        return None  # not content of a prompt turn (tool calls travel separately)
+    if kind == "file":
+        raise UnsupportedContentError("file/PDF content blocks are not supported by mlx-tandem models")
+    raise UnsupportedContentError(f"unsupported content block type {kind!r}")
+
+
+def _content(message: BaseMessage) -> str | list[dict]:
+    if isinstance(message.content, str):
+        return message.content
+    parts = [p for p in (_block_to_part(b) for b in message.content_blocks) if p is not None]
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
+    out: list[dict] = []
+    for m in messages:
+        if isinstance(m, SystemMessage):
+            d: dict = {"role": "system", "content": _content(m)}
+        elif isinstance(m, HumanMessage):
+            d = {"role": "user", "content": _content(m)}
+        elif isinstance(m, AIMessage):
+            text = m.text if not isinstance(m.content, str) else m.content
+            d = {"role": "assistant", "content": text}
+            if m.tool_calls:
+                d["tool_calls"] = [
+                    {"id": tc.get("id") or f"call_{i}", "type": "function",
+                     "function": {"name": tc["name"], "arguments": json.dumps(tc["args"], ensure_ascii=False)}}
+                    for i, tc in enumerate(m.tool_calls)
+                ]
+            reasoning = m.additional_kwargs.get("reasoning_content")
+            if reasoning:
+                d["reasoning_content"] = reasoning
+        elif isinstance(m, ToolMessage):
+            content = _content(m)
+            if m.status == "error" and isinstance(content, str) and not content.lower().startswith("error"):
+                # Templates have no error flag for tool results; say it in the text.
+                content = f"Error: {content}"
+            d = {"role": "tool", "content": content, "tool_call_id": m.tool_call_id}
+        elif isinstance(m, FunctionMessage):
+            d = {"role": "tool", "content": _content(m), "name": m.name, "tool_call_id": m.name}
+        elif isinstance(m, ChatMessage):
+            role = {"human": "user", "ai": "assistant"}.get(m.role, m.role)
+            d = {"role": role, "content": _content(m)}
+        else:
+            raise InvalidRequestError(f"unsupported message type {type(m).__name__}")
+        if getattr(m, "name", None) and d["role"] in ("user", "assistant", "system"):
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def usage_metadata(usage) -> dict:
+    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens}
+
+
+def response_metadata(model_name: str, finish_reason: Optional[str]) -> dict:
+    out = {"model_name": model_name, "model_provider": PROVIDER}
+    if finish_reason is not None:
+        out["finish_reason"] = finish_reason
+    return out
+
+
+def to_ai_message(out, model_name: str) -> AIMessage:
+    additional = {"reasoning_content": out.reasoning} if out.reasoning else {}
+    return AIMessage(
+        content=out.content,
+        additional_kwargs=additional,
+        tool_calls=[tool_call(name=c.name, args=c.arguments, id=c.id) for c in out.tool_calls],
+        invalid_tool_calls=[invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error)
+                            for c in out.invalid_tool_calls],
+        usage_metadata=usage_metadata(out.usage),
+        response_metadata=response_metadata(model_name, out.finish_reason),
+    )
+
+
+class ChunkBuilder:
+    """StreamDeltas -> AIMessageChunks, numbering tool calls across the stream."""
+
+    def __init__(self, model_name: str):
+        self._model_name = model_name
+        self._index = 0
+
+    def chunk(self, delta) -> Optional[AIMessageChunk]:
+        chunks = []
+        for c in delta.tool_calls:
+            chunks.append(tool_call_chunk(name=c.name, args=c.arguments_json, id=c.id, index=self._index))
+            self._index += 1
+        for c in delta.invalid_tool_calls:
+            chunks.append(tool_call_chunk(name=c.name, args=c.arguments, id=c.id, index=self._index))
+            self._index += 1
+        last = delta.finish_reason is not None
+        if not (delta.content or delta.reasoning or chunks or last):
+            return None
+        kwargs: dict[str, Any] = {}
+        if last:
+            kwargs.update(
+                usage_metadata=usage_metadata(delta.usage) if delta.usage else None,
+                response_metadata=response_metadata(self._model_name, delta.finish_reason),
+                chunk_position="last",
+            )
+        return AIMessageChunk(
+            content=delta.content or "",
+            additional_kwargs={"reasoning_content": delta.reasoning} if delta.reasoning else {},
+            tool_call_chunks=chunks,
+            **kwargs,
+        )

@@ -1,0 +1,338 @@
+"""ChatMLX: a LangChain chat model on mlx-tandem's in-process engine.
+
+Every call goes to the shared engine for its model (``Engine.shared``), so concurrent
+``ainvoke``/``astream``/``abatch`` calls, from LangChain and LlamaIndex alike, share each
+forward step. Construction is cheap: the model loads on the first call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from operator import itemgetter
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, Union
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import AIMessageChunk, BaseMessage
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser, PydanticToolsParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import ConfigDict, Field
+
+from mlx_tandem import Engine, SamplingParams
+from mlx_tandem.default_model import DEFAULT_MODEL_NAME
+
+from ._convert import PROVIDER, ChunkBuilder, to_ai_message, to_engine_messages
+
+_ENGINE_CALL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning")
+
+
+class ChatMLX(BaseChatModel):
+    """Chat model running local MLX models in-process, with continuous batching.
+
+    Example:
+        .. code-block:: python
+
+            from langchain_mlx_tandem import ChatMLX
+
+            llm = ChatMLX(model="mlx-community/Qwen3.5-0.8B-4bit", max_tokens=256)
+            llm.invoke("Hello!")
+
+    ``model`` is a local checkpoint directory or a hub repo id; None runs the embedded
+    default model. ``engine_options`` go to ``Engine.shared`` (e.g. ``max_batch_size``).
+    """
+
+    model: Optional[str] = None
+    temperature: float = 0.0
+    max_tokens: Optional[int] = None
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Optional[list[str]] = Field(default=None, alias="stop_sequences")
+    seed: Optional[int] = None
+    streaming: bool = False
+    reasoning: Optional[bool] = None
+    """Thinking on/off through the template's ``enable_thinking``; None keeps its default."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+    timeout: Optional[float] = None
+    """Seconds per call; the request is cancelled (its slot freed) and TimeoutError raised."""
+    max_retries: int = 0
+    """Accepted for LangChain compatibility; local inference has no transient failures to retry."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def _llm_type(self) -> str:
+        return "mlx-tandem-chat"
+
+    @property
+    def model_name(self) -> str:
+        return self.model if self.model is not None else DEFAULT_MODEL_NAME
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model": self.model_name,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "reasoning": self.reasoning,
+        }
+
+    def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider=PROVIDER,
+            ls_model_name=kwargs.get("model") or self.model_name,
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
+        stops = self._stops(stop)
+        if stops:
+            params["ls_stop"] = stops
+        return params
+
+    def _resolve_model_profile(self):
+        return _profile_from_config(self.model)
+
+    # ------------------------------------------------------------------ engine plumbing
+    @property
+    def engine(self) -> Engine:
+        """The shared engine this model runs on (created lazily, loaded on first use)."""
+        return Engine.shared(self.model, **self.engine_options)
+
+    def _engine_for(self, kwargs: dict) -> tuple[Engine, str]:
+        override = kwargs.pop("model", None)
+        if override is None or override == self.model:
+            return self.engine, self.model_name
+        return Engine.shared(override, **self.engine_options), str(override)
+
+    def _stops(self, stop: Optional[list[str]]) -> list[str]:
+        out = list(self.stop or [])
+        for s in stop or []:
+            if s not in out:
+                out.append(s)
+        return out
+
+    def _request(self, messages: list[BaseMessage], stop: Optional[list[str]], kwargs: dict):
+        kwargs = dict(kwargs)
+        kwargs.pop("ls_structured_output_format", None)
+        engine, model_name = self._engine_for(kwargs)
+        params = dict(
+            temperature=kwargs.pop("temperature", self.temperature),
+            top_p=kwargs.pop("top_p", self.top_p),
+            top_k=kwargs.pop("top_k", self.top_k),
+            min_p=kwargs.pop("min_p", self.min_p),
+            repetition_penalty=kwargs.pop("repetition_penalty", self.repetition_penalty),
+            seed=kwargs.pop("seed", self.seed),
+            stop=self._stops(stop),
+        )
+        max_tokens = kwargs.pop("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            params["max_tokens"] = max_tokens
+        options = {k: kwargs.pop(k) for k in _ENGINE_CALL_KWARGS if k in kwargs}
+        options.setdefault("reasoning", self.reasoning)
+        template_kwargs = {**self.chat_template_kwargs, **kwargs.pop("chat_template_kwargs", {})}
+        if template_kwargs:
+            options["template_kwargs"] = template_kwargs
+        timeout = kwargs.pop("timeout", self.timeout)
+        if kwargs:
+            raise TypeError(f"ChatMLX got unexpected keyword arguments {sorted(kwargs)}")
+        return engine, model_name, to_engine_messages(messages), SamplingParams(**params), options, timeout
+
+    # ------------------------------------------------------------------ generation
+    def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                  run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+        if self.streaming:
+            return _collect(self._stream(messages, stop=stop, run_manager=run_manager, **kwargs))
+        engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
+        out = engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options).collect()
+        return ChatResult(generations=[ChatGeneration(message=to_ai_message(out, model_name))])
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+        if self.streaming:
+            chunks = [c async for c in self._astream(messages, stop=stop, run_manager=run_manager, **kwargs)]
+            return _collect(iter(chunks))
+        engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
+        # On timeout wait_for cancels the call, and a cancelled call frees its slot.
+        out = await asyncio.wait_for(engine.chat(msgs, params, **options), timeout)
+        return ChatResult(generations=[ChatGeneration(message=to_ai_message(out, model_name))])
+
+    def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
+        builder = ChunkBuilder(model_name)
+        with engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options) as stream:
+            for delta in stream:
+                message = builder.chunk(delta)
+                if message is None:
+                    continue
+                chunk = ChatGenerationChunk(message=message)
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(message.text, chunk=chunk)
+                yield chunk
+
+    async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                       run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
+        builder = ChunkBuilder(model_name)
+        async with await engine.open_chat_stream(msgs, params, **options) as stream:
+            async for delta in _adeadline(stream, timeout):
+                message = builder.chunk(delta)
+                if message is None:
+                    continue
+                chunk = ChatGenerationChunk(message=message)
+                if run_manager is not None:
+                    await run_manager.on_llm_new_token(message.text, chunk=chunk)
+                yield chunk
+
+    # ------------------------------------------------------------------ tools and structured output
+    def bind_tools(
+        self,
+        tools: Sequence[Union[dict[str, Any], type, Callable, BaseTool]],
+        *,
+        tool_choice: Optional[Union[dict, str, bool]] = None,
+        parallel_tool_calls: Optional[bool] = None,
+        strict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, BaseMessage]:
+        """Bind tools (OpenAI function schemas, Pydantic models, functions, BaseTools).
+
+        ``tool_choice``: "auto" (default), "none", "any"/"required"/True (force a call of
+        some tool), or a tool name / ``{"type": "function", "function": {"name": ...}}``.
+        Forced calls are grammar-constrained: valid JSON matching the tool's schema.
+        """
+        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
+        if tool_choice is not None:
+            kwargs["tool_choice"] = tool_choice
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        return super().bind(tools=formatted, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: Optional[Union[dict, type]] = None,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, Union[dict, Any]]:
+        """Structured output enforced by constrained decoding: the result always validates.
+
+        ``json_schema`` (default) constrains the answer to the schema; ``function_calling``
+        forces a call of a tool built from the schema; ``json_mode`` constrains to a JSON
+        object, and to the schema too when one is given.
+        """
+        if kwargs:
+            raise ValueError(f"unexpected arguments {sorted(kwargs)}")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("method='function_calling' needs a schema")
+            tool = convert_to_openai_tool(schema, strict=strict)
+            name = tool["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, strict=strict,
+                                  ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
+                                                               "schema": tool})
+            parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
+                                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        elif method in ("json_schema", "json_mode"):
+            if schema is None and method == "json_schema":
+                raise ValueError("method='json_schema' needs a schema")
+            if schema is None:
+                response_format: dict = {"type": "json_object"}
+                ls_schema = None
+            else:
+                json_schema = convert_to_json_schema(schema)
+                response_format = {"type": "json_schema", "json_schema": {
+                    "name": json_schema.get("title", "response"), "schema": json_schema, "strict": strict}}
+                ls_schema = json_schema
+            llm = self.bind(response_format=response_format,
+                            ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
+                                                         "schema": ls_schema})
+            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        else:
+            raise ValueError(f"unknown method {method!r}; use 'json_schema', 'function_calling' or 'json_mode'")
+        if not include_raw:
+            return llm | parser
+        parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        no_parse = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parse.with_fallbacks([no_parse], exception_key="parsing_error")
+
+
+# ---------------------------------------------------------------------- helpers
+async def _adeadline(stream, timeout: Optional[float]):
+    """Iterate an AsyncStream; past ``timeout`` seconds it is cancelled and TimeoutError raised."""
+    if timeout is None:
+        async for delta in stream:
+            yield delta
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            delta = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - time.monotonic()))
+        except StopAsyncIteration:
+            return
+        yield delta
+
+
+def _collect(chunks: Iterator[ChatGenerationChunk]) -> ChatResult:
+    full: Optional[ChatGenerationChunk] = None
+    for c in chunks:
+        full = c if full is None else full + c
+    if full is None:
+        raise RuntimeError("the stream produced no chunks")
+    msg = full.message
+    from langchain_core.messages import AIMessage
+
+    message = AIMessage(
+        content=msg.content, additional_kwargs=msg.additional_kwargs, tool_calls=msg.tool_calls,
+        invalid_tool_calls=msg.invalid_tool_calls, usage_metadata=msg.usage_metadata,
+        response_metadata=msg.response_metadata, id=msg.id)
+    return ChatResult(generations=[ChatGeneration(message=message)])
+
+
+def _profile_from_config(model: Optional[str]) -> dict:
+    """Model profile from the checkpoint's config (local directories only; no hub access)."""
+    from mlx_tandem.default_model import DEFAULT_MODEL_SIZES  # noqa: F401 - default is qwen3_5
+
+    profile: dict[str, Any] = {"text_inputs": True, "text_outputs": True, "tool_calling": True,
+                               "tool_choice": True, "tool_call_streaming": True, "structured_output": True}
+    if model is None:
+        return profile
+    path = Path(model).expanduser()
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        return profile
+    cfg = json.loads(cfg_file.read_text())
+    text_cfg = cfg.get("text_config", cfg)
+    ctx = text_cfg.get("max_position_embeddings") or cfg.get("max_position_embeddings")
+    if ctx:
+        profile["max_input_tokens"] = int(ctx)
+    template = ""
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        f = path / name
+        if f.is_file():
+            template += f.read_text(errors="ignore")
+    profile["tool_calling"] = profile["tool_choice"] = "tool_call" in template or "tools" in template
+    profile["reasoning_output"] = "<think>" in template or "enable_thinking" in template
+    return profile

@@ -1,0 +1,334 @@
+"""ChatMLX behaviour beyond the standard suites, checked against the engine as reference."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from typing import Optional
+
+import jsonschema
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import ChatPromptTemplate
+from pydantic import BaseModel, Field
+from typing_extensions import TypedDict
+
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode
+
+from langchain_mlx_tandem import ChatMLX
+from langchain_mlx_tandem._convert import to_engine_messages
+from mlx_tandem import Engine
+from mlx_tandem.errors import ConstraintError, ContextLengthError, TandemError, UnsupportedContentError
+
+from .conftest import PATHS
+
+OPTS = {"show_progress": False}
+
+
+def make_llm(**kw) -> ChatMLX:
+    kw.setdefault("max_tokens", 24)
+    return ChatMLX(model=PATHS["qwen3_5"], engine_options=OPTS, **kw)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+class Joke(BaseModel):
+    setup: str = Field(description="the question")
+    punchline: str
+    rating: Optional[int] = None
+
+
+class JokeDict(TypedDict):
+    setup: str
+    funny: bool
+
+
+# ---------------------------------------------------------------------- messages
+def test_message_conversion_roundtrip():
+    png = base64.b64encode(b"\x89PNG fake").decode()
+    msgs = [
+        SystemMessage("be brief"),
+        HumanMessage("hi", name="ann"),
+        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1"}]),
+        ToolMessage("3", tool_call_id="c1"),
+        ToolMessage([{"type": "text", "text": "boom"}], tool_call_id="c2", status="error"),
+        HumanMessage(content=[{"type": "text", "text": "look"},
+                              {"type": "image", "base64": png, "mime_type": "image/png"},
+                              {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}},
+                              {"type": "image", "url": "https://example.com/cat.png"}]),
+    ]
+    out = to_engine_messages(msgs)
+    assert out[0] == {"role": "system", "content": "be brief"}
+    assert out[1] == {"role": "user", "content": "hi", "name": "ann"}
+    assert out[2]["tool_calls"] == [{"id": "c1", "type": "function",
+                                     "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
+    assert out[3] == {"role": "tool", "content": "3", "tool_call_id": "c1"}
+    assert out[4] == {"role": "tool", "content": "Error: boom", "tool_call_id": "c2"}
+    parts = out[5]["content"]
+    assert parts[0] == {"type": "text", "text": "look"}
+    assert [p["type"] for p in parts[1:]] == ["image"] * 3
+    assert parts[1]["image"] == parts[2]["image"] == "data:image/png;base64," + png
+    assert parts[3]["image"] == "https://example.com/cat.png"
+
+
+def test_image_on_text_model_is_a_typed_error():
+    llm = make_llm()
+    png = base64.b64encode(b"\x89PNG fake").decode()
+    msg = HumanMessage(content=[{"type": "text", "text": "what is this"},
+                                {"type": "image", "base64": png, "mime_type": "image/png"}])
+    with pytest.raises(UnsupportedContentError, match="text-only"):
+        llm.invoke([msg])
+    assert llm.invoke("still serving").response_metadata["finish_reason"] in ("stop", "length")
+
+
+def test_history_ending_in_tool_message_renders_tool_result():
+    llm = make_llm()
+    hist = [HumanMessage("add 2 and 3"),
+            AIMessage("", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "c1"}]),
+            ToolMessage("RESULT-5", tool_call_id="c1")]
+    ids = llm.engine.apply_chat_template(to_engine_messages(hist))
+    prompt = llm.engine.tokenizer.decode(ids)
+    assert "<tool_response>\nRESULT-5\n</tool_response>" in prompt
+    assert '"name": "add"' in prompt
+    assert isinstance(llm.invoke(hist), AIMessage)
+
+
+# ---------------------------------------------------------------------- generation vs the engine
+def test_invoke_and_stream_equal_engine_output():
+    llm = make_llm()
+    ref = llm.engine.chat_sync([{"role": "user", "content": "Hello"}], {"max_tokens": 24})
+    msg = llm.invoke("Hello")
+    assert msg.content == ref.content
+    assert msg.usage_metadata == {"input_tokens": ref.usage.prompt_tokens,
+                                  "output_tokens": ref.usage.completion_tokens,
+                                  "total_tokens": ref.usage.total_tokens}
+    assert msg.response_metadata["model_provider"] == "mlx_tandem"
+    assert msg.response_metadata["model_name"] == PATHS["qwen3_5"]
+    chunks = list(llm.stream("Hello"))
+    assert "".join(c.content for c in chunks) == ref.content
+    with_usage = [c for c in chunks if c.usage_metadata]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1]
+    assert chunks[-1].chunk_position == "last"
+    assert chunks[-1].response_metadata["finish_reason"] == ref.finish_reason
+
+
+async def test_concurrent_astream_equals_one_at_a_time():
+    llm = make_llm(max_tokens=16)
+    prompts = [f"question number {i}" for i in range(8)]
+    alone = [(await llm.ainvoke(p)).content for p in prompts]
+
+    async def streamed(p):
+        return "".join([c.content async for c in llm.astream(p)])
+
+    together = await asyncio.gather(*(streamed(p) for p in prompts))
+    assert list(together) == alone
+
+
+async def test_abatch_of_16_runs_as_one_engine_batch():
+    # A private engine (distinct options) so the batch-size statistic is this test's alone.
+    llm = ChatMLX(model=PATHS["qwen3_5"], max_tokens=8,
+                  engine_options={"show_progress": False, "max_waiting": 4001})
+    outs = await llm.abatch([f"hi {i}" for i in range(16)])
+    assert len(outs) == 16
+    assert llm.engine.stats()["max_batch_size"] == 16
+    llm.engine.close_sync()
+
+
+def test_lcel_chain_streamed_and_batched():
+    llm = make_llm(max_tokens=12)
+    chain = ChatPromptTemplate.from_messages([("system", "You are terse."), ("human", "{q}")]) | llm | StrOutputParser()
+    qs = [{"q": f"topic {i}"} for i in range(4)]
+    single = [chain.invoke(q) for q in qs]
+    assert chain.batch(qs) == single
+    assert "".join(chain.stream(qs[0])) == single[0]
+
+
+def test_stop_sequences_from_constructor_and_call():
+    llm = make_llm(max_tokens=24)
+    full = llm.invoke("Hello").content
+    assert len(full) > 6
+    stop = full[3:6]
+    cut = full[: full.index(stop)]
+    assert make_llm(max_tokens=24, stop=[stop]).invoke("Hello").content == cut
+    assert llm.invoke("Hello", stop=[stop]).content == cut
+
+
+def test_model_override_runs_the_other_model():
+    llm = make_llm(max_tokens=8)
+    msg = llm.invoke("Hello", model=PATHS["llama"])
+    assert msg.response_metadata["model_name"] == PATHS["llama"]
+    ref = Engine.shared(PATHS["llama"], **OPTS).chat_sync([{"role": "user", "content": "Hello"}], {"max_tokens": 8})
+    assert msg.content == ref.content
+
+
+# ---------------------------------------------------------------------- tools
+def test_forced_tool_call_is_valid_and_streams_as_chunks():
+    llm = make_llm(max_tokens=80).bind_tools([add], tool_choice="add")
+    msg = llm.invoke("add 2 and 3")
+    assert [c["name"] for c in msg.tool_calls] == ["add"]
+    args = msg.tool_calls[0]["args"]
+    assert set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())
+    assert msg.tool_calls[0]["id"].startswith("call_")
+    assert msg.response_metadata["finish_reason"] == "tool_calls"
+    assert add.__call__(**args) == args["a"] + args["b"]
+    chunks = list(llm.stream("add 2 and 3"))
+    assert any(c.tool_call_chunks for c in chunks)
+    full = chunks[0]
+    for c in chunks[1:]:
+        full = full + c
+    assert [(c["name"], c["args"]) for c in full.tool_calls] == [(c["name"], c["args"]) for c in msg.tool_calls]
+
+
+def test_tool_choice_none_never_calls():
+    llm = make_llm(max_tokens=24).bind_tools([add], tool_choice="none")
+    msg = llm.invoke("add 2 and 3")
+    assert msg.tool_calls == [] and "<tool_call>" not in msg.content
+
+
+def test_bad_tool_choice_raises_the_engine_error():
+    llm = make_llm().bind_tools([add], tool_choice="multiply")
+    with pytest.raises(ConstraintError, match="multiply"):
+        llm.invoke("hi")
+
+
+def test_engine_errors_surface_not_empty_answers():
+    llm = make_llm()
+    with pytest.raises(ContextLengthError):
+        llm.invoke("word " * 5000)
+    with pytest.raises(TandemError):
+        llm.invoke("hi", tool_choice="required")  # forced call with no tools
+
+
+def test_langgraph_agent_loop_with_forced_first_call():
+    calls = []
+
+    def add_tool(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append((a, b))
+        return a + b
+
+    llm = make_llm(max_tokens=80)
+
+    def agent(state: MessagesState):
+        # The random-weight model cannot decide to call a tool: force the first call,
+        # then forbid tools so it must answer.
+        first = not any(isinstance(m, ToolMessage) for m in state["messages"])
+        bound = llm.bind_tools([add_tool], tool_choice="any" if first else "none")
+        return {"messages": [bound.invoke(state["messages"])]}
+
+    def route(state: MessagesState):
+        return "tools" if state["messages"][-1].tool_calls else END
+
+    g = StateGraph(MessagesState)
+    g.add_node("agent", agent)
+    g.add_node("tools", ToolNode([add_tool]))
+    g.add_edge(START, "agent")
+    g.add_conditional_edges("agent", route, ["tools", END])
+    g.add_edge("tools", "agent")
+    result = g.compile().invoke({"messages": [HumanMessage("what is 2 + 3?")]})
+    msgs = result["messages"]
+    assert [type(m).__name__ for m in msgs] == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage"]
+    call = msgs[1].tool_calls[0]
+    assert msgs[2].tool_call_id == call["id"]
+    assert calls == [(call["args"]["a"], call["args"]["b"])]
+    assert msgs[2].content == str(sum(calls[0]))
+    assert msgs[3].tool_calls == []
+
+
+# ---------------------------------------------------------------------- structured output
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_structured_output_validates_on_random_weights(method):
+    llm = make_llm(max_tokens=100)
+    joke = llm.with_structured_output(Joke, method=method).invoke("tell a joke")
+    assert isinstance(joke, Joke)
+    d = llm.with_structured_output(JokeDict, method=method).invoke("tell a joke")
+    assert set(d) >= {"setup", "funny"} and isinstance(d["funny"], bool)
+    schema = {"title": "Point", "type": "object",
+              "properties": {"x": {"type": "number"}, "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["x", "tags"]}
+    obj = llm.with_structured_output(schema, method=method).invoke("a point")
+    jsonschema.validate(obj, schema)
+
+
+def test_structured_output_include_raw():
+    llm = make_llm(max_tokens=100)
+    out = llm.with_structured_output(Joke, include_raw=True).invoke("tell a joke")
+    assert set(out) == {"raw", "parsed", "parsing_error"}
+    assert isinstance(out["raw"], AIMessage) and isinstance(out["parsed"], Joke)
+    assert out["parsing_error"] is None
+    assert Joke.model_validate_json(out["raw"].content) == out["parsed"]
+
+
+async def test_structured_output_concurrent_batch_all_valid():
+    llm = make_llm(max_tokens=100).with_structured_output(Joke)
+    outs = await llm.abatch([f"joke {i}" for i in range(6)])
+    assert all(isinstance(o, Joke) for o in outs)
+
+
+# ---------------------------------------------------------------------- reasoning
+def _reasoning_grammar(engine: Engine) -> dict:
+    m = engine._grammar.marker  # forces a think block: stands in for a model that reasons
+    return {"type": "lark", "grammar": f'start: {m("<think>")} "\\nweighing it\\n" {m("</think>")} "\\n\\nthe answer"'}
+
+
+def test_reasoning_goes_to_reasoning_content_not_text():
+    llm = make_llm(max_tokens=40)
+    llm.engine.start_sync()
+    bound = llm.bind(response_format=_reasoning_grammar(llm.engine))
+    msg = bound.invoke("think first")
+    assert msg.content == "the answer"
+    assert msg.additional_kwargs["reasoning_content"] == "weighing it"
+    chunks = list(bound.stream("think first"))
+    assert "".join(c.content for c in chunks) == "the answer"
+    assert "".join(c.additional_kwargs.get("reasoning_content", "") for c in chunks) == "weighing it"
+    v1 = make_llm(max_tokens=40, output_version="v1").bind(response_format=_reasoning_grammar(llm.engine))
+    blocks = v1.invoke("think first").content
+    assert [b["type"] for b in blocks] == ["reasoning", "text"]
+    assert blocks[0]["reasoning"] == "weighing it" and blocks[1]["text"] == "the answer"
+
+
+def test_reasoning_flag_reaches_the_template():
+    on = make_llm(reasoning=True)
+    off = make_llm(reasoning=False)
+    msgs = [{"role": "user", "content": "hi"}]
+    eng = on.engine
+    p_off = eng.tokenizer.decode(eng.apply_chat_template(msgs, reasoning=False))
+    assert p_off.endswith("<think>\n\n</think>\n\n")
+    assert off.invoke("hi").content == eng.chat_sync(msgs, {"max_tokens": 24}, reasoning=False).content
+    assert on.invoke("hi").content == eng.chat_sync(msgs, {"max_tokens": 24}, reasoning=True).content
+
+
+# ---------------------------------------------------------------------- timeouts, params, profile
+def test_timeout_cancels_and_frees_the_slot():
+    llm = make_llm(max_tokens=4000, timeout=0.05)
+    with pytest.raises(TimeoutError):
+        llm.invoke("go on for a long time")
+    with pytest.raises(TimeoutError):
+        list(llm.stream("go on for a long time"))
+    with pytest.raises(TimeoutError):
+        asyncio.run(llm.ainvoke("go on for a long time"))
+    for _ in range(100):
+        if llm.engine.stats()["running"] == 0:
+            break
+        import time
+        time.sleep(0.05)
+    assert llm.engine.stats()["running"] == 0
+
+
+def test_identity_params_and_profile():
+    llm = make_llm(temperature=0.5, max_tokens=7, stop=["x"])
+    ls = llm._get_ls_params(stop=["y"])
+    assert ls["ls_provider"] == "mlx_tandem" and ls["ls_model_name"] == PATHS["qwen3_5"]
+    assert ls["ls_temperature"] == 0.5 and ls["ls_max_tokens"] == 7 and ls["ls_stop"] == ["x", "y"]
+    assert llm._identifying_params["model"] == PATHS["qwen3_5"]
+    cfg = json.load(open(f"{PATHS['qwen3_5']}/config.json"))
+    ctx = cfg.get("text_config", cfg)["max_position_embeddings"]
+    assert llm.profile["max_input_tokens"] == ctx
+    assert llm.profile["tool_calling"] is True
+    assert ChatMLX().model_name.startswith("tandem-default")

@@ -1,0 +1,87 @@
+"""langchain-tests standard suites for ChatMLX, offline on random-weight factory models.
+
+Every test that does not need a model that follows instructions must pass. The ones that
+do are xfailed with the reason below (listed in docs/langchain.md). Constrained decoding
+makes tool calls (with tool_choice) and structured output valid even on random weights,
+so those suites run for real.
+"""
+
+from __future__ import annotations
+
+import pytest
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from langchain_mlx_tandem import ChatMLX
+
+from .conftest import PATHS
+
+NEEDS_INSTRUCTIONS = (
+    "needs a model that follows instructions (the factory model has random weights: "
+    "its free text is noise); see docs/langchain.md"
+)
+
+
+class _Common:
+    @property
+    def chat_model_class(self):
+        return ChatMLX
+
+    @property
+    def chat_model_params(self) -> dict:
+        # The standard params add max_tokens=100: enough for the smallest valid structured
+        # answer with the tiny tokenizer.
+        return {"model": PATHS["qwen3_5"], "engine_options": {"show_progress": False}}
+
+    @property
+    def standard_chat_model_params(self) -> dict:
+        # A local model has no API key: drop the "api_key" the unit suite adds.
+        params = dict(super().standard_chat_model_params)
+        params.pop("api_key", None)
+        return params
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def model_override_value(self) -> str:
+        return PATHS["llama"]
+
+
+class TestChatMLXUnit(_Common, ChatModelUnitTests):
+    pass
+
+
+class TestChatMLXIntegration(_Common, ChatModelIntegrationTests):
+    @property
+    def chat_model_params(self) -> dict:
+        return {**super().chat_model_params, "max_tokens": 100}
+
+    # The forced call itself is valid (grammar-constrained); the argument must be the number
+    # the user asked for. tests/langchain/test_tools.py checks the rest of this behaviour.
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    @pytest.mark.xfail(reason=NEEDS_INSTRUCTIONS + ": the argument must be the user's number (3)")
+    def test_tool_calling(self, model):
+        super().test_tool_calling(model)
+
+    @pytest.mark.xfail(reason=NEEDS_INSTRUCTIONS + ": the argument must be the user's number (3)")
+    async def test_tool_calling_async(self, model):
+        await super().test_tool_calling_async(model)
+
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    @pytest.mark.xfail(reason=NEEDS_INSTRUCTIONS + ": the agent must decide to call the tool unforced")
+    def test_agent_loop(self, model):
+        super().test_agent_loop(model)
+
+    @pytest.mark.xfail(reason=NEEDS_INSTRUCTIONS + ": the arguments must copy the user's Chinese text")
+    def test_unicode_tool_call_integration(self, model):
+        super().test_unicode_tool_call_integration(model)

@@ -117,7 +117,11 @@ class ChatOutputParser:
         while True:
             markers = self._markers()
             hits = [(self._buf.find(m), m) for m in markers]
-            hits = [(i, m) for i, m in hits if i >= 0]
+            # <think> opens reasoning only before any content. Text ahead of it in the same
+            # buffer is content too: without this check the result depended on how the
+            # stream was split into deltas ("abc<think>" in one delta vs. two).
+            hits = [(i, m) for i, m in hits if i >= 0
+                    and not (m == self._fmt.think_start and self._state == CONTENT and self._buf[:i].strip())]
             if not hits:
                 keep = self._holdback(self._buf, markers)
                 cut = len(self._buf) - keep
@@ -157,6 +161,7 @@ class ChatOutputParser:
     def _switch(self, marker: str, out: ParsedDelta) -> None:
         f = self._fmt
         if self._state == CONTENT and marker == f.think_start:
+            self._content.drop_pending()  # whitespace before <think> is not content either
             self._state = REASONING
         elif self._state == REASONING:
             self._reasoning.drop_pending()

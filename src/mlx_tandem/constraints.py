@@ -132,20 +132,49 @@ def tool_call_constraint(fmt: ChatFormat, tools: Sequence[dict], names: Sequence
             "this model's chat template has no tool-call markers, so a tool call cannot be forced")
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     variants = []
-    for name in names:
-        params = by_name[name].get("parameters") or {"type": "object", "properties": {}}
+    defs: dict[str, Any] = {}
+    for i, name in enumerate(names):
+        params = _closed_objects(by_name[name].get("parameters") or {"type": "object", "properties": {}})
+        if _has_local_ref(params):
+            # Local refs ("#/$defs/Model", as pydantic writes them) resolve against the
+            # document root; nested under "arguments" they failed to compile. Keep the
+            # parameter schema whole under the root's $defs and point its refs there.
+            key = f"tool{i}_arguments"
+            defs[key] = _rebase_refs(params, f"#/$defs/{key}")
+            params = {"$ref": f"#/$defs/{key}"}
         variants.append({
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": _closed_objects(params)},
+            "properties": {"name": {"const": name}, "arguments": params},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         })
     body = variants[0] if len(variants) == 1 else {"anyOf": variants}
     body = {**body, "x-guidance": JSON_STYLE}
+    if defs:
+        body["$defs"] = defs
     call = f'{marker(fmt.tool_call_start)} "\\n" body "\\n" {marker(fmt.tool_call_end)}'
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     grammar = f"{start}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
     return Constraint("lark", grammar, f"tool_call({', '.join(names)})")
+
+
+def _has_local_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_has_local_ref(v) for v in schema)
+    return False
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """Rewrite local ``$ref`` pointers ("#/...") for a schema moved to ``base`` ("#/...")."""
+    if isinstance(schema, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else _rebase_refs(v, base)) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebase_refs(v, base) for v in schema]
+    return schema
 
 
 def _grammar_text(c: Constraint) -> str:
@@ -165,6 +194,11 @@ def _grammar_text(c: Constraint) -> str:
 _CLOSERS = frozenset(b'"}]')
 _SEPARATORS = frozenset(b",:")
 _DIGITS = frozenset(b"0123456789")
+# Take the closing path while the budget still exceeds it by this many tokens. One token can
+# lengthen the shortest completion by several (a "," in an array, " {" in an object, a new
+# optional key): with a slack of one, such a token right before the end left no completion
+# that fits, and a valid-looking request ended with "length" and broken JSON.
+_SLACK = 8
 
 
 class GrammarCompiler:
@@ -288,6 +322,7 @@ class GrammarProcessor:
         self._calls = 0
         self._forced: list[int] = []
         self._estimate = 0  # tokens the last simulated completion needed
+        self._next_check = 1  # call number of the next simulation far from the end
         self._checking = True
         self.closed_early = False
 
@@ -302,16 +337,19 @@ class GrammarProcessor:
         remaining = self._max_tokens - self._calls + 1  # tokens left, this one included
         # Simulate at the start (the smallest answer's length) and whenever the budget left
         # is within twice the last estimate: cheap far from the end, exact near it.
+        # Also re-simulate far from the end, at shrinking intervals: the completion grows
+        # while the model nests ("[[[[..."), so the last estimate alone can be far too low.
         if self._checking and not self._forced and (
-                self._calls == 1 or remaining <= 2 * self._estimate + 16):
+                self._calls >= self._next_check or remaining <= 2 * self._estimate + 16):
             path = closing_path(self.matcher, self._tiers, self._eos, limit=remaining)
             if path is None:
                 self._checking = False  # no completion fits: it ends with "length"
-            elif len(path) >= remaining - 1:
+            elif len(path) >= remaining - _SLACK:
                 self._forced = path  # the budget only just covers a completion: take it
                 self.closed_early = True
             else:
                 self._estimate = len(path)
+                self._next_check = self._calls + max(1, (remaining - len(path) - _SLACK) // 4)
         if self._forced:
             allowed = np.zeros(logits.shape[-1], dtype=bool)
             allowed[self._forced.pop(0)] = True

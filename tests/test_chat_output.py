@@ -1,0 +1,313 @@
+"""ChatOutputParser: streamed text -> reasoning, content and tool calls, for any split into deltas.
+
+Pure Python (no model): a ChatFormat with Qwen-style ``<think>`` and ``<tool_call>`` markers
+and mlx-lm's ``json_tools`` parser. The central property is that the result never depends
+on how the generated text was cut into stream deltas, so every case is fed whole, one
+character at a time, cut at every position, and cut at random places.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from mlx_lm.tool_parsers import qwen3_coder
+from mlx_lm.tool_parsers.json_tools import parse_tool_call
+
+from mlx_tandem.chat_format import ChatFormat
+from mlx_tandem.chat_output import ChatOutputParser
+from mlx_tandem.outputs import InvalidToolCall, ToolCall
+
+FMT = ChatFormat(
+    think_start="<think>", think_end="</think>",
+    tool_call_start="<tool_call>", tool_call_end="</tool_call>",
+    tool_format="json_tools", tool_parser=parse_tool_call, template_has_tools=True,
+)
+NO_THINK = ChatFormat(tool_call_start="<tool_call>", tool_call_end="</tool_call>",
+                      tool_format="json_tools", tool_parser=parse_tool_call)
+# Same markers, but the format's own parser reads Qwen3-Coder's XML-like bodies, not JSON.
+XML_CALLS = ChatFormat(think_start="<think>", think_end="</think>",
+                       tool_call_start="<tool_call>", tool_call_end="</tool_call>",
+                       tool_format="qwen3_coder", tool_parser=qwen3_coder.parse_tool_call)
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}},
+]
+
+
+def call(name, arguments, raw_args=None):
+    args = raw_args if raw_args is not None else json.dumps(arguments, ensure_ascii=False)
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+def splits(text: str, n_random: int = 12, seed: int = 0):
+    """Ways to cut ``text`` into deltas: whole, per character, at each position, at random."""
+    yield [text]
+    yield list(text)
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+    rng = random.Random(seed)
+    for _ in range(n_random):
+        cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 8)))) if len(text) > 1 else []
+        bounds = [0, *cuts, len(text)]
+        yield [text[a:b] for a, b in zip(bounds, bounds[1:])] + [""]  # an empty delta too
+
+
+class Result:
+    def __init__(self):
+        self.content = ""
+        self.reasoning = ""
+        self.tool_calls: list[ToolCall] = []
+        self.invalid_tool_calls: list[InvalidToolCall] = []
+        self.after_feed = None  # what was emitted before finish()
+
+    def add(self, d):
+        self.content += d.content
+        self.reasoning += d.reasoning
+        self.tool_calls += d.tool_calls
+        self.invalid_tool_calls += d.invalid_tool_calls
+
+    def key(self):
+        """Everything but the random call ids."""
+        return (self.content, self.reasoning,
+                [(c.name, c.arguments) for c in self.tool_calls],
+                [(c.name, c.arguments) for c in self.invalid_tool_calls])
+
+
+def parse(pieces, fmt=FMT, **kw) -> Result:
+    kw.setdefault("tools", TOOLS)
+    p = ChatOutputParser(fmt, **kw)
+    r = Result()
+    for piece in pieces:
+        r.add(p.feed(piece))
+    r.after_feed = (r.content, r.reasoning)
+    r.add(p.finish())
+    assert p.num_tool_calls == len(r.tool_calls)
+    return r
+
+
+def parse_every_split(text, fmt=FMT, **kw) -> Result:
+    """Parse ``text`` cut every way; assert all agree; return the whole-text result."""
+    whole = parse([text], fmt, **kw)
+    for pieces in splits(text):
+        got = parse(pieces, fmt, **kw)
+        assert got.key() == whole.key(), f"split {pieces!r} parsed differently"
+    return whole
+
+
+# ---------------------------------------------------------------------------- plain text
+PLAIN = [
+    "Hello world.",
+    "  leading and trailing whitespace \n\n",
+    "\n",
+    "a < b and c > d, x<y",
+    "compare </think> and </tool_call> closers, which open nothing",
+    "ends with a marker prefix <thi",
+    "ends with a tool marker prefix <tool_ca",
+    "<",
+    "emoji 🙂🚀👍🏽 and 東京, naïve café, e\u0301, 👨\u200d👩\u200d👧",
+    "tab\there\r\nwindows line\u2028sep ",
+]
+
+
+@pytest.mark.parametrize("parse_tool_calls", [True, False])
+@pytest.mark.parametrize("text", PLAIN)
+def test_plain_text_is_content_exactly(text, parse_tool_calls):
+    r = parse_every_split(text, parse_tool_calls=parse_tool_calls)
+    assert r.content == text
+    assert r.reasoning == "" and r.tool_calls == [] and r.invalid_tool_calls == []
+
+
+@pytest.mark.parametrize("text", ["Hello world, this is plain.", "x  y \n", "no marker at all 🙂 "])
+def test_plain_text_is_not_held_back_longer_than_needed(text):
+    # Before finish() everything but trailing whitespace has been released: only text that
+    # may start a marker is held back.
+    for pieces in splits(text):
+        r = parse(pieces, parse_tool_calls=True)
+        assert r.after_feed == (text.rstrip(), "")
+
+
+def test_starts_in_reasoning_is_ignored_without_thinking_markers():
+    text = "abc</think>answer"
+    r = parse_every_split(text, NO_THINK, starts_in_reasoning=True, parse_tool_calls=True)
+    assert (r.content, r.reasoning) == (text, "")
+
+
+# ---------------------------------------------------------------------------- reasoning
+@pytest.mark.parametrize("text,reasoning,content", [
+    ("<think>\nabc\n</think>\n\nanswer", "abc", "answer"),
+    ("<think>abc</think>answer", "abc", "answer"),
+    ("<think>\nline one\n\n  line two  \n</think>\n\nThe answer is 42.\n", "line one\n\n  line two",
+     "The answer is 42.\n"),
+    ("<think>\n\n</think>\n\nanswer", "", "answer"),
+    ("<think>a<b </thi nk> still thinking</think>done", "a<b </thi nk> still thinking", "done"),
+    ("<think>🙂 東京</think>🚀 ok", "🙂 東京", "🚀 ok"),
+    ("\n<think>abc</think>answer", "abc", "answer"),  # whitespace before <think> is not content
+    ("<think>\nabc", "abc", ""),  # the budget ran out while thinking
+])
+def test_reasoning_is_split_from_content(text, reasoning, content):
+    r = parse_every_split(text)
+    assert (r.reasoning, r.content) == (reasoning, content)
+    assert "<think>" not in r.content and "</think>" not in r.content
+
+
+def test_think_marker_after_content_is_content():
+    # <think> opens reasoning only at the start of the answer; later it is ordinary text.
+    text = "abc<think>x</think>y"
+    r = parse_every_split(text)
+    assert (r.content, r.reasoning) == (text, "")
+
+
+@pytest.mark.parametrize("text,reasoning,content", [
+    ("abc</think>answer", "abc", "answer"),
+    ("\nabc\n</think>\n\nanswer", "abc", "answer"),
+    ("still thinking when the budget ran out", "still thinking when the budget ran out", ""),
+])
+def test_starts_in_reasoning(text, reasoning, content):
+    r = parse_every_split(text, starts_in_reasoning=True)
+    assert (r.reasoning, r.content) == (reasoning, content)
+
+
+def test_tool_call_inside_reasoning_stays_reasoning():
+    text = "<think>maybe " + call("get_weather", {"city": "Paris"}) + "</think>no call"
+    r = parse_every_split(text, parse_tool_calls=True)
+    assert r.tool_calls == [] and r.invalid_tool_calls == []
+    assert r.reasoning == "maybe " + call("get_weather", {"city": "Paris"})
+    assert r.content == "no call"
+
+
+# ---------------------------------------------------------------------------- tool calls
+def _calls(r):
+    return [(c.name, c.arguments) for c in r.tool_calls]
+
+
+def test_one_tool_call():
+    r = parse_every_split(call("get_weather", {"city": "Paris"}), parse_tool_calls=True)
+    assert _calls(r) == [("get_weather", {"city": "Paris"})]
+    assert r.content == "" and r.reasoning == "" and r.invalid_tool_calls == []
+
+
+def test_two_tool_calls():
+    text = call("get_weather", {"city": "Paris"}) + "\n" + call("add", {"a": 1, "b": 2})
+    r = parse_every_split(text, parse_tool_calls=True)
+    assert _calls(r) == [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    assert r.content == "" and r.invalid_tool_calls == []
+
+
+def test_content_reasoning_and_calls_together():
+    text = ("<think>\nThe user wants weather.\n</think>\n\nLet me check.\n"
+            + call("get_weather", {"city": "東京 🙂"}) + "\n\nDone.")
+    r = parse_every_split(text, parse_tool_calls=True)
+    assert r.reasoning == "The user wants weather."
+    assert _calls(r) == [("get_weather", {"city": "東京 🙂"})]
+    assert r.content == "Let me check.Done."
+    assert "<tool_call>" not in r.content and "</tool_call>" not in r.content
+
+
+def test_arguments_given_as_a_json_string_are_decoded():
+    r = parse_every_split(call("add", None, raw_args=json.dumps(json.dumps({"a": 1, "b": 2}))),
+                          parse_tool_calls=True)
+    assert _calls(r) == [("add", {"a": 1, "b": 2})]
+
+
+@pytest.mark.parametrize("body,name", [
+    ('{"name": "add", "arguments": {"a": }', None),  # not JSON
+    ('{"name": "add", "arguments": [1, 2]}', "add"),  # JSON, but arguments not an object
+    ('{"arguments": {"a": 1}}', None),  # no name
+    ('[1, 2]', None),
+])
+def test_unparsable_call_is_kept_as_invalid_with_its_raw_text(body, name):
+    text = "before " + f"<tool_call>\n{body}\n</tool_call>"
+    r = parse_every_split(text, parse_tool_calls=True)
+    assert r.tool_calls == []
+    assert len(r.invalid_tool_calls) == 1
+    bad = r.invalid_tool_calls[0]
+    assert bad.arguments == body and bad.name == name and bad.error
+    assert bad.id.startswith("call_")
+    assert r.content == "before"
+
+
+def test_valid_and_invalid_calls_in_one_answer():
+    text = call("get_weather", {"city": "Oslo"}) + "\n<tool_call>\n{oops}\n</tool_call>\n" + call("add", {"a": 3})
+    r = parse_every_split(text, parse_tool_calls=True)
+    assert _calls(r) == [("get_weather", {"city": "Oslo"}), ("add", {"a": 3})]
+    assert [c.arguments for c in r.invalid_tool_calls] == ["{oops}"]
+
+
+def test_unterminated_call_at_finish():
+    complete = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+    r = parse_every_split(complete, parse_tool_calls=True)
+    assert _calls(r) == [("get_weather", {"city": "Rome"})] and r.invalid_tool_calls == []
+
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro'
+    r = parse_every_split(cut, parse_tool_calls=True)
+    assert r.tool_calls == []
+    assert [c.arguments for c in r.invalid_tool_calls] == [cut[len("<tool_call>"):].strip()]
+    assert r.content == ""
+
+
+def test_call_ids_are_unique_and_prefixed():
+    text = "\n".join(call("add", {"a": i, "b": i}) for i in range(20))
+    ids = []
+    for _ in range(5):
+        r = parse([text], parse_tool_calls=True)
+        assert len(r.tool_calls) == 20
+        ids += [c.id for c in r.tool_calls]
+    bad = parse(["<tool_call>x</tool_call><tool_call>y</tool_call>"], parse_tool_calls=True)
+    ids += [c.id for c in bad.invalid_tool_calls]
+    assert all(i.startswith("call_") and len(i) > len("call_") for i in ids)
+    assert len(set(ids)) == len(ids) == 102
+
+
+def test_tool_calls_not_parsed_when_disabled():
+    text = "Sure.\n" + call("get_weather", {"city": "Paris"}) + "\n"
+    r = parse_every_split(text, parse_tool_calls=False)
+    assert r.content == text and r.tool_calls == [] and r.invalid_tool_calls == []
+    # A format without a tool parser cannot parse calls either.
+    no_parser = ChatFormat(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
+                           tool_call_end="</tool_call>")
+    r = parse_every_split(text, no_parser, parse_tool_calls=True)
+    assert r.content == text and r.tool_calls == []
+
+
+def test_forced_json_calls_parse_json_bodies_whatever_the_format_parser():
+    text = call("get_weather", {"city": "Lima"})
+    # The format's own (XML) parser cannot read a JSON body...
+    r = parse_every_split(text, XML_CALLS, parse_tool_calls=True)
+    assert r.tool_calls == [] and len(r.invalid_tool_calls) == 1
+    # ...but a grammar-forced call is JSON, and is read as JSON.
+    r = parse_every_split(text, XML_CALLS, parse_tool_calls=True, forced_json_calls=True)
+    assert _calls(r) == [("get_weather", {"city": "Lima"})] and r.invalid_tool_calls == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_documents_parse_the_same_for_every_split(seed):
+    """Random mixes of reasoning, content (incl. marker-like text) and calls."""
+    rng = random.Random(seed)
+    words = ["a", " b", "<", "</", "<t", "<thin", "<tool", "🙂", "東京", "\n", "  ", "x>y", "</tool", "{", "\""]
+    expected_calls = []
+    text = ""
+    if rng.random() < 0.7:
+        text += "<think>" + "".join(rng.choice(words) for _ in range(6)).replace("</", "< /") + "</think>\n"
+    content = "".join(rng.choice(words) for _ in range(6))
+    text += content
+    for i in range(rng.randint(0, 3)):
+        args = {"city": "".join(rng.choice(words) for _ in range(3))}
+        expected_calls.append(("get_weather", args))
+        text += "\n" + call("get_weather", args)
+    r = parse_every_split(text, parse_tool_calls=True)
+    assert _calls(r) == expected_calls
+    assert r.invalid_tool_calls == []
+    assert "<tool_call>" not in r.content and "<think>" not in r.content
+
+
+def test_unicode_survives_any_split():
+    text = "<think>思考中 🤔</think>\n\n答え: 👍🏽 naïve 👨\u200d👩\u200d👧 " + call("get_weather", {"city": "Zürich 🏔"})
+    r = parse_every_split(text, parse_tool_calls=True)
+    assert r.reasoning == "思考中 🤔"
+    assert r.content == "答え: 👍🏽 naïve 👨\u200d👩\u200d👧"
+    assert _calls(r) == [("get_weather", {"city": "Zürich 🏔"})]

@@ -1,0 +1,603 @@
+"""Grammar-constrained decoding through the engine: response_format, forced tool calls, tool_choice.
+
+The factory models have random weights, so their free text is noise: every assertion here is
+about structure (the output parses and validates against the schema), about finishing within
+the budget, or about equality with a reference run, never about particular words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Literal, Optional
+
+import pytest
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from mlx_tandem import SamplingParams
+from mlx_tandem.constraints import Constraint, closing_path
+from mlx_tandem.errors import ConstraintError, InvalidRequestError
+
+from .forcing import forcing_processor
+from .prompts import chat_prompts
+
+try:  # a second, independent validator where it is installed
+    import jsonschema
+except ImportError:  # pragma: no cover - pydantic validates either way
+    jsonschema = None
+
+USER = [{"role": "user", "content": "Answer in JSON please."}]
+
+
+# ---------------------------------------------------------------------------- schemas
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class User(_Strict):
+    name: str
+    age: int
+
+
+class Nested(_Strict):
+    user: User
+    tags: list[str]
+
+
+class Scalars(_Strict):
+    color: Literal["red", "green", "blue"]
+    ok: bool
+    x: float
+    n: int = Field(ge=1, le=5)
+    code: str = Field(max_length=6)
+
+
+class Optionals(_Strict):
+    a: str
+    b: Optional[int] = None
+    c: Optional[list[str]] = None
+
+
+class Address(_Strict):
+    street: str
+    zip_code: int
+
+
+class Person(_Strict):
+    """A pydantic model whose generated schema (titles, $defs/$ref, anyOf null) is used as is."""
+
+    name: str
+    address: Address
+    nickname: Optional[str] = None
+    scores: list[float] = []
+
+
+SCHEMAS = {  # name -> (JSON schema, pydantic type that validates the same documents)
+    "nested_object": ({
+        "type": "object",
+        "properties": {
+            "user": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                     "required": ["name", "age"]},
+            "tags": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["user", "tags"],
+    }, Nested),
+    "array_of_strings": ({"type": "array", "items": {"type": "string"}}, list[str]),
+    "enum_and_scalars": ({
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}, "x": {"type": "number"},
+            "n": {"type": "integer", "minimum": 1, "maximum": 5}, "code": {"type": "string", "maxLength": 6},
+        },
+        "required": ["color", "ok", "x", "n", "code"],
+    }, Scalars),
+    "optional_fields": ({
+        "type": "object",
+        "properties": {"a": {"type": "string"}, "b": {"type": "integer"},
+                       "c": {"type": "array", "items": {"type": "string"}}},
+        "required": ["a"],
+    }, Optionals),
+    "pydantic_model": (Person.model_json_schema(), Person),
+}
+
+
+def validate(text: str, schema: dict, pytype) -> object:
+    """Parse ``text`` as JSON and validate it against ``schema`` (pydantic, and jsonschema if present)."""
+    value = json.loads(text)
+    TypeAdapter(pytype).validate_json(text, strict=True)
+    if jsonschema is not None:
+        jsonschema.validate(value, schema)
+    return value
+
+
+def rf(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+def assert_valid_structured(out, schema, pytype, max_tokens):
+    assert out.finish_reason == "stop", (out.finish_reason, out.text)
+    assert len(out.token_ids) <= max_tokens
+    assert out.content == out.text  # only the JSON document: no reasoning, no extra text
+    assert out.reasoning == "" and out.tool_calls == [] and out.invalid_tool_calls == []
+    return validate(out.content, schema, pytype)
+
+
+SAMPLINGS = [dict(), dict(temperature=1.0, seed=11), dict(temperature=1.0, seed=12, top_p=0.9)]
+
+
+async def test_json_schema_outputs_validate(qwen3_5_engine):
+    """Every schema, greedy and sampled, all in one batch: each answer is a valid document."""
+    max_tokens = 50
+    engine = qwen3_5_engine
+    runs = [(name, s) for name in SCHEMAS for s in SAMPLINGS]
+    outs = await asyncio.gather(*[
+        engine.chat(USER, SamplingParams(max_tokens=max_tokens, **s), response_format=rf(SCHEMAS[name][0]))
+        for name, s in runs])
+    for (name, s), out in zip(runs, outs):
+        schema, pytype = SCHEMAS[name]
+        try:
+            assert_valid_structured(out, schema, pytype, max_tokens)
+        except Exception as exc:
+            raise AssertionError(f"schema {name!r}, sampling {s}: {exc!r}\n{out.text!r}") from exc
+
+
+async def test_schema_given_as_json_text_and_bare_form(llama_engine):
+    schema, pytype = SCHEMAS["nested_object"]
+    outs = await asyncio.gather(*[
+        llama_engine.chat(USER, SamplingParams(max_tokens=50), response_format=fmt)
+        for fmt in ({"type": "json_schema", "json_schema": {"schema": json.dumps(schema)}},
+                    {"type": "json_schema", "schema": schema})])
+    for out in outs:
+        assert_valid_structured(out, schema, pytype, 50)
+
+
+async def test_json_object(qwen3_5_engine):
+    engine = qwen3_5_engine
+    outs = await asyncio.gather(
+        *[engine.chat(USER, SamplingParams(max_tokens=40, **s), response_format={"type": "json_object"})
+          for s in SAMPLINGS],
+        # Raw prompts take a response_format too.
+        engine.complete("Some JSON:", SamplingParams(max_tokens=40), response_format={"type": "json_object"}))
+    for out in outs:
+        assert out.finish_reason == "stop" and len(out.token_ids) <= 40, out.text
+        assert isinstance(json.loads(out.content), dict)
+
+
+async def test_regex_and_lark_response_formats(qwen3_5_engine):
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    grammar = 'start: answer ", " answer\nanswer: "yes" | "no" | "maybe"'
+    outs = await asyncio.gather(*[
+        qwen3_5_engine.chat(USER, SamplingParams(max_tokens=30, **s), response_format=f)
+        for f in ({"type": "regex", "pattern": pattern}, {"type": "lark", "grammar": grammar})
+        for s in SAMPLINGS])
+    for out in outs[:3]:
+        assert out.finish_reason == "stop" and re.fullmatch(pattern, out.content), out.content
+    for out in outs[3:]:
+        assert out.finish_reason == "stop" and re.fullmatch(r"(yes|no|maybe), (yes|no|maybe)", out.content)
+
+
+# ---------------------------------------------------------------------------- budget
+def _closing_length(engine, schema) -> int:
+    """Tokens the closing mode needs to finish ``schema`` from scratch (EOS included)."""
+    grammar = engine._grammar  # white-box: the engine's own compiler and closing preferences
+    path = closing_path(grammar.compile(Constraint.json_schema(schema)), grammar.tiers(),
+                        frozenset(grammar.eos_token_ids), limit=10_000)
+    assert path is not None
+    return len(path)
+
+
+async def test_budget_just_large_enough_still_gives_valid_output(qwen3_5_engine):
+    """max_tokens equal to (or just above) what closing mode needs: still a valid document."""
+    engine = qwen3_5_engine
+    runs = []
+    for name in ("nested_object", "enum_and_scalars", "pydantic_model", "array_of_strings"):
+        n0 = _closing_length(engine, SCHEMAS[name][0])
+        runs += [(name, n, s) for n in (n0, n0 + 1, n0 + 3) for s in SAMPLINGS[:2]]
+    outs = await asyncio.gather(*[
+        engine.chat(USER, SamplingParams(max_tokens=n, **s), response_format=rf(SCHEMAS[name][0]))
+        for name, n, s in runs])
+    for (name, n, s), out in zip(runs, outs):
+        assert_valid_structured(out, *SCHEMAS[name], n)
+
+
+async def test_budget_too_small_ends_with_length(qwen3_5_engine):
+    engine = qwen3_5_engine
+    key = "a_rather_long_required_key_name"
+    schema = {"type": "object", "properties": {key: {"type": "string"}}, "required": [key]}
+    # Every valid answer starts with this exact text (no free whitespace). A token covers at
+    # most `widest` of its characters, and EOS needs a token of its own.
+    prefix = '{"' + key + '": "'
+    widest = max(max((j for j in range(len(t) + 1) if t[:j] in prefix), default=0)
+                 for t in (engine.tokenizer.decode([i]) for i in range(engine.loaded.vocab_size)))
+    too_small = -(-len(prefix) // widest)  # budgets up to this cannot hold prefix + EOS
+    assert too_small >= 2
+    runs = [(n, s) for n in range(1, too_small + 1) for s in SAMPLINGS[:2]]
+    outs = await asyncio.gather(
+        *[engine.chat(USER, SamplingParams(max_tokens=n, **s), response_format=rf(schema)) for n, s in runs],
+        # A forced tool call that cannot fit either.
+        engine.chat(USER, SamplingParams(max_tokens=3), tools=TOOLS, tool_choice="required"))
+    for (n, _), out in zip(runs, outs):
+        assert out.finish_reason == "length" and len(out.token_ids) == n
+    assert outs[-1].finish_reason == "length" and outs[-1].tool_calls == []
+    # The engine is fine afterwards.
+    out = await engine.chat(USER, SamplingParams(max_tokens=_closing_length(engine, schema) + 5), response_format=rf(schema))
+    assert out.finish_reason == "stop" and set(json.loads(out.content)) == {key}
+
+
+def _opener_lover(engine):
+    """A user logits processor for a worst-case model: it always opens or extends structure.
+
+    It boosts "[", "{" and "," tokens; the grammar (which runs after user processors) keeps
+    only the legal ones, so the answer nests and grows for as long as it is allowed to.
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    texts = [engine.tokenizer.decode([i]) for i in range(engine.loaded.vocab_size)]
+    boost = mx.array(np.array([50.0 if t.strip() and set(t.strip()) <= set("[{,") else 0.0 for t in texts],
+                              dtype=np.float32))
+    return lambda tokens, logits: logits + boost
+
+
+async def test_every_budget_from_the_closing_length_up_ends_validly(llama_engine):
+    """Sweep max_tokens from what closing mode needs upwards: always "stop" and valid.
+
+    Catches a closing mode that steers too late, with the random model and with one that
+    keeps nesting: one token can lengthen the shortest completion by several ("," in an
+    array of arrays, " {" in an object), and a deep nest must be noticed long before the end.
+    """
+    engine = llama_engine
+    adversary = _opener_lover(engine)
+    grid = {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}
+    cases = [  # (name, schema, pytype, budgets, logits processors)
+        ("nested_object", *SCHEMAS["nested_object"], range(0, 9), ()),
+        ("grid", grid, list[list[int]], range(0, 12), (adversary,)),
+        ("json_object", {"type": "object"}, dict, (0, 1, 2, 60, 120), (adversary,)),
+    ]
+    runs = []
+    for name, schema, pytype, budgets, procs in cases:
+        n0 = _closing_length(engine, schema)
+        runs += [(name, schema, pytype, n0 + b, procs) for b in budgets]
+    outs = await asyncio.gather(*[
+        engine.chat(USER, SamplingParams(max_tokens=n, logits_processors=list(procs)), response_format=rf(schema))
+        for _, schema, _, n, procs in runs])
+    for (name, schema, pytype, n, _), out in zip(runs, outs):
+        assert out.finish_reason == "stop", (name, n, out.text)
+        validate(out.content, schema, pytype)
+        assert len(out.token_ids) <= n
+
+
+async def test_long_optional_key_near_the_end_of_the_budget(qwen3_5_engine):
+    """"stop" always means a valid document, and nothing raises, for every budget.
+
+    Known limit, reported as an expected failure when it shows: closing mode keeps a fixed
+    slack, and starting an optional key whose name is longer than that slack right before
+    the end leaves no completion that fits ("length", unfinished JSON).
+    """
+    engine = qwen3_5_engine
+    schema = {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "string"}, "a_long_optional_description": {"type": "string"},
+        "another_optional_list_of_things": {"type": "array", "items": {"type": "integer"}}}}
+    pytype = dict
+    n0 = _closing_length(engine, schema)
+    runs = [(n, dict(temperature=1.0, seed=seed)) for n in range(n0 + 5, n0 + 17) for seed in (n, 1000 + n)]
+    outs = await asyncio.gather(*[
+        engine.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=n, **s), response_format=rf(schema))
+        for n, s in runs])
+    misses = []
+    for (n, s), out in zip(runs, outs):
+        assert out.finish_reason in ("stop", "length") and len(out.token_ids) <= n
+        if out.finish_reason == "stop":
+            validate(out.content, schema, pytype)
+        else:
+            misses.append((n, s["seed"]))
+    if misses:
+        pytest.xfail(f"known limit: budgets >= the closing length that ended with 'length': {misses}")
+
+
+# ---------------------------------------------------------------------------- tool calls
+class WeatherArgs(_Strict):
+    city: str
+    unit: Literal["celsius", "fahrenheit"] = "celsius"
+    days: Optional[int] = Field(default=None, ge=1, le=7)
+
+
+class AddArgs(_Strict):
+    a: int
+    b: int
+
+
+class Point(_Strict):
+    x: int
+    y: int
+
+
+class MoveArgs(_Strict):
+    """Nested pydantic model: its schema refers to Point through $defs/$ref."""
+
+    to: Point
+    speed: Optional[float] = None
+
+
+TOOL_MODELS = {"get_weather": WeatherArgs, "add": AddArgs, "move": MoveArgs}
+TOOLS = [
+    {"type": "function", "function": {"name": name, "description": f"the {name} tool",
+                                      "parameters": model.model_json_schema()}}
+    for name, model in TOOL_MODELS.items()
+]
+
+
+def assert_valid_calls(out, allowed_names):
+    assert out.finish_reason == "tool_calls", (out.finish_reason, out.text)
+    assert out.tool_calls and out.invalid_tool_calls == []
+    assert out.content.strip() == ""
+    for c in out.tool_calls:
+        assert c.name in allowed_names
+        assert c.id.startswith("call_")
+        TOOL_MODELS[c.name].model_validate_json(c.arguments_json, strict=True)
+        if jsonschema is not None:
+            jsonschema.validate(c.arguments, TOOL_MODELS[c.name].model_json_schema())
+    assert len({c.id for c in out.tool_calls}) == len(out.tool_calls)
+
+
+TOOL_CHOICES = [  # (tool_choice, the names a forced call may use)
+    ("required", set(TOOL_MODELS)),
+    ("any", set(TOOL_MODELS)),
+    (True, set(TOOL_MODELS)),
+    ({"type": "any"}, set(TOOL_MODELS)),
+    ("get_weather", {"get_weather"}),
+    ("move", {"move"}),
+    ({"type": "function", "function": {"name": "add"}}, {"add"}),
+    ({"type": "function", "name": "add"}, {"add"}),
+    ({"type": "tool", "name": "get_weather"}, {"get_weather"}),
+]
+
+
+@pytest.mark.parametrize("tool_choice,names", TOOL_CHOICES + [("auto", None), (None, None), ({"type": "auto"}, None),
+                                                              ("none", None), ({"type": "none"}, None)])
+def test_tool_choice_forms_plan_the_same_constraints(tool_choice, names):
+    """Every spelling of tool_choice plans the grammar of exactly its tools (no model needed)."""
+    from mlx_tandem.chat_format import ChatFormat
+    from mlx_tandem.chat_plan import plan_chat
+
+    fmt = ChatFormat(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
+                     tool_call_end="</tool_call>", tool_format="json_tools", tool_parser=lambda t, tools: json.loads(t))
+    plan = plan_chat(fmt, tools=TOOLS, tool_choice=tool_choice, response_format=None, reasoning=None,
+                     parallel_tool_calls=False, template_kwargs=None, marker=json.dumps, encode=lambda s: [7])
+    if names is None:
+        assert plan.constraint is None
+        none = tool_choice in ("none", {"type": "none"})
+        assert plan.tools == (None if none else TOOLS) and plan.parse_tool_calls == (not none)
+        assert plan.banned_token_ids == ([7] if none else [])
+        assert "enable_thinking" not in plan.template_kwargs
+    else:
+        ordered = [n for n in TOOL_MODELS if n in names]
+        assert plan.constraint.description == f"tool_call({', '.join(ordered)})"
+        assert plan.tools == TOOLS and plan.parse_tool_calls and not plan.forced_json_calls
+        assert plan.template_kwargs == {"enable_thinking": False}  # constrained: no reasoning
+
+
+async def _forced_calls(engine, choices, samplings, max_tokens=64, parallel=False):
+    """One request per choice, in one batch; the samplings take turns."""
+    runs = [(tc, names, samplings[i % len(samplings)]) for i, (tc, names) in enumerate(choices)]
+    outs = await asyncio.gather(*[
+        engine.chat(USER, SamplingParams(max_tokens=max_tokens, **s), tools=TOOLS, tool_choice=tc,
+                    parallel_tool_calls=parallel)
+        for tc, _, s in runs])
+    for (tc, names, s), out in zip(runs, outs):
+        try:
+            assert_valid_calls(out, names)
+        except Exception as exc:
+            raise AssertionError(f"tool_choice={tc!r}, sampling {s}: {exc!r}\n{out.text!r}") from exc
+    return [(tc, names, out) for (tc, names, _), out in zip(runs, outs)]
+
+
+async def test_forced_tool_call(llama_engine):
+    choices = [TOOL_CHOICES[i] for i in (0, 5, 6, 8)]
+    for tc, names, out in await _forced_calls(llama_engine, choices, SAMPLINGS[:2]):
+        assert len(out.tool_calls) == 1, tc  # parallel_tool_calls=False: exactly one
+        if len(names) == 1:
+            assert out.tool_calls[0].name == next(iter(names))
+
+
+async def test_forced_tool_call_qwen3_5(qwen3_5_engine):
+    choices = [TOOL_CHOICES[i] for i in (1, 4, 7)]
+    for tc, names, out in await _forced_calls(qwen3_5_engine, choices, SAMPLINGS[:2]):
+        assert len(out.tool_calls) == 1
+        if len(names) == 1:
+            assert out.tool_calls[0].name == next(iter(names))
+
+
+async def test_forced_parallel_tool_calls(llama_engine):
+    choices = [("required", set(TOOL_MODELS)), ("add", {"add"})]
+    results = await _forced_calls(llama_engine, choices, SAMPLINGS[1:], max_tokens=90, parallel=True)
+    assert all(len(out.tool_calls) >= 1 for _, _, out in results)
+
+
+async def test_forced_tool_call_streamed(llama_engine):
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=5)
+    kw = dict(tools=TOOLS, tool_choice="get_weather", parallel_tool_calls=False)
+    out = await llama_engine.chat(USER, params, **kw)
+    assert_valid_calls(out, {"get_weather"})
+    deltas = [d async for d in llama_engine.stream_chat(USER, params, **kw)]
+    assert [t for d in deltas for t in d.token_ids] == out.token_ids  # same seed, same answer
+    streamed = [c for d in deltas for c in d.tool_calls]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in out.tool_calls]
+    assert deltas[-1].finish_reason == "tool_calls"
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    assert "".join(d.content or "" for d in deltas) == out.content
+
+
+def _tool_call_token(engine) -> int:
+    ids = engine.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    assert len(ids) == 1
+    return ids[0]
+
+
+async def test_tool_choice_none_never_emits_a_call(qwen3_5_engine):
+    engine = qwen3_5_engine
+    tc = _tool_call_token(engine)
+    eos = engine.loaded.eos_token_ids[0]
+
+    def push():  # a user processor that tries to force <tool_call> at every step
+        return SamplingParams(max_tokens=12, logits_processors=[forcing_processor([tc] * 12, eos)])
+
+    # Under "auto" the processor does get the marker out (so the check below means something)...
+    auto = await engine.chat(USER, push(), tools=TOOLS)
+    assert tc in auto.token_ids
+    # ...under "none" it never appears, and the prompt carries no tools.
+    outs = await asyncio.gather(*[
+        engine.chat(USER, params, tools=TOOLS, tool_choice=choice)
+        for params in (push(), SamplingParams(max_tokens=24), SamplingParams(max_tokens=24, temperature=1.0, seed=3))
+        for choice in ("none", {"type": "none"})])
+    for out in outs:
+        assert tc not in out.token_ids
+        assert out.tool_calls == [] and out.invalid_tool_calls == []
+        assert "<tools>" not in engine.tokenizer.decode(out.prompt_token_ids)
+        assert out.finish_reason in ("stop", "length")
+
+
+async def test_tool_choice_none_keeps_the_response_format(qwen3_5_engine):
+    schema, pytype = SCHEMAS["nested_object"]
+    out = await qwen3_5_engine.chat(USER, SamplingParams(max_tokens=45), tools=TOOLS, tool_choice="none",
+                                    response_format=rf(schema))
+    assert_valid_structured(out, schema, pytype, 45)
+
+
+async def test_response_format_with_auto_tools_gives_json(qwen3_5_engine):
+    schema, pytype = SCHEMAS["optional_fields"]
+    out = await qwen3_5_engine.chat(USER, SamplingParams(max_tokens=30), tools=TOOLS, response_format=rf(schema))
+    assert_valid_structured(out, schema, pytype, 30)
+
+
+# ---------------------------------------------------------------------------- errors
+BAD_REQUESTS = [
+    (dict(tools=TOOLS, tool_choice="no_such_tool"), ConstraintError),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), ConstraintError),
+    (dict(tool_choice="required"), ConstraintError),
+    (dict(tool_choice="get_weather"), ConstraintError),
+    (dict(tools=TOOLS, tool_choice=42), ConstraintError),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), ConstraintError),
+    (dict(tools=TOOLS, tool_choice="add", response_format=rf({"type": "object"})), ConstraintError),
+    (dict(response_format=rf({"type": "nonsense"})), ConstraintError),
+    (dict(response_format=rf({"type": "integer", "minimum": "zero"})), ConstraintError),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": "{not json"}}), ConstraintError),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "no schema"}}), ConstraintError),
+    (dict(response_format={"type": "regex", "pattern": "(("}), ConstraintError),
+    (dict(response_format={"type": "lark", "grammar": "start: undefined_rule"}), ConstraintError),
+    (dict(response_format={"type": "xml"}), ConstraintError),
+    (dict(response_format="json"), ConstraintError),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+          tool_choice="f"), ConstraintError),
+    (dict(tools=[{"foo": 1}]), InvalidRequestError),
+    (dict(tools=["get_weather"]), InvalidRequestError),
+    (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), InvalidRequestError),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]), InvalidRequestError),
+    (dict(tools=TOOLS + TOOLS[:1]), InvalidRequestError),
+]
+
+
+def _bad_id(case):
+    return "-".join(sorted(case[0]))
+
+
+@pytest.mark.parametrize("options,error", BAD_REQUESTS, ids=[_bad_id(c) for c in BAD_REQUESTS])
+async def test_bad_constraints_fail_at_call_time(qwen3_5_engine, options, error):
+    engine = qwen3_5_engine
+    submitted = engine.stats()["requests"]
+    with pytest.raises(error):
+        await engine.chat(USER, SamplingParams(max_tokens=8), **options)
+    with pytest.raises(error):
+        engine.chat_sync(USER, SamplingParams(max_tokens=8), **options)
+    with pytest.raises(error):
+        async for _ in engine.stream_chat(USER, SamplingParams(max_tokens=8), **options):
+            pass
+    with pytest.raises(error):
+        next(iter(engine.stream_chat_sync(USER, SamplingParams(max_tokens=8), **options)))
+    assert engine.stats()["requests"] == submitted  # refused before anything reached the engine
+
+
+async def test_engine_keeps_serving_after_bad_constraints(qwen3_5_engine):
+    engine = qwen3_5_engine
+    bad = [engine.chat(USER, SamplingParams(max_tokens=8), **opts) for opts, _ in BAD_REQUESTS]
+    schema, pytype = SCHEMAS["optional_fields"]
+    good = [engine.chat(USER, SamplingParams(max_tokens=10)),
+            engine.chat(USER, SamplingParams(max_tokens=30), response_format=rf(schema)),
+            engine.chat(USER, SamplingParams(max_tokens=40), tools=TOOLS, tool_choice="get_weather",
+                        parallel_tool_calls=False)]
+    results = await asyncio.gather(*bad, *good, return_exceptions=True)
+    for (_, error), res in zip(BAD_REQUESTS, results):
+        assert isinstance(res, error), res
+    plain, structured, called = results[len(bad):]
+    assert plain.finish_reason in ("stop", "length") and len(plain.token_ids) >= 1
+    assert_valid_structured(structured, schema, pytype, 30)
+    assert_valid_calls(called, {"get_weather"})
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+
+
+# ---------------------------------------------------------------------------- batching
+def _constrained_calls(engine, n):
+    """``n`` different constrained requests: schemas and forced tool calls, greedy and sampled."""
+    calls, checks = [], []
+    names = list(SCHEMAS)
+    for i in range(n):
+        s = SAMPLINGS[i % len(SAMPLINGS)]
+        if i % 3 == 2:
+            tool = list(TOOL_MODELS)[(i // 3) % 2]  # get_weather, add
+            calls.append(engine.chat(USER, SamplingParams(max_tokens=50, **s), tools=TOOLS, tool_choice=tool,
+                                     parallel_tool_calls=False))
+            checks.append(lambda out, tool=tool: assert_valid_calls(out, {tool}))
+        else:
+            schema, pytype = SCHEMAS[names[i % len(names)]]
+            calls.append(engine.chat(USER, SamplingParams(max_tokens=56, **s), response_format=rf(schema)))
+            checks.append(lambda out, schema=schema, pytype=pytype: assert_valid_structured(out, schema, pytype, 56))
+    return calls, checks
+
+
+async def test_concurrent_constrained_requests_are_all_valid(llama_engine):
+    engine = llama_engine
+    before = engine.stats()["constrained_requests"]
+    calls, checks = _constrained_calls(engine, 8)
+    outs = await asyncio.gather(*calls)
+    for check, out in zip(checks, outs):
+        check(out)
+    assert engine.stats()["constrained_requests"] == before + 8
+
+
+async def test_constrained_rows_do_not_perturb_other_rows(engine):
+    prompts = chat_prompts(3)
+    params = [SamplingParams(max_tokens=20 + 6 * i) for i in range(len(prompts))]
+    alone = [await engine.chat(p, sp) for p, sp in zip(prompts, params)]
+    calls, checks = _constrained_calls(engine, 3)
+    mixed = await asyncio.gather(*calls, *[engine.chat(p, sp) for p, sp in zip(prompts, params)])
+    for check, out in zip(checks, mixed):
+        check(out)
+    for a, b in zip(alone, mixed[len(calls):]):
+        assert b.token_ids == a.token_ids
+        assert b.tool_calls == [] and b.finish_reason == a.finish_reason
+
+
+async def test_constrained_requests_are_counted(qwen3_5_engine):
+    engine = qwen3_5_engine
+    before = engine.stats()["constrained_requests"]
+    await engine.chat(USER, SamplingParams(max_tokens=5))
+    await engine.chat(USER, SamplingParams(max_tokens=5), tools=TOOLS)  # "auto": not constrained
+    await engine.chat(USER, SamplingParams(max_tokens=5), tools=TOOLS, tool_choice="none")
+    assert engine.stats()["constrained_requests"] == before
+    await asyncio.gather(
+        engine.chat(USER, SamplingParams(max_tokens=20), response_format={"type": "json_object"}),
+        engine.complete("x", SamplingParams(max_tokens=20), response_format={"type": "regex", "pattern": "[ab]{3}"}))
+    assert engine.stats()["constrained_requests"] == before + 2
+
+
+async def test_sync_and_async_constrained_answers_agree(llama_engine):
+    schema, pytype = SCHEMAS["pydantic_model"]
+    params = SamplingParams(max_tokens=48, temperature=1.0, seed=99)
+    a = await llama_engine.chat(USER, params, response_format=rf(schema))
+    b = await asyncio.to_thread(llama_engine.chat_sync, USER, params, response_format=rf(schema))
+    deltas = await asyncio.to_thread(lambda: list(llama_engine.stream_chat_sync(USER, params, response_format=rf(schema))))
+    assert a.token_ids == b.token_ids == [t for d in deltas for t in d.token_ids]
+    assert "".join(d.content for d in deltas) == a.content
+    assert_valid_structured(a, schema, pytype, 48)

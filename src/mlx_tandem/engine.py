@@ -21,9 +21,9 @@ from . import _platform
 from .chat_format import ChatFormat
 from .chat_output import ChatOutputParser
 from .chat_plan import plan_chat
-from .constraints import GrammarCompiler, GrammarProcessor, TokenBan
+from .constraints import GrammarCompiler, GrammarProcessor, TokenBan, response_format_constraint
 from .core import EngineCore
-from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, TandemError, UnsupportedContentError
+from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, UnsupportedContentError
 from .messages import has_media, validate_messages
 from .model_loader import LoadedModel
 from .options import EngineOptions
@@ -215,8 +215,6 @@ class Engine:
             prompt = spec.prompt
             constraint = None
             if spec.response_format is not None:
-                from .constraints import response_format_constraint
-
                 constraint = response_format_constraint(spec.response_format)
             if isinstance(prompt, str):
                 prompt_ids = renderer.encode(prompt)

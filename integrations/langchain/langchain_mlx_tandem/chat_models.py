@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Se
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
@@ -302,8 +302,6 @@ def _collect(chunks: Iterator[ChatGenerationChunk]) -> ChatResult:
     if full is None:
         raise RuntimeError("the stream produced no chunks")
     msg = full.message
-    from langchain_core.messages import AIMessage
-
     message = AIMessage(
         content=msg.content, additional_kwargs=msg.additional_kwargs, tool_calls=msg.tool_calls,
         invalid_tool_calls=msg.invalid_tool_calls, usage_metadata=msg.usage_metadata,
@@ -313,8 +311,6 @@ def _collect(chunks: Iterator[ChatGenerationChunk]) -> ChatResult:
 
 def _profile_from_config(model: Optional[str]) -> dict:
     """Model profile from the checkpoint's config (local directories only; no hub access)."""
-    from mlx_tandem.default_model import DEFAULT_MODEL_SIZES  # noqa: F401 - default is qwen3_5
-
     profile: dict[str, Any] = {"text_inputs": True, "text_outputs": True, "tool_calling": True,
                                "tool_choice": True, "tool_call_streaming": True, "structured_output": True}
     if model is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from mlx_tandem import Engine, SamplingParams
 
 from .prompts import chat_prompts
@@ -59,3 +61,48 @@ async def test_tools_reach_the_template(llama_engine):
     assert "lookup_capital" in text and "<tools>" in text
     out = await llama_engine.chat([{"role": "user", "content": "capital of France?"}], SamplingParams(max_tokens=3), tools=tools)
     assert out.prompt_token_ids == ids
+
+
+def test_model_info_reads_the_checkpoint_without_loading(qwen3_5_path, qwen3_5_engine):
+    import json
+
+    engine = Engine(qwen3_5_path, show_progress=False, max_model_len=1024)
+    info = engine.model_info()
+    assert engine._core is None  # nothing loaded, no owner thread started
+    cfg = json.loads((qwen3_5_path / "config.json").read_text())
+    assert info.model_type == cfg["model_type"]
+    assert info.context_length == 1024 and info.default_max_tokens == SamplingParams().max_tokens
+    # The file heuristics agree with the loaded tokenizer's inference.
+    loaded = qwen3_5_engine.model_info()
+    assert (info.supports_tools, info.supports_reasoning) == (loaded.supports_tools, loaded.supports_reasoning)
+    assert loaded.context_length == qwen3_5_engine.context_length
+    assert Engine("/no/such/model").model_info(load=False) is None
+    engine.close_sync()
+
+
+def test_stats_have_every_key_before_the_first_request(llama_path, llama_engine):
+    fresh = Engine(llama_path)
+    assert set(fresh.stats()) == set(llama_engine.stats())
+    assert fresh.stats()["requests"] == 0
+    fresh.close_sync()
+
+
+async def test_stream_deadlines_cancel_and_free_the_slot(llama_engine):
+    msgs = [{"role": "user", "content": "go on"}]
+    for open_stream in (lambda: llama_engine.open_chat_stream(msgs, {"max_tokens": 4000}, timeout=0.05),
+                        lambda: llama_engine.open_complete_stream("go on", {"max_tokens": 4000}, timeout=0.05)):
+        stream = await open_stream()
+        with pytest.raises(TimeoutError):
+            await stream.collect()
+    sync = llama_engine.open_complete_stream_sync("go on", {"max_tokens": 4000}, timeout=0.05)
+    with pytest.raises(TimeoutError):
+        sync.collect()
+    for _ in range(100):
+        if llama_engine.stats()["running"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert llama_engine.stats()["running"] == 0
+    # A deadline that is not reached changes nothing.
+    ref = await llama_engine.chat(msgs, {"max_tokens": 8})
+    stream = await llama_engine.open_chat_stream(msgs, {"max_tokens": 8}, timeout=60)
+    assert (await stream.collect()).text == ref.text

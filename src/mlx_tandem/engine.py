@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import queue
+import dataclasses
 import logging
+import queue
 import threading
 import time
 import weakref
@@ -23,15 +24,16 @@ from .chat_output import ChatOutputParser
 from .chat_plan import plan_chat
 from .constraints import GrammarCompiler, GrammarProcessor, TokenBan, response_format_constraint
 from .core import EngineCore
+from .default_model import DEFAULT_MODEL_NAME
 from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, UnsupportedContentError
 from .messages import has_media, validate_messages
+from .model_info import ModelInfo, local_checkpoint, read_model_info
 from .model_loader import LoadedModel
 from .options import EngineOptions
-import dataclasses
-
 from .outputs import RequestOutput, StreamDelta, Usage
 from .params import SamplingParams
 from .prompt import PromptRenderer
+from .stats import EngineStats
 from .request import AsyncSink, Request, SyncSink, new_request_id
 
 logger = logging.getLogger(__name__)
@@ -165,10 +167,33 @@ class Engine:
     def owner_thread(self) -> threading.Thread:
         return self._ensure_core().owner_thread
 
+    def model_info(self, *, load: bool = True) -> Optional[ModelInfo]:
+        """Context window, default output budget, tool and reasoning support.
+
+        Read from the checkpoint files when the model is not loaded yet (no weights are
+        loaded for this); from the loaded tokenizer's chat format once it is. A checkpoint
+        not on disk yet is fetched/built and loaded, unless ``load=False`` (then None).
+        """
+        name = DEFAULT_MODEL_NAME if self._model_arg is None else str(self._model_arg)
+        core = self._core
+        if core is None or not core.ready.done():
+            path = local_checkpoint(self._model_arg)
+            if path is not None:
+                return read_model_info(path, name=name, max_model_len=self.options.max_model_len)
+            if not load:
+                return None
+        loaded = self.loaded  # not on disk yet: load (builds/downloads on the owner thread)
+        fmt = self.chat_format
+        info = read_model_info(loaded.path, name=name, max_model_len=self.options.max_model_len)
+        return dataclasses.replace(
+            info, context_length=self.context_length, supports_tools=fmt.has_tool_calling,
+            supports_reasoning=fmt.has_thinking)
+
     def stats(self) -> dict[str, Any]:
         """Counters and rates: requests, running, waiting, max batch size seen, tokens/s, ..."""
         core = self._core
-        out = core.stats.snapshot() if core is not None else {}
+        # Same keys before the first request (all zero) as after.
+        out = (core.stats if core is not None else EngineStats()).snapshot()
         out.update(
             model=str(core.model_path or self._model_arg) if core is not None else str(self._model_arg),
             loaded=bool(core is not None and core.ready.done() and not core.ready.exception()),
@@ -291,10 +316,17 @@ class Engine:
         async for delta in self._relay(_Spec.chat(messages, params, options)):
             yield delta
 
-    async def open_chat_stream(self, messages: Sequence[dict], params: SamplingParams | dict | None = None,
-                               **options: Any) -> "AsyncStream":
-        """Submit a chat now and return its stream handle (iterate it, ``collect()`` it or ``cancel()`` it)."""
-        return await self._astream(_Spec.chat(messages, params, options))
+    async def open_chat_stream(self, messages: Sequence[dict], params: SamplingParams | dict | None = None, *,
+                               timeout: Optional[float] = None, **options: Any) -> "AsyncStream":
+        """Submit a chat now and return its stream handle (iterate it, ``collect()`` it or ``cancel()`` it).
+
+        With ``timeout`` (seconds, for the whole request) the stream cancels the request and
+        raises TimeoutError when the deadline passes.
+        """
+        stream = await self._astream(_Spec.chat(messages, params, options))
+        if timeout is not None:
+            stream.deadline = time.monotonic() + timeout
+        return stream
 
     def open_chat_stream_sync(self, messages: Sequence[dict], params: SamplingParams | dict | None = None, *,
                               timeout: Optional[float] = None, **options: Any) -> "SyncStream":
@@ -340,6 +372,24 @@ class Engine:
                                      request_id=request_id))
         with stream:
             yield from stream
+
+    async def open_complete_stream(self, prompt: str | Sequence[int], params=None, *, response_format=None,
+                                   request_id=None, timeout: Optional[float] = None) -> "AsyncStream":
+        """Submit a raw prompt now and return its stream handle (``timeout`` as for chats)."""
+        stream = await self._astream(_Spec(prompt=prompt, params=params, response_format=response_format,
+                                           request_id=request_id))
+        if timeout is not None:
+            stream.deadline = time.monotonic() + timeout
+        return stream
+
+    def open_complete_stream_sync(self, prompt: str | Sequence[int], params=None, *, response_format=None,
+                                  request_id=None, timeout: Optional[float] = None) -> "SyncStream":
+        """Submit a raw prompt now; return its blocking stream handle (``timeout`` as for chats)."""
+        stream = self._sstream(_Spec(prompt=prompt, params=params, response_format=response_format,
+                                     request_id=request_id))
+        if timeout is not None:
+            stream.deadline = time.monotonic() + timeout
+        return stream
 
     def apply_chat_template(self, messages: Sequence[dict], *, tools=None, tool_choice=None,
                             response_format=None, reasoning=None, template_kwargs=None) -> list[int]:
@@ -465,6 +515,8 @@ class _StreamBase:
 
 
 class AsyncStream(_StreamBase):
+    deadline: Optional[float] = None  # time.monotonic() past which the request is cancelled
+
     def __aiter__(self):
         return self
 
@@ -472,7 +524,14 @@ class AsyncStream(_StreamBase):
         if self._done:
             raise StopAsyncIteration
         try:
-            item = await self._sink.get()
+            if self.deadline is None:
+                item = await self._sink.get()
+            else:
+                left = max(self.deadline - time.monotonic(), 0.0)
+                try:
+                    item = await asyncio.wait_for(self._sink.get(), left)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"request {self.request_id} exceeded its timeout") from None
         except BaseException:
             self.cancel()  # cancelled while waiting: free the slot
             raise

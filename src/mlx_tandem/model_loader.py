@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from . import _platform
 from .errors import ModelLoadError
+from .model_info import context_length_of
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +52,6 @@ def resolve_model_path(model: Optional[str | os.PathLike]) -> Path:
             f"model {str(model)!r} is neither a local directory nor an available hub repo "
             f"({type(exc).__name__}: {exc})"
         ) from exc
-
-
-def _context_length(config: dict) -> int:
-    for cfg in (config, config.get("text_config") or {}):
-        for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
-            if isinstance(cfg.get(key), int):
-                return cfg[key]
-    return 4096
 
 
 def _eos_ids(tokenizer, config: dict) -> list[int]:
@@ -105,7 +98,7 @@ def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
         tokenizer=tokenizer,
         config=config,
         eos_token_ids=_eos_ids(tokenizer, config),
-        context_length=_context_length(config),
+        context_length=context_length_of(config),
         vocab_size=int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")),
         model_type=config.get("model_type", "unknown"),
         dtype=str(params[0].dtype) if params else "unknown",

@@ -7,11 +7,7 @@ forward step. Construction is cheap: the model loads on the first call.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
 from operator import itemgetter
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, Union
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -109,7 +105,7 @@ class ChatMLX(BaseChatModel):
         return params
 
     def _resolve_model_profile(self):
-        return _profile_from_config(self.model)
+        return _profile(self.engine)
 
     # ------------------------------------------------------------------ engine plumbing
     @property
@@ -171,8 +167,8 @@ class ChatMLX(BaseChatModel):
             chunks = [c async for c in self._astream(messages, stop=stop, run_manager=run_manager, **kwargs)]
             return _collect(iter(chunks))
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
-        # On timeout wait_for cancels the call, and a cancelled call frees its slot.
-        out = await asyncio.wait_for(engine.chat(msgs, params, **options), timeout)
+        stream = await engine.open_chat_stream(msgs, params, timeout=timeout, **options)
+        out = await stream.collect()
         return ChatResult(generations=[ChatGeneration(message=to_ai_message(out, model_name))])
 
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
@@ -194,8 +190,8 @@ class ChatMLX(BaseChatModel):
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
         builder = ChunkBuilder(model_name)
-        async with await engine.open_chat_stream(msgs, params, **options) as stream:
-            async for delta in _adeadline(stream, timeout):
+        async with await engine.open_chat_stream(msgs, params, timeout=timeout, **options) as stream:
+            async for delta in stream:
                 message = builder.chunk(delta)
                 if message is None:
                     continue
@@ -280,21 +276,6 @@ class ChatMLX(BaseChatModel):
 
 
 # ---------------------------------------------------------------------- helpers
-async def _adeadline(stream, timeout: Optional[float]):
-    """Iterate an AsyncStream; past ``timeout`` seconds it is cancelled and TimeoutError raised."""
-    if timeout is None:
-        async for delta in stream:
-            yield delta
-        return
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            delta = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - time.monotonic()))
-        except StopAsyncIteration:
-            return
-        yield delta
-
-
 def _collect(chunks: Iterator[ChatGenerationChunk]) -> ChatResult:
     full: Optional[ChatGenerationChunk] = None
     for c in chunks:
@@ -309,26 +290,14 @@ def _collect(chunks: Iterator[ChatGenerationChunk]) -> ChatResult:
     return ChatResult(generations=[ChatGeneration(message=message)])
 
 
-def _profile_from_config(model: Optional[str]) -> dict:
-    """Model profile from the checkpoint's config (local directories only; no hub access)."""
+def _profile(engine: Engine) -> dict:
+    """Model profile from the checkpoint (read from disk: resolving it never loads weights)."""
     profile: dict[str, Any] = {"text_inputs": True, "text_outputs": True, "tool_calling": True,
                                "tool_choice": True, "tool_call_streaming": True, "structured_output": True}
-    if model is None:
+    info = engine.model_info(load=False)
+    if info is None:
         return profile
-    path = Path(model).expanduser()
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        return profile
-    cfg = json.loads(cfg_file.read_text())
-    text_cfg = cfg.get("text_config", cfg)
-    ctx = text_cfg.get("max_position_embeddings") or cfg.get("max_position_embeddings")
-    if ctx:
-        profile["max_input_tokens"] = int(ctx)
-    template = ""
-    for name in ("chat_template.jinja", "tokenizer_config.json"):
-        f = path / name
-        if f.is_file():
-            template += f.read_text(errors="ignore")
-    profile["tool_calling"] = profile["tool_choice"] = "tool_call" in template or "tools" in template
-    profile["reasoning_output"] = "<think>" in template or "enable_thinking" in template
+    profile.update(max_input_tokens=info.context_length, tool_calling=info.supports_tools,
+                   tool_choice=info.supports_tools, reasoning_output=info.supports_reasoning,
+                   image_inputs=info.supports_images)
     return profile

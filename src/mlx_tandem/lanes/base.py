@@ -6,7 +6,7 @@ same protocol, so the core's step loop does not change when they are added.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 from ..request import Request

@@ -1,0 +1,81 @@
+"""What a model can do, read from its checkpoint files without loading the weights.
+
+Adapters need this at construction time (LlamaIndex's ``metadata``, LangChain's
+``profile``): a query engine sizes its prompts from the context window before the first
+call, and loading a model just to answer that would defeat lazy loading. Once the engine
+has loaded the model, the loaded tokenizer's answer (mlx-lm's own inference of the tool
+parser and think markers) replaces the file heuristics.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: Optional[Path]
+    model_type: str
+    context_length: int
+    default_max_tokens: int
+    supports_tools: bool
+    supports_reasoning: bool
+    #: Images/video reach the model (false until the engine has a vision lane).
+    supports_images: bool = False
+
+
+def context_length_of(config: dict) -> int:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+            if isinstance(cfg.get(key), int):
+                return cfg[key]
+    return 4096
+
+
+def local_checkpoint(model: Optional[str | Path]) -> Optional[Path]:
+    """The checkpoint directory if it is already on disk (no download, no build)."""
+    if model is None:
+        from .default_model import DEFAULT_MODEL_NAME, cache_dir
+
+        path = cache_dir() / "models" / DEFAULT_MODEL_NAME
+        return path if (path / "config.json").is_file() else None
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model), local_files_only=True))
+    except Exception:
+        return None
+
+
+def _template_text(path: Path) -> str:
+    text = ""
+    for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+        f = path / name
+        if f.is_file():
+            text += f.read_text(errors="ignore")
+    return text
+
+
+def read_model_info(path: Path, *, name: str, max_model_len: Optional[int] = None) -> ModelInfo:
+    config = json.loads((path / "config.json").read_text())
+    template = _template_text(path)
+    return ModelInfo(
+        name=name,
+        path=path,
+        model_type=config.get("model_type", "unknown"),
+        context_length=max_model_len or context_length_of(config),
+        default_max_tokens=SamplingParams().max_tokens,
+        # The same cue mlx-lm uses to pick a tool parser: the template renders tools and
+        # wraps calls in a marker.
+        supports_tools="tools" in template and "tool_call" in template,
+        supports_reasoning="<think>" in template or "enable_thinking" in template,
+    )

@@ -1,0 +1,233 @@
+"""LlamaIndex messages <-> mlx-tandem's neutral (OpenAI-style) message dicts and outputs.
+
+Adapter code only: no engine logic. Media blocks become neutral media parts; the engine
+decides whether the model can take them (a text-only model raises UnsupportedContentError).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Sequence
+
+from llama_index.core.base.llms.types import (
+    AudioBlock,
+    CachePoint,
+    ChatMessage,
+    ChatResponse,
+    CompletionResponse,
+    DocumentBlock,
+    ImageBlock,
+    MessageRole,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+    VideoBlock,
+)
+
+from mlx_tandem.errors import InvalidRequestError, UnsupportedContentError
+
+_ROLES = {
+    MessageRole.SYSTEM: "system",
+    MessageRole.DEVELOPER: "developer",
+    MessageRole.USER: "user",
+    MessageRole.ASSISTANT: "assistant",
+    MessageRole.CHATBOT: "assistant",
+    MessageRole.MODEL: "assistant",
+    MessageRole.TOOL: "tool",
+    MessageRole.FUNCTION: "tool",
+}
+
+
+def _data_uri(data: bytes, mime: Optional[str], kind: str) -> str:
+    return f"data:{mime or kind + '/*'};base64,{data.decode('ascii')}"
+
+
+def _media_part(block: Any) -> dict:
+    if isinstance(block, ImageBlock):
+        kind, raw, mime = "image", block.image, block.image_mimetype
+    elif isinstance(block, AudioBlock):
+        kind, raw, mime = "audio", block.audio, f"audio/{block.format}" if block.format else None
+    else:
+        kind, raw, mime = "video", block.video, getattr(block, "video_mimetype", None)
+    if raw is None and block.path is None and block.url is not None:
+        return {"type": kind, kind: str(block.url)}  # remote: the vision path fetches it
+    if raw is None and block.path is None:
+        raise InvalidRequestError(f"{kind} block without data, path or url")
+    # Bytes arrive base64-encoded by the block's validator; a path is read here.
+    resolve = getattr(block, f"resolve_{kind}")
+    return {"type": kind, kind: _data_uri(resolve(as_base64=True).read(), mime, kind)}
+
+
+def _parts(blocks: Sequence[Any]) -> tuple[list[dict], list[dict], list[str]]:
+    """Content parts, tool calls and reasoning texts of a message's blocks."""
+    parts: list[dict] = []
+    calls: list[dict] = []
+    reasoning: list[str] = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, (ImageBlock, AudioBlock, VideoBlock)):
+            parts.append(_media_part(block))
+        elif isinstance(block, ToolCallBlock):
+            args = block.tool_kwargs
+            calls.append({"id": block.tool_call_id or f"call_{len(calls)}", "type": "function",
+                          "function": {"name": block.tool_name,
+                                       "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+        elif isinstance(block, ThinkingBlock):
+            if block.content:
+                reasoning.append(block.content)
+        elif isinstance(block, CachePoint):
+            continue  # a provider caching hint; the engine's prefix cache needs none
+        elif isinstance(block, DocumentBlock):
+            raise UnsupportedContentError("document/PDF blocks are not supported by mlx-tandem models")
+        else:
+            raise UnsupportedContentError(f"unsupported content block {type(block).__name__}")
+    return parts, calls, reasoning
+
+
+def _legacy_tool_calls(raw: Any) -> list[dict]:
+    """``additional_kwargs["tool_calls"]`` as older integrations store it (dicts or OpenAI objects)."""
+    out = []
+    for i, c in enumerate(raw or []):
+        if not isinstance(c, dict):
+            c = c.model_dump() if hasattr(c, "model_dump") else vars(c)
+        fn = c.get("function") or {}
+        args = fn.get("arguments", "{}")
+        out.append({"id": c.get("id") or f"call_{i}", "type": "function",
+                    "function": {"name": fn.get("name"),
+                                 "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+    return out
+
+
+def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
+    out: list[dict] = []
+    for m in messages:
+        role = _ROLES.get(m.role)
+        if role is None:
+            raise InvalidRequestError(f"unsupported message role {m.role!r}")
+        parts, calls, reasoning = _parts(m.blocks)
+        # TextBlocks join with "\n", as ChatMessage.content joins them.
+        if all(p["type"] == "text" for p in parts):
+            content: Any = "\n".join(p["text"] for p in parts)
+        else:
+            content = parts
+        d: dict[str, Any] = {"role": role, "content": content}
+        kw = m.additional_kwargs
+        if role == "assistant":
+            calls = calls or _legacy_tool_calls(kw.get("tool_calls"))
+            if calls:
+                d["tool_calls"] = calls
+            if reasoning:
+                d["reasoning_content"] = "\n".join(reasoning)
+        elif role == "tool":
+            tool_call_id = kw.get("tool_call_id")
+            if tool_call_id:
+                d["tool_call_id"] = tool_call_id
+            if kw.get("name"):
+                d["name"] = kw["name"]
+            elif m.role == MessageRole.FUNCTION and not tool_call_id:
+                raise InvalidRequestError("a function message needs additional_kwargs['name'] or ['tool_call_id']")
+        if role in ("user", "system", "developer") and kw.get("name"):
+            d["name"] = kw["name"]
+        out.append(d)
+    return out
+
+
+# ---------------------------------------------------------------------- outputs
+def token_counts(usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens}
+
+
+def raw_response(model_name: str, request_id: str, finish_reason: Optional[str], usage) -> dict:
+    """``raw``: what LlamaIndex's token counting reads (``raw["usage"]``), plus the finish reason."""
+    raw: dict[str, Any] = {"model": model_name, "id": request_id}
+    if finish_reason is not None:
+        raw["finish_reason"] = finish_reason
+    if usage is not None:
+        raw["usage"] = token_counts(usage)
+    return raw
+
+
+def _blocks(content: str, reasoning: str, calls: Sequence[Any]) -> list:
+    blocks: list = []
+    if reasoning:
+        blocks.append(ThinkingBlock(content=reasoning))
+    blocks.append(TextBlock(text=content))
+    blocks.extend(ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments) for c in calls)
+    return blocks
+
+
+def _message(content: str, reasoning: str, calls: Sequence[Any], invalid: Sequence[Any]) -> ChatMessage:
+    kwargs: dict[str, Any] = {}
+    if calls:
+        # Kept beside the ToolCallBlocks for core helpers that still read additional_kwargs.
+        kwargs["tool_calls"] = [{"id": c.id, "type": "function",
+                                 "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]
+    if invalid:
+        kwargs["invalid_tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error}
+                                        for c in invalid]
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=_blocks(content, reasoning, calls), additional_kwargs=kwargs)
+
+
+def to_chat_response(out, model_name: str) -> ChatResponse:
+    message = _message(out.content, out.reasoning, out.tool_calls, out.invalid_tool_calls)
+    return ChatResponse(message=message, raw=raw_response(model_name, out.request_id, out.finish_reason, out.usage),
+                        additional_kwargs=token_counts(out.usage))
+
+
+def to_completion_response(out, model_name: str) -> CompletionResponse:
+    extra = token_counts(out.usage)
+    if out.reasoning:
+        extra["thinking"] = out.reasoning
+    return CompletionResponse(text=out.content, raw=raw_response(model_name, out.request_id, out.finish_reason, out.usage),
+                              additional_kwargs=extra)
+
+
+class StreamAccumulator:
+    """StreamDeltas -> LlamaIndex stream responses: ``message.content``/``text`` is the text so
+    far, ``delta`` the new piece, ``additional_kwargs["thinking_delta"]`` the new reasoning."""
+
+    def __init__(self, model_name: str, request_id: str):
+        self._model_name = model_name
+        self._request_id = request_id
+        self.content = ""
+        self.reasoning = ""
+        self.calls: list = []
+        self.invalid: list = []
+
+    def _update(self, delta) -> Optional[dict]:
+        self.content += delta.content or ""
+        self.reasoning += delta.reasoning or ""
+        self.calls.extend(delta.tool_calls)
+        self.invalid.extend(delta.invalid_tool_calls)
+        last = delta.finish_reason is not None
+        if not (delta.content or delta.reasoning or delta.tool_calls or delta.invalid_tool_calls or last):
+            return None
+        extra: dict[str, Any] = {}
+        if delta.reasoning:
+            extra["thinking_delta"] = delta.reasoning
+        if last and delta.usage is not None:
+            extra.update(token_counts(delta.usage))
+        return extra
+
+    def chat(self, delta) -> Optional[ChatResponse]:
+        extra = self._update(delta)
+        if extra is None:
+            return None
+        return ChatResponse(
+            message=_message(self.content, self.reasoning, self.calls, self.invalid),
+            delta=delta.content or "",
+            raw=raw_response(self._model_name, self._request_id, delta.finish_reason, delta.usage),
+            additional_kwargs=extra,
+        )
+
+    def completion(self, delta) -> Optional[CompletionResponse]:
+        extra = self._update(delta)
+        if extra is None:
+            return None
+        return CompletionResponse(
+            text=self.content, delta=delta.content or "",
+            raw=raw_response(self._model_name, self._request_id, delta.finish_reason, delta.usage),
+            additional_kwargs=extra,
+        )

@@ -1,0 +1,446 @@
+"""MLXTandemLLM: a LlamaIndex function-calling LLM on mlx-tandem's in-process engine.
+
+Every call goes to the shared engine for its model (``Engine.shared``), so concurrent
+``achat``/``apredict`` calls (a query engine's ``use_async=True`` fan-out, parallel agents,
+a LangChain ``ChatMLX`` on the same model) share each forward step. Construction is cheap:
+the model loads on the first call.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncGenerator, Generator, Optional, Sequence, Type, Union
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    ToolCallBlock,
+)
+from llama_index.core.bridge.pydantic import BaseModel, Field, ValidationError
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.llm import (
+    LLMStructuredPredictEndEvent,
+    LLMStructuredPredictInProgressEvent,
+    LLMStructuredPredictStartEvent,
+)
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.llms.utils import parse_partial_json
+from llama_index.core.program.utils import create_flexible_model
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.types import PydanticProgramMode
+
+from mlx_tandem import Engine, SamplingParams
+from mlx_tandem.default_model import DEFAULT_MODEL_NAME
+
+from ._convert import StreamAccumulator, to_chat_response, to_completion_response, to_engine_messages
+
+dispatcher = get_dispatcher(__name__)
+
+_ENGINE_CALL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+
+
+class MLXTandemLLM(FunctionCallingLLM):
+    """LlamaIndex LLM running local MLX models in-process, with continuous batching.
+
+    Example:
+        .. code-block:: python
+
+            from llama_index.llms.mlx_tandem import MLXTandemLLM
+
+            llm = MLXTandemLLM(model="mlx-community/Qwen3.5-0.8B-4bit", max_tokens=256)
+            print(llm.complete("Hello!"))
+
+    ``model`` is a local checkpoint directory or a hub repo id; None runs the embedded
+    default model. ``engine_options`` go to ``Engine.shared`` (e.g. ``max_batch_size``).
+    """
+
+    model: Optional[str] = Field(default=None, description="Checkpoint directory or hub repo id; None = default model.")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 samples greedily.")
+    max_tokens: Optional[int] = Field(default=None, gt=0, description="Output budget per call (None = engine default).")
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Optional[list[str]] = Field(default=None, description="Stop strings (never emitted).")
+    seed: Optional[int] = None
+    reasoning: Optional[bool] = Field(
+        default=None, description="Thinking on/off through the template's enable_thinking; None keeps its default.")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    context_window: Optional[int] = Field(
+        default=None, gt=0, description="Override the context window reported in metadata (default: model config).")
+    additional_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Default per-call options, e.g. response_format or tool_choice.")
+    engine_options: dict[str, Any] = Field(default_factory=dict, description="Options for Engine.shared.")
+    timeout: Optional[float] = Field(
+        default=None, description="Seconds per call; the request is cancelled (its slot freed) and TimeoutError raised.")
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "MLXTandemLLM"
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def model_name(self) -> str:
+        return self.model if self.model is not None else DEFAULT_MODEL_NAME
+
+    @property
+    def engine(self) -> Engine:
+        """The shared engine this LLM runs on (created lazily, loaded on first use)."""
+        return Engine.shared(self.model, **self.engine_options)
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        # Read from the checkpoint files: asking for metadata never loads the weights.
+        info = self.engine.model_info()
+        return LLMMetadata(
+            context_window=self.context_window or info.context_length,
+            num_output=self.max_tokens or info.default_max_tokens,
+            is_chat_model=True,
+            is_function_calling_model=info.supports_tools,
+            model_name=self.model_name,
+        )
+
+    # ------------------------------------------------------------------ engine plumbing
+    def _options(self, kwargs: dict) -> tuple[SamplingParams, dict, Optional[float]]:
+        kwargs = {**self.additional_kwargs, **kwargs}
+        params: dict[str, Any] = {k: kwargs.pop(k, getattr(self, k)) for k in _SAMPLING_FIELDS}
+        stops = list(self.stop or [])
+        for s in kwargs.pop("stop", None) or []:
+            if s not in stops:
+                stops.append(s)
+        params["stop"] = stops
+        max_tokens = kwargs.pop("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            params["max_tokens"] = max_tokens
+        options = {k: kwargs.pop(k) for k in _ENGINE_CALL_KWARGS if k in kwargs}
+        options.setdefault("reasoning", self.reasoning)
+        template_kwargs = {**self.chat_template_kwargs, **kwargs.pop("chat_template_kwargs", {})}
+        if template_kwargs:
+            options["template_kwargs"] = template_kwargs
+        timeout = kwargs.pop("timeout", self.timeout)
+        if kwargs:
+            raise TypeError(f"MLXTandemLLM got unexpected keyword arguments {sorted(kwargs)}")
+        return SamplingParams(**params), options, timeout
+
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict):
+        params, options, timeout = self._options(kwargs)
+        return to_engine_messages(messages), params, options, timeout
+
+    def _completion_request(self, prompt: str, formatted: bool, kwargs: dict):
+        """A chat model completes a prompt as one user turn, through the chat template (the
+        generation prompt included); ``formatted=True`` means the prompt is already rendered."""
+        params, options, timeout = self._options(kwargs)
+        if formatted:
+            if options.pop("tools", None) or options.get("tool_choice") not in (None, "auto", "none"):
+                raise TypeError("tools need a chat; formatted=True continues a raw prompt")
+            options = {k: v for k, v in options.items() if k == "response_format"}
+            return None, prompt, params, options, timeout
+        return [{"role": "user", "content": prompt}], None, params, options, timeout
+
+    # ------------------------------------------------------------------ chat
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        msgs, params, options, timeout = self._chat_request(messages, kwargs)
+        out = self.engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options).collect()
+        return to_chat_response(out, self.model_name)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        msgs, params, options, timeout = self._chat_request(messages, kwargs)
+        stream = await self.engine.open_chat_stream(msgs, params, timeout=timeout, **options)
+        return to_chat_response(await stream.collect(), self.model_name)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        msgs, params, options, timeout = self._chat_request(messages, kwargs)
+
+        def gen() -> ChatResponseGen:
+            with self.engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options) as stream:
+                acc = StreamAccumulator(self.model_name, stream.request_id)
+                for delta in stream:
+                    response = acc.chat(delta)
+                    if response is not None:
+                        yield response
+
+        return gen()
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        msgs, params, options, timeout = self._chat_request(messages, kwargs)
+        stream = await self.engine.open_chat_stream(msgs, params, timeout=timeout, **options)
+
+        async def gen() -> ChatResponseAsyncGen:
+            async with stream:
+                acc = StreamAccumulator(self.model_name, stream.request_id)
+                async for delta in stream:
+                    response = acc.chat(delta)
+                    if response is not None:
+                        yield response
+
+        return gen()
+
+    # ------------------------------------------------------------------ completion
+    def _open_sync(self, msgs, prompt, params, options, timeout):
+        if msgs is not None:
+            return self.engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options)
+        return self.engine.open_complete_stream_sync(prompt, params, timeout=timeout, **options)
+
+    async def _open_async(self, msgs, prompt, params, options, timeout):
+        if msgs is not None:
+            return await self.engine.open_chat_stream(msgs, params, timeout=timeout, **options)
+        return await self.engine.open_complete_stream(prompt, params, timeout=timeout, **options)
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        request = self._completion_request(prompt, formatted, kwargs)
+        return to_completion_response(self._open_sync(*request).collect(), self.model_name)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        request = self._completion_request(prompt, formatted, kwargs)
+        stream = await self._open_async(*request)
+        return to_completion_response(await stream.collect(), self.model_name)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        request = self._completion_request(prompt, formatted, kwargs)
+
+        def gen() -> CompletionResponseGen:
+            with self._open_sync(*request) as stream:
+                acc = StreamAccumulator(self.model_name, stream.request_id)
+                for delta in stream:
+                    response = acc.completion(delta)
+                    if response is not None:
+                        yield response
+
+        return gen()
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        request = self._completion_request(prompt, formatted, kwargs)
+        stream = await self._open_async(*request)
+
+        async def gen() -> CompletionResponseAsyncGen:
+            async with stream:
+                acc = StreamAccumulator(self.model_name, stream.request_id)
+                async for delta in stream:
+                    response = acc.completion(delta)
+                    if response is not None:
+                        yield response
+
+        return gen()
+
+    # ------------------------------------------------------------------ tools
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: Optional[Union[str, ChatMessage]] = None,
+        chat_history: Optional[list[ChatMessage]] = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: Optional[Union[str, dict]] = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Chat kwargs for a tool call turn.
+
+        ``tool_required=True`` forces a call (grammar-constrained: valid JSON for one of
+        the tools' schemas); ``tool_choice`` ("auto", "none", "required", a tool name)
+        overrides it. A forced call is one call unless ``allow_parallel_tool_calls``.
+        """
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
+        out: dict[str, Any] = {"messages": messages, **kwargs}
+        if tools:
+            out["tools"] = [t.metadata.to_openai_tool(skip_length_check=True) for t in tools]
+            out["tool_choice"] = tool_choice if tool_choice is not None else ("required" if tool_required else "auto")
+            out["parallel_tool_calls"] = allow_parallel_tool_calls
+        return out
+
+    def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[Any],
+                                           allow_parallel_tool_calls: bool = False, **kwargs: Any) -> ChatResponse:
+        if not allow_parallel_tool_calls:
+            _keep_first_tool_call(response.message)
+        return response
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        calls = [ToolSelection(tool_id=b.tool_call_id or f"call_{i}", tool_name=b.tool_name,
+                               tool_kwargs=_kwargs_dict(b.tool_kwargs))
+                 for i, b in enumerate(b for b in response.message.blocks if isinstance(b, ToolCallBlock))]
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"Expected at least one tool call, but got {len(calls)} tool calls.")
+        return calls
+
+    # ------------------------------------------------------------------ structured output
+    def _structured_kwargs(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+                           llm_kwargs: Optional[dict], prompt_args: dict) -> tuple[list[ChatMessage], dict]:
+        messages = self._extend_messages(prompt.format_messages(llm=self, **prompt_args))
+        kwargs = dict(llm_kwargs or {})
+        for k in ("tools", "tool_choice", "tool_required", "allow_parallel_tool_calls"):
+            kwargs.pop(k, None)
+        kwargs["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": output_cls.__name__, "schema": output_cls.model_json_schema()}}
+        return messages, kwargs
+
+    def _constrained(self) -> bool:
+        # DEFAULT: answer constrained to the schema. FUNCTION and the others keep LlamaIndex's
+        # programs (FUNCTION forces a tool call, which is constrained too).
+        return self.pydantic_program_mode == PydanticProgramMode.DEFAULT
+
+    @dispatcher.span
+    def structured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+                           llm_kwargs: Optional[dict[str, Any]] = None, **prompt_args: Any) -> BaseModel:
+        """Structured output by constrained decoding: the answer always validates."""
+        if not self._constrained():
+            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
+                                                        template_args=prompt_args))
+        messages, kwargs = self._structured_kwargs(output_cls, prompt, llm_kwargs, prompt_args)
+        result = _parse(output_cls, self.chat(messages, **kwargs))
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    @dispatcher.span
+    async def astructured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+                                  llm_kwargs: Optional[dict[str, Any]] = None, **prompt_args: Any) -> BaseModel:
+        if not self._constrained():
+            return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
+                                                        template_args=prompt_args))
+        messages, kwargs = self._structured_kwargs(output_cls, prompt, llm_kwargs, prompt_args)
+        result = _parse(output_cls, await self.achat(messages, **kwargs))
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    @dispatcher.span
+    def stream_structured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+                                  llm_kwargs: Optional[dict[str, Any]] = None,
+                                  **prompt_args: Any) -> Generator[BaseModel, None, None]:
+        """Partial objects as the JSON streams in (``Flexible<Model>`` while fields are missing),
+        ending with a validated ``output_cls`` instance."""
+        if not self._constrained():
+            yield from super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+            return
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
+                                                        template_args=prompt_args))
+        messages, kwargs = self._structured_kwargs(output_cls, prompt, llm_kwargs, prompt_args)
+        partials = _Partials(output_cls)
+        last = None
+        for response in self.stream_chat(messages, **kwargs):
+            obj = partials.update(response)
+            if obj is not None:
+                dispatcher.event(LLMStructuredPredictInProgressEvent(output=obj))
+                yield obj
+            last = response
+        final = _parse(output_cls, last)
+        if partials.last != final:
+            yield final
+        dispatcher.event(LLMStructuredPredictEndEvent(output=final))
+
+    @dispatcher.span
+    async def astream_structured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+                                         llm_kwargs: Optional[dict[str, Any]] = None,
+                                         **prompt_args: Any) -> AsyncGenerator[BaseModel, None]:
+        if not self._constrained():
+            return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
+                                                        template_args=prompt_args))
+        messages, kwargs = self._structured_kwargs(output_cls, prompt, llm_kwargs, prompt_args)
+        responses = await self.astream_chat(messages, **kwargs)
+
+        async def gen() -> AsyncGenerator[BaseModel, None]:
+            partials = _Partials(output_cls)
+            last = None
+            async for response in responses:
+                obj = partials.update(response)
+                if obj is not None:
+                    dispatcher.event(LLMStructuredPredictInProgressEvent(output=obj))
+                    yield obj
+                last = response
+            final = _parse(output_cls, last)
+            if partials.last != final:
+                yield final
+            dispatcher.event(LLMStructuredPredictEndEvent(output=final))
+
+        return gen()
+
+
+# ---------------------------------------------------------------------- helpers
+def _kwargs_dict(args: Union[dict, str]) -> dict:
+    if isinstance(args, dict):
+        return args
+    try:
+        parsed = json.loads(args)
+    except (TypeError, ValueError):
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _keep_first_tool_call(message: ChatMessage) -> None:
+    seen = False
+    blocks = []
+    for b in message.blocks:
+        if isinstance(b, ToolCallBlock):
+            if seen:
+                continue
+            seen = True
+        blocks.append(b)
+    message.blocks = blocks
+    if message.additional_kwargs.get("tool_calls"):
+        message.additional_kwargs["tool_calls"] = message.additional_kwargs["tool_calls"][:1]
+
+
+def _parse(output_cls: Type[BaseModel], response: Optional[ChatResponse]) -> BaseModel:
+    if response is None:
+        raise ValueError(f"the model produced no output for {output_cls.__name__}")
+    text = response.message.content or ""
+    try:
+        return output_cls.model_validate_json(text)
+    except ValidationError as exc:
+        # Constrained decoding makes this unreachable unless the output budget ran out.
+        finish = (response.raw or {}).get("finish_reason")
+        raise ValueError(f"structured output for {output_cls.__name__} did not validate "
+                         f"(finish_reason={finish!r}): {exc}") from exc
+
+
+class _Partials:
+    """Partial JSON text -> the most complete object it describes, yielded when it grows."""
+
+    def __init__(self, output_cls: Type[BaseModel]):
+        self._cls = output_cls
+        self._flexible = create_flexible_model(output_cls)
+        self.last: Optional[BaseModel] = None
+
+    def update(self, response: ChatResponse) -> Optional[BaseModel]:
+        if not response.delta:
+            return None
+        try:
+            data = parse_partial_json(response.message.content or "")
+        except (ValueError, TypeError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        try:
+            obj: BaseModel = self._cls.model_validate(data)
+        except ValidationError:
+            try:
+                obj = self._flexible.model_validate(data)
+            except ValidationError:
+                return None
+        if self.last is not None and obj.model_dump() == self.last.model_dump():
+            return None
+        self.last = obj
+        return obj

@@ -1,0 +1,275 @@
+"""MLXTandemLLM behaviour beyond the conformance suite, checked against the engine as reference."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+
+import pytest
+from llama_index.core.base.llms.types import (
+    CachePoint,
+    CacheControl,
+    ChatMessage,
+    DocumentBlock,
+    ImageBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+)
+from llama_index.core.prompts import PromptTemplate
+from llama_index.core.tools import FunctionTool
+from llama_index.core.types import PydanticProgramMode
+
+from llama_index.llms.mlx_tandem import MLXTandemLLM
+from llama_index.llms.mlx_tandem._convert import to_engine_messages
+from mlx_tandem import Engine
+from mlx_tandem.errors import ContextLengthError, UnsupportedContentError
+
+from .conformance import Person, add, multiply, user
+from .conftest import PATHS
+
+OPTS = {"show_progress": False}
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
+
+
+def make_llm(**kw) -> MLXTandemLLM:
+    kw.setdefault("max_tokens", 16)
+    return MLXTandemLLM(model=PATHS["qwen3_5"], engine_options=OPTS, **kw)
+
+
+# ---------------------------------------------------------------------- messages
+def test_message_conversion(tmp_path):
+    img = tmp_path / "cat.png"
+    img.write_bytes(PNG)
+    b64 = base64.b64encode(PNG).decode()
+    msgs = [
+        ChatMessage(role="developer", content="be brief"),
+        ChatMessage(role="user", blocks=[TextBlock(text="look"), ImageBlock(image=PNG), ImageBlock(path=img),
+                                         ImageBlock(url="https://example.com/cat.png"),
+                                         ImageBlock(image=b64.encode(), image_mimetype="image/png"),
+                                         CachePoint(cache_control=CacheControl(type="ephemeral"))]),
+        ChatMessage(role="assistant", blocks=[ThinkingBlock(content="hmm"), TextBlock(text=""),
+                                              ToolCallBlock(tool_call_id="c1", tool_name="add",
+                                                            tool_kwargs={"a": 1, "b": 2})]),
+        ChatMessage(role="tool", content="3", additional_kwargs={"tool_call_id": "c1"}),
+        ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [
+            {"id": "c2", "type": "function", "function": {"name": "add", "arguments": '{"a": 5, "b": 6}'}}]}),
+        ChatMessage(role="chatbot", content="line one"),
+    ]
+    out = to_engine_messages(msgs)
+    assert out[0] == {"role": "developer", "content": "be brief"}
+    parts = out[1]["content"]
+    assert parts[0] == {"type": "text", "text": "look"}
+    uri = "data:image/png;base64," + b64
+    assert [p["image"] for p in parts[1:]] == [uri, uri, "https://example.com/cat.png", uri]
+    assert out[2] == {"role": "assistant", "content": "", "reasoning_content": "hmm", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}
+    assert out[3] == {"role": "tool", "content": "3", "tool_call_id": "c1"}
+    assert out[4]["tool_calls"][0]["id"] == "c2"
+    assert out[5] == {"role": "assistant", "content": "line one"}
+    with pytest.raises(UnsupportedContentError):
+        to_engine_messages([ChatMessage(role="user", blocks=[DocumentBlock(data=b"%PDF-1.4")])])
+
+
+def test_images_on_text_model_are_a_typed_error_and_the_engine_keeps_serving():
+    llm = make_llm()
+    msg = ChatMessage(role="user", blocks=[TextBlock(text="what is this"), ImageBlock(image=PNG)])
+    with pytest.raises(UnsupportedContentError, match="text-only"):
+        llm.chat([msg])
+    assert llm.chat(user("hi")).message.content == llm.engine.chat_sync(
+        [{"role": "user", "content": "hi"}], {"max_tokens": 16}).content
+
+
+def test_tool_history_renders_calls_and_results():
+    llm = make_llm()
+    hist = [ChatMessage(role="user", content="add 2 and 3"),
+            ChatMessage(role="assistant", blocks=[ToolCallBlock(tool_call_id="c1", tool_name="add",
+                                                                tool_kwargs={"a": 2, "b": 3})]),
+            ChatMessage(role="tool", content="RESULT-5", additional_kwargs={"tool_call_id": "c1"})]
+    prompt = llm.engine.tokenizer.decode(llm.engine.apply_chat_template(to_engine_messages(hist)))
+    assert "<tool_response>\nRESULT-5\n</tool_response>" in prompt
+    assert '{"name": "add", "arguments": {"a": 2, "b": 3}}' in prompt
+
+
+# ---------------------------------------------------------------------- generation vs the engine
+def test_chat_and_usage_equal_the_engine():
+    llm = make_llm()
+    ref = llm.engine.chat_sync([{"role": "user", "content": "Hello"}], {"max_tokens": 16})
+    r = llm.chat(user("Hello"))
+    assert r.message.content == ref.content
+    assert r.raw["usage"] == {"prompt_tokens": ref.usage.prompt_tokens,
+                              "completion_tokens": ref.usage.completion_tokens,
+                              "total_tokens": ref.usage.total_tokens}
+    assert r.raw["finish_reason"] == ref.finish_reason
+    assert r.additional_kwargs["completion_tokens"] == ref.usage.completion_tokens
+
+
+def test_double_messages_equal_the_merged_history():
+    llm = make_llm()
+    double = [ChatMessage(role="user", content="hi"), ChatMessage(role="user", content="again")]
+    merged = [ChatMessage(role="user", content="hi\n\nagain")]
+    assert llm.chat(double).message.content == llm.chat(merged).message.content
+
+
+def test_formatted_complete_continues_the_raw_prompt():
+    llm = make_llm()
+    raw = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert llm.complete(raw, formatted=True).text == llm.engine.complete_sync(raw, {"max_tokens": 16}).text
+    assert llm.complete("Hi").text == llm.engine.chat_sync([{"role": "user", "content": "Hi"}],
+                                                           {"max_tokens": 16}).content
+
+
+def test_sampling_fields_reach_the_engine():
+    seeded = make_llm(temperature=0.9, top_p=0.9, seed=7)
+    ref = seeded.engine.chat_sync([{"role": "user", "content": "Hi"}],
+                                  {"max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "seed": 7})
+    assert seeded.chat(user("Hi")).message.content == ref.content
+    assert seeded.chat(user("Hi"), seed=8).message.content == seeded.engine.chat_sync(
+        [{"role": "user", "content": "Hi"}], {"max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "seed": 8}).content
+
+
+def test_unknown_kwargs_and_engine_errors_are_typed():
+    llm = make_llm()
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        llm.chat(user("hi"), frobnicate=True)
+    with pytest.raises(ContextLengthError):
+        llm.chat(user("word " * 5000))
+
+
+# ---------------------------------------------------------------------- reasoning
+def _grammar(engine: Engine, body: str) -> dict:
+    return {"type": "lark", "grammar": f"start: {body}"}
+
+
+def _reasoning_format(engine: Engine) -> dict:
+    m = engine._grammar.marker  # forces a think block: stands in for a model that reasons
+    return _grammar(engine, f'{m("<think>")} "\\nweighing it\\n" {m("</think>")} "\\n\\nthe answer"')
+
+
+def test_reasoning_goes_to_thinking_block_and_thinking_delta():
+    llm = make_llm(max_tokens=40)
+    llm.engine.start_sync()
+    fmt = _reasoning_format(llm.engine)
+    r = llm.chat(user("think first"), response_format=fmt)
+    assert r.message.content == "the answer"
+    thinking = [b for b in r.message.blocks if isinstance(b, ThinkingBlock)]
+    assert [b.content for b in thinking] == ["weighing it"]
+    chunks = list(llm.stream_chat(user("think first"), response_format=fmt))
+    assert "".join(c.additional_kwargs.get("thinking_delta", "") for c in chunks) == "weighing it"
+    assert "".join(c.delta for c in chunks) == chunks[-1].message.content == "the answer"
+    assert [b.content for b in chunks[-1].message.blocks if isinstance(b, ThinkingBlock)] == ["weighing it"]
+    # Sent back in a history, the reasoning reaches the template as reasoning_content.
+    assert to_engine_messages([r.message])[0]["reasoning_content"] == "weighing it"
+
+
+def test_reasoning_flag_reaches_the_template():
+    msgs = [{"role": "user", "content": "hi"}]
+    on, off = make_llm(reasoning=True), make_llm(reasoning=False)
+    eng = on.engine
+    assert on.chat(user("hi")).message.content == eng.chat_sync(msgs, {"max_tokens": 16}, reasoning=True).content
+    assert off.chat(user("hi")).message.content == eng.chat_sync(msgs, {"max_tokens": 16}, reasoning=False).content
+
+
+# ---------------------------------------------------------------------- tools
+def _two_calls_format(engine: Engine) -> dict:
+    m = engine._grammar.marker  # the model "decides" to call two tools (under tool_choice="auto")
+    call = lambda name, a, b: (f'{m("<tool_call>")} "\\n{{\\"name\\": \\"{name}\\", \\"arguments\\": '  # noqa: E731
+                               f'{{\\"a\\": {a}, \\"b\\": {b}}}}}\\n" {m("</tool_call>")}')
+    return _grammar(engine, f'{call("add", 2, 3)} "\\n" {call("multiply", 4, 5)}')
+
+
+def test_unforced_tool_calls_are_parsed_and_trimmed_unless_parallel():
+    llm = make_llm(max_tokens=80)
+    llm.engine.start_sync()
+    tools = [FunctionTool.from_defaults(fn=add), FunctionTool.from_defaults(fn=multiply)]
+    fmt = _two_calls_format(llm.engine)
+    both = llm.chat_with_tools(tools, user_msg="go", allow_parallel_tool_calls=True, response_format=fmt)
+    calls = llm.get_tool_calls_from_response(both)
+    assert [(c.tool_name, c.tool_kwargs) for c in calls] == [("add", {"a": 2, "b": 3}),
+                                                             ("multiply", {"a": 4, "b": 5})]
+    assert len({c.tool_id for c in calls}) == 2
+    assert both.raw["finish_reason"] == "tool_calls"
+    one = llm.chat_with_tools(tools, user_msg="go", response_format=fmt)
+    assert [c.tool_name for c in llm.get_tool_calls_from_response(one)] == ["add"]
+    streamed = list(llm.stream_chat_with_tools(tools, user_msg="go", allow_parallel_tool_calls=True,
+                                               response_format=fmt))
+    counts = [len(llm.get_tool_calls_from_response(c, error_on_no_tool_call=False)) for c in streamed]
+    assert counts == sorted(counts) and counts[-1] == 2  # calls appear as they complete
+    # The calls round-trip: sent back, they render as the model wrote them.
+    back = to_engine_messages([both.message])[0]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in back] == [{"a": 2, "b": 3}, {"a": 4, "b": 5}]
+
+
+def test_tool_required_forces_a_valid_call_in_a_batch():
+    llm = make_llm(max_tokens=80)
+    tool = FunctionTool.from_defaults(fn=add)
+
+    async def run():
+        return await asyncio.gather(*(llm.achat_with_tools([tool], user_msg=f"sum {i}", tool_required=True)
+                                      for i in range(6)))
+
+    before = llm.engine.stats()["constrained_requests"]
+    for r in asyncio.run(run()):
+        (call,) = llm.get_tool_calls_from_response(r)
+        assert call.tool_name == "add" and isinstance(call.tool_kwargs["a"], int)
+    assert llm.engine.stats()["constrained_requests"] - before == 6
+
+
+def test_structured_predict_in_function_mode_uses_a_forced_call():
+    llm = make_llm(max_tokens=120, pydantic_program_mode=PydanticProgramMode.FUNCTION)
+    before = llm.engine.stats()["constrained_requests"]
+    p = llm.structured_predict(Person, PromptTemplate("Describe {who}."), who="a pirate")
+    assert isinstance(p, Person)
+    assert llm.engine.stats()["constrained_requests"] == before + 1
+
+
+def test_stream_structured_predict_yields_growing_partials():
+    llm = make_llm(max_tokens=120)
+    parts = list(llm.stream_structured_predict(Person, PromptTemplate("Describe {who}."), who="a pirate"))
+    assert len(parts) >= 2
+    filled = [sum(v is not None for v in p.model_dump().values()) for p in parts]
+    assert filled == sorted(filled)
+    assert isinstance(parts[-1], Person)
+
+
+# ---------------------------------------------------------------------- metadata, timeouts, cancellation
+def test_metadata_from_the_checkpoint_without_loading():
+    cfg = json.load(open(f"{PATHS['qwen3_5']}/config.json"))
+    ctx = cfg.get("text_config", cfg)["max_position_embeddings"]
+    fresh = MLXTandemLLM(model=PATHS["qwen3_5"], engine_options={"show_progress": False, "max_waiting": 4002})
+    md = fresh.metadata
+    assert md.context_window == ctx and md.num_output == 256
+    assert md.is_function_calling_model and md.model_name == PATHS["qwen3_5"]
+    assert fresh.engine.stats()["loaded"] is False  # metadata never loads the weights
+    assert make_llm(context_window=1000, max_tokens=50).metadata.context_window == 1000
+    assert MLXTandemLLM().metadata.model_name.startswith("tandem-default")
+
+
+def _wait_idle(engine: Engine) -> int:
+    for _ in range(100):
+        if engine.stats()["running"] == 0:
+            break
+        time.sleep(0.05)
+    return engine.stats()["running"]
+
+
+def test_timeout_cancels_and_frees_the_slot():
+    llm = make_llm(max_tokens=4000, timeout=0.05)
+    with pytest.raises(TimeoutError):
+        llm.chat(user("go on for a long time"))
+    with pytest.raises(TimeoutError):
+        list(llm.stream_complete("go on for a long time"))
+    with pytest.raises(TimeoutError):
+        asyncio.run(llm.achat(user("go on for a long time")))
+    assert _wait_idle(llm.engine) == 0
+
+
+def test_leaving_a_stream_early_frees_the_slot():
+    llm = make_llm(max_tokens=4000)
+    gen = llm.stream_chat(user("go on"))
+    next(gen)
+    assert llm.engine.stats()["running"] == 1
+    gen.close()
+    assert _wait_idle(llm.engine) == 0

@@ -1,0 +1,236 @@
+"""scripts/demo_data.py: deterministic chat-model training data, held-out material kept out."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "demo_data.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("demo_data", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["demo_data"] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+dd = _load()
+
+
+@pytest.fixture(scope="module")
+def big():
+    return dd.generate(10_000, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_5_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_5_path)
+
+
+def texts(record, role=None):
+    return [m.get("content") or "" for m in record["messages"] if role in (None, m["role"])]
+
+
+def tool_calls(record):
+    return [c for m in record["messages"] for c in m.get("tool_calls") or []]
+
+
+# ----------------------------------------------------------------------------- determinism
+def test_same_seed_same_records_and_different_seed_different():
+    a = dd.generate(300, seed=0)
+    assert a == dd.generate(300, seed=0)
+    assert a != dd.generate(300, seed=1)
+    assert dd.held_out_examples(100, seed=0) == dd.held_out_examples(100, seed=0)
+
+
+def test_cli_writes_the_same_records_in_a_fresh_process(tmp_path):
+    out = tmp_path / "data.jsonl"
+    subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--n", "60", "--seed", "3"],
+                   check=True, capture_output=True)
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(ln) for ln in lines] == dd.generate(60, seed=3)
+
+
+# ----------------------------------------------------------------------------- shape
+def test_every_kind_in_its_share(big):
+    counts = Counter(r["kind"] for r in big)
+    assert set(counts) == set(dd.KINDS)
+    for kind, weight in dd.KIND_WEIGHTS.items():
+        assert abs(counts[kind] - weight * len(big)) <= 1, (kind, counts)
+    tools = [r for r in big if r["kind"] == "tool"]
+    no_call = sum(not tool_calls(r) for r in tools) / len(tools)
+    assert 0.16 <= no_call <= 0.24
+    assert Counter(r["kind"] for r in dd.generate(90, kinds=["arith", "chat"])) == {"arith": 55, "chat": 35}
+
+
+def test_records_are_openai_style(big):
+    for r in big[:2000]:
+        assert set(r) == {"kind", "messages", "tools"}
+        assert (r["tools"] is not None) == (r["kind"] == "tool")
+        roles = [m["role"] for m in r["messages"]]
+        assert roles[-1] == "assistant" and "system" not in roles[1:]
+        assert all(isinstance(t, str) for t in texts(r))
+
+
+def test_stdlib_answers_start_with_a_docstring_summary_and_are_short(big):
+    summaries = tuple(e.summary for e in dd.stdlib_entries())
+    assert len(summaries) > 150
+    qa = [r for r in big if r["kind"] == "stdlib_qa"]
+    for r in qa:
+        answer = texts(r, "assistant")[-1]
+        assert answer.startswith(summaries) and len(answer.split()) < 60, answer
+
+
+def test_arith_and_units_answers_are_exact():
+    for r in dd.generate(400, seed=5, kinds=["arith"]):
+        q, a = texts(r, "user")[-1], texts(r, "assistant")[-1]
+        nums = [int(x) for x in re.findall(r"-?\d+", q)]
+        a_, b_ = nums[:2]
+        assert any(str(v) in a for v in (a_ + b_, a_ - b_, b_ - a_, a_ * b_)), (q, a)
+    for r in dd.generate(200, seed=5, kinds=["units"]):
+        assert re.search(r"\d", texts(r, "assistant")[-1])
+
+
+# ----------------------------------------------------------------------------- tools
+def _leaves(content: str) -> list[str]:
+    try:
+        data = json.loads(content)
+    except json.JSONDecodeError:
+        return [content]
+    if not isinstance(data, dict):
+        return [content]
+    return [v if isinstance(v, str) else json.dumps(v) for v in data.values()]
+
+
+@functools.lru_cache(maxsize=None)
+def _validator(schema_json: str) -> jsonschema.Draft202012Validator:
+    # Building a validator checks the schema too; cached, as most schemas repeat.
+    schema = json.loads(schema_json)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def test_tool_calls_name_a_given_tool_and_validate_against_its_schema(big):
+    calls = 0
+    for r in (x for x in big if x["kind"] == "tool"):
+        tools = {t["function"]["name"]: t["function"] for t in r["tools"]}
+        assert 1 <= len(r["tools"]) <= 3 and len(tools) == len(r["tools"])
+        validators = {name: _validator(json.dumps(t["parameters"], sort_keys=True)) for name, t in tools.items()}
+        msgs = [m for m in r["messages"] if m["role"] != "system"]
+        if not tool_calls(r):
+            assert [m["role"] for m in msgs] == ["user", "assistant"]
+            continue
+        calls += 1
+        assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"]
+        (call,) = msgs[1]["tool_calls"]
+        assert msgs[1]["content"] == "" and msgs[2]["tool_call_id"] == call["id"]
+        fn = call["function"]
+        assert fn["name"] in tools and isinstance(fn["arguments"], dict)
+        validators[fn["name"]].validate(fn["arguments"])
+        answer = msgs[3]["content"]
+        assert any(leaf in answer for leaf in _leaves(msgs[2]["content"])), (msgs[2]["content"], answer)
+    assert calls > 2500
+
+
+def test_generic_requests_name_the_function_and_its_arguments(big):
+    generic = [r for r in big if tool_calls(r) and tool_calls(r)[0]["function"]["name"]
+               not in {t.name for t in dd.TOOL_POOL}]
+    assert len(generic) > 500
+    for r in generic:
+        fn = tool_calls(r)[0]["function"]
+        ask = texts(r, "user")[0]
+        assert fn["name"] in ask and all(str(v) in ask for v in fn["arguments"].values()), ask
+    assert any("Use the tool." in texts(r, "user")[0] for r in generic)
+
+
+# ----------------------------------------------------------------------------- rendering
+def test_every_record_renders_and_most_are_short(big, tokenizer):
+    sample = big[:1500] + dd.held_out_examples(200, seed=1)
+    full, convo = [], []
+    for r in sample:
+        full.append(tokenizer.apply_chat_template(r["messages"], tools=r["tools"], tokenize=False))
+        convo.append(tokenizer.apply_chat_template(r["messages"], tokenize=False))
+    n_full = [len(x) for x in tokenizer(full, add_special_tokens=False)["input_ids"]]
+    n_convo = [len(x) for x in tokenizer(convo, add_special_tokens=False)["input_ids"]]
+    assert all("<tool_call>" in text for r, text in zip(sample, full) if tool_calls(r))
+
+    def share_under(lengths, limit):
+        return sum(n < limit for n in lengths) / len(lengths)
+
+    # The template's fixed tool instructions cost ~130 tokens and each tool's JSON ~100, so
+    # a record with tools cannot fit 256; the 256 budget applies to the conversation itself.
+    plain = [n for r, n in zip(sample, n_full) if r["tools"] is None]
+    with_tools = [n for r, n in zip(sample, n_full) if r["tools"] is not None]
+    assert share_under(plain, 128) >= 0.95 and max(plain) < 256
+    assert share_under(n_convo, 256) >= 0.95
+    assert share_under(with_tools, 768) >= 0.95
+
+
+# ----------------------------------------------------------------------------- held out
+def _langchain_tests_material():
+    """Tool names and tool-calling prompts in the installed langchain-tests suite."""
+    pytest.importorskip("langchain_tests")
+    import langchain_tests
+
+    src = (Path(langchain_tests.__file__).parent / "integration_tests" / "chat_models.py").read_text()
+    names = set(re.findall(r"@tool(?:\([^)]*\))?\s*\n\s*def (\w+)", src))
+    names |= set(re.findall(r"""\bname["']?\s*[=:]\s*["'](\w+)["']""", src))
+    prompts = set(re.findall(r'query = "([^"]+)"', src))
+    return names - {"example_user"}, prompts  # a message author's name, not a tool
+
+
+def test_held_out_lists_cover_the_tests():
+    names, prompts = _langchain_tests_material()
+    assert names >= {"magic_function", "get_weather", "my_adder_tool"}
+    assert names <= dd.HELD_OUT_TOOL_NAMES
+    assert prompts and prompts <= dd.HELD_OUT_PROMPTS
+    assert {"add", "multiply", "add_tool", "lookup_capital"} <= dd.HELD_OUT_TOOL_NAMES
+    assert {"What is 2 + 3?", "What is 1 + 2", "Hello"} <= dd.HELD_OUT_PROMPTS
+
+
+def test_violation_check_catches_held_out_material():
+    clean = {"kind": "chat", "tools": None, "messages": [{"role": "user", "content": "Hello there!"}]}
+    assert dd.held_out_violations(clean) == []
+    for case in dd.held_out_test_cases():
+        assert dd.held_out_violations(case)
+    assert dd.held_out_violations({"messages": [{"role": "user", "content": "hello"}]})
+    assert dd.held_out_violations({"messages": [{"role": "user", "content": "Q: What is 1 + 2? A:"}]})
+    assert not dd.held_out_violations({"messages": [{"role": "user", "content": "What is 1 + 25?"}]})
+
+
+def test_no_held_out_name_or_prompt_in_a_large_training_set(big):
+    names = {n.casefold() for n in dd.HELD_OUT_TOOL_NAMES}
+    long_prompts = re.compile("|".join(rf"(?<!\w){re.escape(p.casefold().rstrip(' .?!'))}(?!\w)"
+                                       for p in dd.HELD_OUT_PROMPTS if len(p.split()) >= 4))
+    exact = {p.casefold().strip(" .?!") for p in dd.HELD_OUT_PROMPTS}
+    for r in big:
+        used = {t["function"]["name"] for t in r["tools"] or []} | {c["function"]["name"] for c in tool_calls(r)}
+        assert not {u.casefold() for u in used} & names, used
+        for text in texts(r):
+            folded = text.casefold()
+            assert folded.strip(" .?!") not in exact, text
+            assert not long_prompts.search(folded), text
+
+
+def test_held_out_examples_are_disjoint_from_training(big):
+    held = dd.held_out_examples(2000, seed=0)
+    assert {r["kind"] for r in held} == set(dd.KINDS)
+    train_prompts = {t for r in big for t in texts(r, "user")}
+    held_prompts = {t for r in held for t in texts(r, "user")}
+    assert not train_prompts & held_prompts
+    train_tools = {t["function"]["name"] for r in big for t in r["tools"] or []}
+    held_tools = {t["function"]["name"] for r in held for t in r["tools"] or []}
+    assert held_tools and not train_tools & held_tools

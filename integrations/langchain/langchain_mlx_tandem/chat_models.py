@@ -22,12 +22,11 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field
 
-from mlx_tandem import Engine, SamplingParams
+from mlx_tandem import Engine
+from mlx_tandem.call_options import merge_stops, resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 
 from ._convert import PROVIDER, ChunkBuilder, to_ai_message, to_engine_messages
-
-_ENGINE_CALL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning")
 
 
 class ChatMLX(BaseChatModel):
@@ -99,7 +98,7 @@ class ChatMLX(BaseChatModel):
         max_tokens = kwargs.get("max_tokens", self.max_tokens)
         if max_tokens is not None:
             params["ls_max_tokens"] = max_tokens
-        stops = self._stops(stop)
+        stops = merge_stops(self.stop, stop)
         if stops:
             params["ls_stop"] = stops
         return params
@@ -119,38 +118,12 @@ class ChatMLX(BaseChatModel):
             return self.engine, self.model_name
         return Engine.shared(override, **self.engine_options), str(override)
 
-    def _stops(self, stop: Optional[list[str]]) -> list[str]:
-        out = list(self.stop or [])
-        for s in stop or []:
-            if s not in out:
-                out.append(s)
-        return out
-
     def _request(self, messages: list[BaseMessage], stop: Optional[list[str]], kwargs: dict):
         kwargs = dict(kwargs)
         kwargs.pop("ls_structured_output_format", None)
         engine, model_name = self._engine_for(kwargs)
-        params = dict(
-            temperature=kwargs.pop("temperature", self.temperature),
-            top_p=kwargs.pop("top_p", self.top_p),
-            top_k=kwargs.pop("top_k", self.top_k),
-            min_p=kwargs.pop("min_p", self.min_p),
-            repetition_penalty=kwargs.pop("repetition_penalty", self.repetition_penalty),
-            seed=kwargs.pop("seed", self.seed),
-            stop=self._stops(stop),
-        )
-        max_tokens = kwargs.pop("max_tokens", self.max_tokens)
-        if max_tokens is not None:
-            params["max_tokens"] = max_tokens
-        options = {k: kwargs.pop(k) for k in _ENGINE_CALL_KWARGS if k in kwargs}
-        options.setdefault("reasoning", self.reasoning)
-        template_kwargs = {**self.chat_template_kwargs, **kwargs.pop("chat_template_kwargs", {})}
-        if template_kwargs:
-            options["template_kwargs"] = template_kwargs
-        timeout = kwargs.pop("timeout", self.timeout)
-        if kwargs:
-            raise TypeError(f"ChatMLX got unexpected keyword arguments {sorted(kwargs)}")
-        return engine, model_name, to_engine_messages(messages), SamplingParams(**params), options, timeout
+        call = resolve_call(self, kwargs, owner="ChatMLX", stop=stop)
+        return engine, model_name, to_engine_messages(messages), call.params, call.options, call.timeout
 
     # ------------------------------------------------------------------ generation
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,

@@ -39,14 +39,13 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import PydanticProgramMode
 
 from mlx_tandem import Engine, SamplingParams
+from mlx_tandem.call_options import resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 
 from ._convert import StreamAccumulator, to_chat_response, to_completion_response, to_engine_messages
 
 dispatcher = get_dispatcher(__name__)
 
-_ENGINE_CALL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning")
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 
 
 class MLXTandemLLM(FunctionCallingLLM):
@@ -112,25 +111,8 @@ class MLXTandemLLM(FunctionCallingLLM):
 
     # ------------------------------------------------------------------ engine plumbing
     def _options(self, kwargs: dict) -> tuple[SamplingParams, dict, Optional[float]]:
-        kwargs = {**self.additional_kwargs, **kwargs}
-        params: dict[str, Any] = {k: kwargs.pop(k, getattr(self, k)) for k in _SAMPLING_FIELDS}
-        stops = list(self.stop or [])
-        for s in kwargs.pop("stop", None) or []:
-            if s not in stops:
-                stops.append(s)
-        params["stop"] = stops
-        max_tokens = kwargs.pop("max_tokens", self.max_tokens)
-        if max_tokens is not None:
-            params["max_tokens"] = max_tokens
-        options = {k: kwargs.pop(k) for k in _ENGINE_CALL_KWARGS if k in kwargs}
-        options.setdefault("reasoning", self.reasoning)
-        template_kwargs = {**self.chat_template_kwargs, **kwargs.pop("chat_template_kwargs", {})}
-        if template_kwargs:
-            options["template_kwargs"] = template_kwargs
-        timeout = kwargs.pop("timeout", self.timeout)
-        if kwargs:
-            raise TypeError(f"MLXTandemLLM got unexpected keyword arguments {sorted(kwargs)}")
-        return SamplingParams(**params), options, timeout
+        call = resolve_call(self, {**self.additional_kwargs, **kwargs}, owner="MLXTandemLLM")
+        return call.params, call.options, call.timeout
 
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict):
         params, options, timeout = self._options(kwargs)

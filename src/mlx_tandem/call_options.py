@@ -1,0 +1,54 @@
+"""One adapter call's settings: model-level defaults merged with per-call keyword arguments.
+
+Both adapters (LangChain ``ChatMLX``, LlamaIndex ``MLXTandemLLM``) have the same fields and
+accept the same per-call keywords, so the merge lives here once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from .params import SamplingParams
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning")
+
+
+@dataclass(frozen=True)
+class CallSettings:
+    params: SamplingParams
+    options: dict  # keyword options for Engine.chat / open_chat_stream
+    timeout: Optional[float]
+
+
+def merge_stops(*lists: Optional[Sequence[str]]) -> list[str]:
+    out: list[str] = []
+    for stops in lists:
+        for s in stops or []:
+            if s not in out:
+                out.append(s)
+    return out
+
+
+def resolve_call(defaults: Any, kwargs: dict, *, owner: str, stop: Optional[Sequence[str]] = None) -> CallSettings:
+    """Merge ``defaults`` (an object with the adapters' field names) with ``kwargs``.
+
+    Per-call values win; stop strings are the union; template kwargs are merged. Any keyword
+    left over raises TypeError naming ``owner``: a misspelt option is never ignored.
+    """
+    kwargs = dict(kwargs)
+    params: dict[str, Any] = {k: kwargs.pop(k, getattr(defaults, k)) for k in SAMPLING_FIELDS}
+    params["stop"] = merge_stops(defaults.stop, stop, kwargs.pop("stop", None))
+    max_tokens = kwargs.pop("max_tokens", defaults.max_tokens)
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    options = {k: kwargs.pop(k) for k in CHAT_OPTIONS if k in kwargs}
+    options.setdefault("reasoning", defaults.reasoning)
+    template_kwargs = {**defaults.chat_template_kwargs, **kwargs.pop("chat_template_kwargs", {})}
+    if template_kwargs:
+        options["template_kwargs"] = template_kwargs
+    timeout = kwargs.pop("timeout", defaults.timeout)
+    if kwargs:
+        raise TypeError(f"{owner} got unexpected keyword arguments {sorted(kwargs)}")
+    return CallSettings(SamplingParams(**params), options, timeout)

@@ -1,0 +1,178 @@
+"""Stream handles: what a caller holds for one submitted request.
+
+Async and blocking twins over the request's sink: accumulate deltas, parse chat output,
+detect the end, enforce an optional deadline, and abort the request when left early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import time
+from typing import Optional
+
+from .chat_output import ChatOutputParser
+from .core import EngineCore
+from .outputs import RequestOutput, StreamDelta, Usage
+from .request import Request
+
+
+class _StreamBase:
+    """Shared bookkeeping of a request's stream: accumulate, parse, detect the end, abort if left early."""
+
+    def __init__(self, core: EngineCore, req: Request, sink, parser: Optional[ChatOutputParser] = None):
+        self._core = core
+        self._req = req
+        self._sink = sink
+        self._parser = parser
+        self._done = False
+        self.text_parts: list[str] = []
+        self.content_parts: list[str] = []
+        self.reasoning_parts: list[str] = []
+        self.tool_calls: list = []
+        self.invalid_tool_calls: list = []
+        self.token_ids: list[int] = []
+
+    @property
+    def request_id(self) -> str:
+        return self._req.request_id
+
+    def _accept(self, item) -> StreamDelta:
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self.text_parts.append(item.text)
+        self.token_ids.extend(item.token_ids)
+        finish = item.finish_reason
+        if self._parser is None:
+            item = dataclasses.replace(item, content=item.text)
+        else:
+            parsed = self._parser.feed(item.text)
+            if finish is not None:
+                end = self._parser.finish()
+                parsed.content += end.content
+                parsed.reasoning += end.reasoning
+                parsed.tool_calls += end.tool_calls
+                parsed.invalid_tool_calls += end.invalid_tool_calls
+            if finish == "stop" and (self.tool_calls or parsed.tool_calls):
+                finish = "tool_calls"
+            item = dataclasses.replace(
+                item, content=parsed.content, reasoning=parsed.reasoning, finish_reason=finish,
+                tool_calls=tuple(parsed.tool_calls), invalid_tool_calls=tuple(parsed.invalid_tool_calls))
+        self.content_parts.append(item.content)
+        self.reasoning_parts.append(item.reasoning)
+        self.tool_calls.extend(item.tool_calls)
+        self.invalid_tool_calls.extend(item.invalid_tool_calls)
+        if finish is not None:
+            self._done = True
+            self._last = item
+        return item
+
+    def _output(self) -> RequestOutput:
+        last = self._last
+        req = self._req
+        return RequestOutput(
+            request_id=req.request_id,
+            text="".join(self.text_parts),
+            token_ids=self.token_ids,
+            finish_reason=last.finish_reason,
+            usage=last.usage or Usage(req.num_prompt_tokens, len(self.token_ids)),
+            prompt_token_ids=req.prompt_ids,
+            time_to_first_token=(req.first_token_time - req.arrival) if req.first_token_time else None,
+            latency=(req.finish_time - req.arrival) if req.finish_time else None,
+            content="".join(self.content_parts),
+            reasoning="".join(self.reasoning_parts),
+            tool_calls=list(self.tool_calls),
+            invalid_tool_calls=list(self.invalid_tool_calls),
+        )
+
+    def cancel(self) -> None:
+        """Abort the request now: it leaves the batch within one engine step."""
+        if not self._done:
+            self._done = True
+            self._core.abort(self._req.request_id)
+
+    def __del__(self):
+        try:
+            self.cancel()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class AsyncStream(_StreamBase):
+    deadline: Optional[float] = None  # time.monotonic() past which the request is cancelled
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            if self.deadline is None:
+                item = await self._sink.get()
+            else:
+                left = max(self.deadline - time.monotonic(), 0.0)
+                try:
+                    item = await asyncio.wait_for(self._sink.get(), left)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"request {self.request_id} exceeded its timeout") from None
+        except BaseException:
+            self.cancel()  # cancelled while waiting: free the slot
+            raise
+        return self._accept(item)
+
+    async def collect(self) -> RequestOutput:
+        async with self:
+            async for _ in self:
+                pass
+        return self._output()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.cancel()
+
+
+class SyncStream(_StreamBase):
+    deadline: Optional[float] = None  # time.monotonic() past which the request is cancelled
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StreamDelta:
+        if self._done:
+            raise StopIteration
+        try:
+            if self.deadline is None:
+                item = self._sink.get()
+            else:
+                left = self.deadline - time.monotonic()
+                try:
+                    item = self._sink.get(timeout=max(left, 0.0) or 1e-6)
+                except queue.Empty:
+                    raise TimeoutError(f"request {self.request_id} exceeded its timeout") from None
+        except BaseException:
+            self.cancel()
+            raise
+        return self._accept(item)
+
+    def collect(self) -> RequestOutput:
+        with self:
+            for _ in self:
+                pass
+        return self._output()
+
+    def close(self) -> None:
+        self.cancel()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cancel()

@@ -185,8 +185,10 @@ def export(final: Path, init_dir: Path, trainee: Trainee) -> None:
     shutil.rmtree(final, ignore_errors=True)
     shutil.copytree(init_dir, final, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
     hf = qwen3_5_to_hf(dict(tree_flatten(trainee.model.parameters())))
+    from mlx_tandem.spec.mtp_head import is_zero_centred_norm
+
     for k, v in tree_flatten(trainee.mtp.parameters()):
-        hf["mtp." + k] = v - 1.0 if (k.endswith("norm.weight") and v.ndim == 1) else v
+        hf["mtp." + k] = v - 1.0 if is_zero_centred_norm(k, v) else v
     mx.save_safetensors(str(final / "model.safetensors"), {k: v.astype(mx.float16) for k, v in hf.items()},
                         metadata={"format": "mlx"})
 

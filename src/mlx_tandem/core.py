@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from .detokenizer import RequestDetokenizer
 from .errors import EngineClosedError, EngineStepError, InvalidRequestError, TandemError
 from .lanes import Lane, TextLane, TokenEvent
-from .model_loader import LoadedModel, load_text_model, resolve_model_path
+from .model_loader import LoadedModel, load_mtp_head, load_text_model, resolve_model_path
 from .options import EngineOptions
 from .outputs import StreamDelta, Usage
 from .request import Request, RequestState, dispatch
@@ -100,6 +100,9 @@ class EngineCore:
                 max_batch_size=self.options.max_batch_size,
                 prefill_batch_size=self.options.prefill_batch_size,
                 prefill_step_size=self.options.prefill_step_size,
+                mtp_head=load_mtp_head(self.loaded, self.options.mtp),
+                mtp_mode=self.options.mtp,
+                mtp_depth=self.options.mtp_depth,
             )
         except BaseException as exc:  # noqa: BLE001 - reported through the ready future
             self._closed.set()
@@ -266,6 +269,9 @@ class EngineCore:
             generation_tokens=st.generation_tokens,
             decode_time=st.decode_time,
         )
+        mtp = getattr(lane, "mtp_stats", None)
+        if mtp is not None and (snap := mtp()) is not None:
+            self.stats.set_mtp(lane.name, snap)
         for ev in events:
             self._process(lane, ev)
 

@@ -106,3 +106,37 @@ def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
     logger.info("loaded %s (%s, %s, context %d, BLAS %s)", path, loaded.model_type,
                 loaded.dtype, loaded.context_length, _platform.active_blas())
     return loaded
+
+
+def load_mtp_head(loaded: LoadedModel, mode: str):
+    """The checkpoint's MTP head for speculative decoding, or None.
+
+    mode "off" skips it. A head that is missing or unusable is an error under "on" and a
+    logged fallback to plain decoding under "auto"; never silent.
+    """
+    if mode == "off":
+        return None
+    from .spec.mtp_head import MTPHeadError, load_mtp_head as _load
+    from .spec.verify import supports_verify
+
+    lm = getattr(loaded.model, "language_model", None)
+    try:
+        if lm is None or not hasattr(lm, "args"):
+            head = None
+        else:
+            head = _load(loaded.path, lm, loaded.config, dtype=_platform.compute_dtype())
+        if head is not None and not supports_verify(lm):
+            raise MTPHeadError(f"{loaded.model_type}: speculative verification is not supported "
+                               "for this architecture")
+    except MTPHeadError as exc:
+        if mode == "on":
+            raise
+        logger.warning("MTP disabled, decoding plainly: %s", exc)
+        return None
+    if head is None:
+        if mode == "on":
+            raise MTPHeadError(f"{loaded.path}: mtp='on' but the checkpoint has no MTP head")
+        logger.info("%s has no MTP head; decoding without speculation", loaded.path.name)
+    else:
+        logger.info("MTP head loaded: %d layer(s)", len(head.layers))
+    return head

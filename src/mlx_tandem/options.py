@@ -24,6 +24,11 @@ class EngineOptions:
     coalesce_ms: float = 5.0
     #: Show a progress bar while loading.
     show_progress: bool = True
+    #: Speculative decoding with the checkpoint's MTP head: "auto" (speculate when the
+    #: measured cost says it pays), "on", or "off". Requests can override it.
+    mtp: str = "auto"
+    #: Draft tokens per speculative step (1-3).
+    mtp_depth: int = 2
 
     def __post_init__(self):
         for name in ("max_batch_size", "prefill_batch_size", "prefill_step_size", "max_waiting"):
@@ -32,6 +37,11 @@ class EngineOptions:
                 raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 1")
         if not isinstance(self.coalesce_ms, (int, float)) or not 0 <= self.coalesce_ms <= 1000:
             raise InvalidRequestError(f"engine option coalesce_ms={self.coalesce_ms!r}: must be in [0, 1000]")
+        from .spec.policy import normalize_mode
+
+        object.__setattr__(self, "mtp", normalize_mode(self.mtp, what="engine option mtp") or "auto")
+        if self.mtp_depth not in (1, 2, 3) or isinstance(self.mtp_depth, bool):
+            raise InvalidRequestError(f"engine option mtp_depth={self.mtp_depth!r}: must be 1, 2 or 3")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise InvalidRequestError(f"engine option max_model_len={self.max_model_len!r}: must be an integer >= 2")
 

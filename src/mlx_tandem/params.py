@@ -30,6 +30,9 @@ class SamplingParams:
     repetition_context_size: int = 20
     stop: tuple[str, ...] = ()
     seed: Optional[int] = None
+    #: Speculative decoding for this request: "auto" | "on" | "off" (True/False accepted);
+    #: None follows the engine's ``mtp`` option.
+    mtp: Optional[str] = None
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -41,6 +44,9 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
+        from .spec.policy import normalize_mode
+
+        object.__setattr__(self, "mtp", normalize_mode(self.mtp, what="SamplingParams.mtp"))
         self.validate()
 
     def validate(self) -> None:

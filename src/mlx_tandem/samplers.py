@@ -30,7 +30,8 @@ def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) 
     return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
 
 
-def _filters(p: SamplingParams):
+def sampling_filters(p: SamplingParams):
+    """mlx-lm's make_sampler filters for these settings, in its order (top-p, min-p, top-k)."""
     out = []
     if 0 < p.top_p < 1.0:
         out.append(lambda x: apply_top_p(x, p.top_p))
@@ -41,19 +42,29 @@ def _filters(p: SamplingParams):
     return out
 
 
-def _seeded_sampler(p: SamplingParams) -> Sampler:
-    key = mx.random.key(p.seed)
-    filters = _filters(p)
-    inv_temp = 1.0 / p.temperature
+class SeededSampler:
+    """A request's own PRNG key chain: each draw splits the key, so the draws depend only
+    on the seed and on how many draws came before (speculative decoding draws from the
+    same chain through ``next_key``)."""
 
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        for f in filters:
+    def __init__(self, p: SamplingParams):
+        self._key = mx.random.key(p.seed)
+        self._filters = sampling_filters(p)
+        self._inv_temp = 1.0 / p.temperature
+
+    def next_key(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        sub = self.next_key()
+        for f in self._filters:
             logprobs = f(logprobs)
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
+        return mx.random.categorical(logprobs * self._inv_temp, key=sub)
 
-    return sample
+
+def _seeded_sampler(p: SamplingParams) -> Sampler:
+    return SeededSampler(p)
 
 
 def make_request_sampler(p: SamplingParams) -> Optional[Sampler]:

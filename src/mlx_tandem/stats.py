@@ -29,6 +29,8 @@ class EngineStats:
         self.decode_time = 0.0
         self.ttft_sum = 0.0
         self.ttft_count = 0
+        self.decode_rows = 0  # sum of decode batch sizes (a speculative step emits more tokens than rows)
+        self.mtp_lanes: dict[str, dict] = {}
 
     def record_step(self, *, batch_size: int, prompt_tokens: int, prompt_time: float,
                     generation_tokens: int, decode_time: float) -> None:
@@ -36,6 +38,7 @@ class EngineStats:
             self.steps += 1
             if generation_tokens:
                 self.decode_steps += 1
+                self.decode_rows += batch_size
             self.max_batch_size_seen = max(self.max_batch_size_seen, batch_size)
             self.prefill_tokens += prompt_tokens
             self.prompt_time += prompt_time
@@ -50,6 +53,18 @@ class EngineStats:
         with self._lock:
             self.running = running
             self.waiting = waiting
+
+    def set_mtp(self, lane: str, snapshot: dict) -> None:
+        with self._lock:
+            self.mtp_lanes[lane] = snapshot
+
+    def _mtp(self) -> dict[str, Any]:
+        total = {k: sum(l[k] for l in self.mtp_lanes.values())
+                 for k in ("spec_steps", "plain_steps", "drafted", "accepted", "draft_rows")}
+        total["acceptance_rate"] = total["accepted"] / total["drafted"] if total["drafted"] else 0.0
+        total["mean_accepted_per_step"] = total["accepted"] / total["draft_rows"] if total["draft_rows"] else 0.0
+        total["lanes"] = {name: dict(l) for name, l in self.mtp_lanes.items()}
+        return total
 
     def record_ttft(self, seconds: float) -> None:
         with self._lock:
@@ -66,7 +81,7 @@ class EngineStats:
                 "running": self.running,
                 "waiting": self.waiting,
                 "max_batch_size": self.max_batch_size_seen,
-                "mean_batch_size": (self.generation_tokens / self.decode_steps) if self.decode_steps else 0.0,
+                "mean_batch_size": (self.decode_rows / self.decode_steps) if self.decode_steps else 0.0,
                 "steps": self.steps,
                 "step_errors": self.step_errors,
                 "constrained_requests": self.constrained_requests,
@@ -76,4 +91,5 @@ class EngineStats:
                 "generation_tokens_per_s": (self.generation_tokens / self.decode_time) if self.decode_time else 0.0,
                 "mean_ttft_s": (self.ttft_sum / self.ttft_count) if self.ttft_count else 0.0,
                 "uptime_s": time.perf_counter() - self.started_at,
+                "mtp": self._mtp(),
             }

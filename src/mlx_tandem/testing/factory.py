@@ -221,12 +221,12 @@ def mtp_weights(text_config: dict, seed: int) -> dict:
     mx.random.seed(seed + 1)
     draft = MTPModel(MTPConfig.from_dict(
         {"model_type": "qwen3_5_mtp", "text_config": copy.deepcopy(text_config)}))
+    from ..spec.mtp_head import is_zero_centred_norm
+
     params = randomize_vectors(dict(tree_flatten(draft.parameters())))
     out = {}
     for k, v in params.items():
-        if k.endswith("norm.weight") and v.ndim == 1:
-            v = v - 1.0
-        out["mtp." + k] = v
+        out["mtp." + k] = v - 1.0 if is_zero_centred_norm(k, v) else v
     mx.eval(out)
     return out
 

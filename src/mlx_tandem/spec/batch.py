@@ -1,0 +1,292 @@
+"""MTP speculative decoding inside mlx-lm's continuous batch.
+
+Three pieces plug into mlx-lm 0.32's ``BatchGenerator`` without forking it:
+
+- ``MTPTextModel`` wraps the backbone for prefill and plain decode steps: it returns the
+  same logits and also writes the MTP head's cache entries, so the head always has the
+  history it was trained with, whatever mix of plain and speculative steps ran before.
+- ``MTPGenerationBatch`` (a ``GenerationBatch``) decides per step whether to speculate.
+  A speculative step drafts k tokens per row with the head, verifies all rows' drafts in
+  one backbone forward, accepts per row, and rolls every cache back per row.
+- ``SpecBatchGenerator`` installs that batch. Rows enter it the usual way (prefill, then
+  ``extend``), so admission, removal and cache extraction are mlx-lm's.
+
+A step may emit several tokens for a row; each goes out as its own ``Response`` (in order),
+so mlx-lm's counters and the lane's event loop need no change.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+
+from ..params import SamplingParams
+from .acceptance import Drafter
+from .mtp_cache import BatchMTPCache, MTPKVCache
+from .policy import AutoPolicy
+from .verify import rollback, verify_hidden
+
+logger = logging.getLogger(__name__)
+
+
+def _logits(lm, hidden: mx.array) -> mx.array:
+    if lm.args.tie_word_embeddings:
+        return lm.model.embed_tokens.as_linear(hidden)
+    return lm.lm_head(hidden)
+
+
+class MTPTextModel(nn.Module):
+    """The backbone plus its MTP head; the row cache is ``backbone caches + head caches``."""
+
+    def __init__(self, model, head):
+        super().__init__()
+        self.model_ = model  # mlx-lm Model (qwen3_5), kept under a name that is not "model"
+        self.head = head
+        self.lm = model.language_model
+        self.n_backbone = len(self.lm.layers)
+
+    @property
+    def layers(self):
+        return self.lm.layers
+
+    def make_cache(self):
+        return self.model_.make_cache() + [MTPKVCache() for _ in self.head.layers]
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings=None):
+        n = self.n_backbone
+        hidden = self.lm.model(inputs, cache[:n], input_embeddings=input_embeddings)
+        feed_history(self.head, self.lm.model.embed_tokens, cache[n:], inputs, hidden)
+        return _logits(self.lm, hidden)
+
+
+def feed_history(head, embed, caches, tokens: mx.array, hidden: mx.array) -> None:
+    """Write the head's entries for tokens just fed to the backbone (prefill or plain step).
+
+    Entry t pairs h_t with token t+1: the new tokens pair with [pending, hidden[:-1]], and
+    the hidden state of each row's last real token becomes its new ``pending``.
+    """
+    first: BatchMTPCache = caches[0]
+    B, S = tokens.shape
+    prev = first.pending if first.pending is not None else mx.zeros((B, 1, hidden.shape[-1]), hidden.dtype)
+    fresh = mx.logical_not(first.has_pending)  # rows whose first entry is a dummy
+    for c in caches:
+        c.hide_first_entry(fresh)
+    lengths = first.lengths
+    head(embed(tokens), mx.concatenate([prev, hidden[:, :-1]], axis=1), caches)
+    if lengths is None:
+        ends = mx.full((B,), S, dtype=mx.int32)
+    else:  # right-padded prefill: only the first `lengths` positions of each row are real
+        ends = mx.clip(lengths, 0, S).astype(mx.int32)
+        for c in caches:
+            c.lengths = lengths - S
+    last = mx.take_along_axis(hidden, mx.maximum(ends - 1, 0).reshape(B, 1, 1), axis=1)
+    got = ends > 0
+    first.pending = mx.where(got[:, None, None], last, prev)
+    first.has_pending = first.has_pending | got
+
+
+def write_accepted(head, embed, caches, tokens: mx.array, hidden: mx.array, counts: list[int]) -> None:
+    """After a verify: entries for the accepted drafts, pairing verify hidden i with draft i+1."""
+    top = max(counts)
+    if top == 0:
+        return
+    pad = [top - c for c in counts]
+    ragged = any(pad)
+    if ragged:
+        for c in caches:
+            c.prepare(right_padding=pad)
+    head(embed(tokens[:, :top]), hidden[:, :top], caches)
+    if ragged:
+        for c in caches:
+            c.finalize()
+
+
+@dataclass
+class RowSpec:
+    """What the speculative step needs to know about one request."""
+
+    params: SamplingParams
+    sampler: Any  # the row's own sampler (None: greedy), as given to the generator
+    drafts: bool  # may this row draft? (no logits processors, mode allows it)
+    forces: bool  # mode "on": speculate even when "auto" would not
+
+
+@dataclass
+class SpecStats:
+    spec_steps: int = 0
+    plain_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_rows: int = 0  # row-steps that drafted (for mean accepted per step)
+
+    def snapshot(self) -> dict:
+        return {
+            "spec_steps": self.spec_steps,
+            "plain_steps": self.plain_steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "draft_rows": self.draft_rows,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "mean_accepted_per_step": self.accepted / self.draft_rows if self.draft_rows else 0.0,
+        }
+
+
+@dataclass
+class SpecConfig:
+    head: Any
+    depth: int
+    mode: str  # engine default: "auto" | "on" | "off"
+    rows: dict = field(default_factory=dict)  # uid -> RowSpec
+    stats: SpecStats = field(default_factory=SpecStats)
+    policy: AutoPolicy = field(default_factory=AutoPolicy)
+
+
+class MTPGenerationBatch(GenerationBatch):
+    spec: SpecConfig  # set by SpecBatchGenerator
+
+    # ------------------------------------------------------------------ policy
+    def _wants_spec(self, rows: list[RowSpec]) -> bool:
+        if not any(r.drafts for r in rows):
+            return False
+        if any(r.forces for r in rows):
+            return True
+        if self.spec.mode == "on":
+            return True
+        return self.spec.policy.speculate(len(rows))
+
+    def next(self):
+        if not self.uids:
+            return []
+        rows = [self.spec.rows[uid] for uid in self.uids]
+        spec = self._wants_spec(rows)
+        tic = time.perf_counter()
+        if not spec:
+            # A plain step evaluates the previous step's pipelined forward: right after a
+            # speculative step there is none, so that step's time is not a plain step's cost.
+            steady = getattr(self, "_last_plain", False)
+            out = super().next()
+            self._last_plain = True
+            self.spec.stats.plain_steps += 1
+            if steady:
+                self.spec.policy.record(len(rows), speculative=False, seconds=time.perf_counter() - tic)
+            return out
+        self._last_plain = False
+        out, gain = self._speculative_next(rows)
+        self.spec.stats.spec_steps += 1
+        self.spec.policy.record(len(rows), speculative=True, seconds=time.perf_counter() - tic, gain=gain)
+        return out
+
+    # ------------------------------------------------------------------ one speculative step
+    def _speculative_next(self, rows: list[RowSpec]):
+        spec = self.spec
+        lm = self.model.lm
+        embed = lm.model.embed_tokens
+        n = self.model.n_backbone
+        backbone, mtp = self.prompt_cache[:n], self.prompt_cache[n:]
+        k = spec.depth
+        B = len(self.uids)
+        x = self._next_tokens
+        drafting = [r.drafts for r in rows]
+        drafter = Drafter([r.params for r in rows], [r.sampler for r in rows], drafting, k,
+                          lm.args.vocab_size)
+
+        # Draft: depth 1 pairs the last backbone hidden with x (an exact history entry);
+        # deeper drafts chain the head's own output and are removed after the verify.
+        hid, tok, drafts = mtp[0].pending, x[:, None], []
+        for depth in range(k):
+            m = spec.head(embed(tok), hid, mtp)
+            d = drafter.choose(depth, _logits(lm, m)[:, -1])
+            drafts.append(d)
+            hid, tok = m, d[:, None]
+        drafts = mx.stack(drafts, axis=1)  # (B, k)
+
+        # Verify every row's block in one forward.
+        inputs = mx.concatenate([x[:, None], drafts], axis=1)
+        hidden, records = verify_hidden(lm, inputs, backbone)
+        logits = _logits(lm, hidden)
+        accepted, nxt = drafter.accept(logits, drafts)
+        nxt = self._plain_rows_next(rows, logits[:, 0], x, nxt)
+        mx.eval(accepted, nxt, inputs)
+        acc = accepted.tolist()
+
+        # Roll back: backbone keeps x + accepted drafts; the head drops its chained entries
+        # and gets exact ones for the accepted drafts; pending = hidden at the last kept token.
+        rollback(backbone, records, k + 1, [a + 1 for a in acc])
+        if k > 1:
+            for c in mtp:
+                c.trim(k - 1)
+        write_accepted(spec.head, embed, mtp, drafts, hidden, acc)
+        mtp[0].pending = mx.take_along_axis(hidden, accepted.reshape(B, 1, 1).astype(mx.int32), axis=1)
+
+        n_draft_rows = sum(drafting)
+        spec.stats.drafted += k * n_draft_rows
+        spec.stats.accepted += sum(a for a, d in zip(acc, drafting) if d)
+        spec.stats.draft_rows += n_draft_rows
+
+        self._next_tokens = nxt
+        self._next_logprobs = [None] * B
+        return self._emit(inputs.tolist(), acc), 1.0 + sum(acc) / B
+
+    def _plain_rows_next(self, rows, logits0: mx.array, x: mx.array, nxt: mx.array) -> mx.array:
+        """Rows that do not draft take their next token exactly as a plain step would:
+        their processors on position-0 logits, then their own sampler."""
+        plain = [i for i, r in enumerate(rows) if not r.drafts]
+        if not plain:
+            return nxt
+        picks = []
+        for i in plain:
+            lg = logits0[i: i + 1]
+            processors = self.logits_processors[i] or ()
+            if processors:
+                context = self._token_context[i].update_and_fetch(x[i: i + 1])
+                for proc in processors:
+                    lg = proc(context, lg)
+            lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+            sampler = self.samplers[i] if self.samplers and self.samplers[i] is not None else self.fallback_sampler
+            picks.append(sampler(lp).reshape(1))
+        idx = mx.array(plain)
+        nxt = mx.array(nxt)
+        nxt[idx] = mx.concatenate(picks).astype(nxt.dtype)
+        return nxt
+
+    def _emit(self, blocks: list[list[int]], accepted: list[int]):
+        responses, keep = [], []
+        for i, uid in enumerate(self.uids):
+            finish = None
+            for tok in blocks[i][: accepted[i] + 1]:
+                self.tokens[i].append(tok)
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish = "length"
+                if self._matchers[i].advance(tok):
+                    finish = "stop"
+                responses.append(self.Response(uid=uid, token=tok, logprobs=None, finish_reason=finish,
+                                               prompt_cache=None, all_tokens=None))
+                if finish:
+                    break
+            if finish is None:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+class SpecBatchGenerator(BatchGenerator):
+    """mlx-lm's BatchGenerator whose decode batch speculates with the model's MTP head."""
+
+    def __init__(self, model: MTPTextModel, spec: SpecConfig, **kwargs):
+        super().__init__(model, **kwargs)
+        self.spec = spec
+        batch = MTPGenerationBatch.empty(self.model, self.sampler)
+        batch.spec = spec
+        self._generation_batch = batch
+
+    def forget(self, uids) -> None:
+        for uid in uids:
+            self.spec.rows.pop(uid, None)

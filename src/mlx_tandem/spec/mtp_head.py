@@ -1,0 +1,139 @@
+"""The checkpoint's multi-token-prediction head, as an mlx module over mlx-lm layers.
+
+Qwen3.5 / Qwen3-Next checkpoints ship ``mtp.*`` weights: from the backbone's final
+(normed) hidden state at position t and the embedding of token t+1, one or more
+full-attention decoder layers predict token t+2 through the backbone's own ``lm_head``.
+
+Why not mlx-vlm's ``Qwen3_5MTPDraftModel``: its layers are mlx-vlm's (m-RoPE position ids,
+mlx-vlm cache classes) and it keeps one batch-wide cache inside the drafter object, which
+cannot follow rows that join and leave a continuous batch. Here the head is built from
+mlx-lm's ``qwen3_5.DecoderLayer`` (the same class the backbone uses), so its KV cache is an
+mlx-lm ``BatchKVCache`` that merges, filters and extends with the rest of the row's cache.
+The parameter names are the HF ones, so the checkpoint loads with ``strict=True``; the
+weight conventions (which norms are zero-centred) follow mlx-vlm 0.7.10's MTP sanitize.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.qwen3_5 import DecoderLayer
+
+from ..errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+#: Key prefixes an MTP head is stored under: HF checkpoints use ``mtp.``; VLM conversions
+#: nest it under the language model.
+MTP_PREFIXES = ("mtp.", "language_model.mtp.", "model.language_model.mtp.", "model.mtp.")
+
+#: RMSNorm weights that HF Qwen3.5 stores zero-centred (the model uses 1 + w).
+MTP_NORM_SUFFIXES = (
+    "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
+    "norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
+)
+
+
+class MTPHeadError(ModelLoadError):
+    """The checkpoint's MTP head is missing pieces, has wrong shapes, or cannot be used."""
+
+
+def is_zero_centred_norm(key: str, value) -> bool:
+    return key.endswith(MTP_NORM_SUFFIXES) and value.ndim == 1
+
+
+class MTPHead(nn.Module):
+    """fc([norm(embed(t+1)); norm(h_t)]) -> full-attention layer(s) -> norm."""
+
+    def __init__(self, text_args, num_layers: int):
+        super().__init__()
+        hidden = text_args.hidden_size
+        eps = text_args.rms_norm_eps
+        # Every MTP layer is a full-attention layer: interval 1 makes DecoderLayer pick attention.
+        layer_args = dataclasses.replace(text_args, full_attention_interval=1)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        self.layers = [DecoderLayer(layer_args, layer_idx=0) for _ in range(num_layers)]
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+
+    def __call__(self, token_embeddings: mx.array, hidden: mx.array, cache=None) -> mx.array:
+        h = mx.concatenate(
+            [self.pre_fc_norm_embedding(token_embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        h = self.fc(h)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask=create_attention_mask(h, c), cache=c)
+        return self.norm(h)
+
+
+def _checkpoint_weights(path: Path) -> dict:
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def _hf_layout(weights: dict) -> bool:
+    # The same test mlx-lm's qwen3_5 sanitize uses: HF checkpoints keep conv1d as (C, 1, K).
+    return any("conv1d.weight" in k and v.ndim == 3 and v.shape[-1] != 1 for k, v in weights.items())
+
+
+def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[MTPHead]:
+    """The MTP head of the checkpoint at ``path``, or None when it has none.
+
+    Raises MTPHeadError when the config declares a head whose weights are missing or do not
+    fit, and for quantized heads (upstream found quantized MTP heads accept ~0% of drafts;
+    we would rather refuse than silently draft garbage).
+    """
+    text_config = config.get("text_config") or config
+    declared = int(text_config.get("mtp_num_hidden_layers") or 0)
+    weights = _checkpoint_weights(path)
+    hf_layout = _hf_layout(weights)
+    found: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        for prefix in MTP_PREFIXES:
+            if key.startswith(prefix):
+                found[key[len(prefix):]] = value
+                break
+    del weights
+    if not found:
+        if declared:
+            raise MTPHeadError(f"{path}: config declares mtp_num_hidden_layers={declared} but the "
+                               "checkpoint has no mtp.* weights")
+        return None
+    if any(k.endswith((".scales", ".biases")) for k in found):
+        raise MTPHeadError(f"{path}: the MTP head is quantized; dequantize it (quantized heads "
+                           "accept almost no drafts)")
+    layer_ids = {int(k.split(".")[1]) for k in found if k.startswith("layers.")}
+    num_layers = declared or (max(layer_ids) + 1 if layer_ids else 0)
+    if num_layers < 1 or layer_ids != set(range(num_layers)):
+        raise MTPHeadError(f"{path}: MTP layers {sorted(layer_ids)} do not match "
+                           f"mtp_num_hidden_layers={declared}")
+    if hf_layout:
+        found = {k: (v + 1.0 if is_zero_centred_norm(k, v) else v) for k, v in found.items()}
+    head = MTPHead(text_model.args, num_layers)
+    try:
+        head.load_weights(list(found.items()), strict=True)
+    except ValueError as exc:
+        raise MTPHeadError(f"{path}: the MTP head does not fit this model: {exc}") from exc
+    if dtype is not None:
+        head.set_dtype(dtype)
+    mx.eval(head.parameters())
+    head.eval()
+    return head
+
+
+def declared_mtp_layers(path: Path) -> int:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    return int((config.get("text_config") or config).get("mtp_num_hidden_layers") or 0)

@@ -1,0 +1,277 @@
+"""MTP speculative decoding: lossless greedy, preserved sampling, per-row acceptance, policy.
+
+The reference is always the same engine with ``mtp="off"``. The model is a qwen3_5 (hybrid
+GatedDeltaNet + attention) factory checkpoint whose MTP head was self-distilled on the
+greedy continuations of ``default_prompts(64)``: drafts for those prompts are mostly
+accepted and drafts for unseen prompts mostly rejected, so one batch holds rows that
+accept different numbers of drafts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_tandem import Engine, SamplingParams
+from mlx_tandem.errors import InvalidRequestError, ModelLoadError
+from mlx_tandem.spec import batch as spec_batch
+from mlx_tandem.spec.acceptance import Drafter
+from mlx_tandem.spec.mtp_head import MTPHeadError
+from mlx_tandem.spec.policy import AutoPolicy
+from mlx_tandem.testing.mtp_distill import default_prompts
+
+TRAINED = default_prompts(64)
+UNSEEN = default_prompts(40, seed=7)
+PROMPTS = TRAINED[:60] + UNSEEN  # 100 prompts
+
+
+async def _run(path, prompts, params, **options):
+    engine = Engine(path, show_progress=False, **options)
+    await engine.start()
+    try:
+        outs = await asyncio.gather(*(engine.complete(p, params) for p in prompts))
+        return [o.token_ids for o in outs], engine.stats()
+    finally:
+        await engine.close()
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(qwen3_5_mtp_path):
+    return asyncio.run(_run(qwen3_5_mtp_path, PROMPTS, {"max_tokens": 24}, mtp="off", max_batch_size=8))[0]
+
+
+@pytest.mark.parametrize("batch,depth", [(1, 3), (8, 2), (8, 1)])
+def test_greedy_output_identical_with_mtp(qwen3_5_mtp_path, greedy_reference, monkeypatch, batch, depth):
+    keeps = []
+    real_rollback = spec_batch.rollback
+
+    def spy(cache, records, fed, keep):
+        keeps.append(list(keep))
+        return real_rollback(cache, records, fed, keep)
+
+    monkeypatch.setattr(spec_batch, "rollback", spy)
+    outs, stats = asyncio.run(_run(qwen3_5_mtp_path, PROMPTS, {"max_tokens": 24}, mtp="on",
+                                   max_batch_size=batch, mtp_depth=depth))
+    assert outs == greedy_reference
+    mtp = stats["mtp"]
+    assert mtp["spec_steps"] > 0 and mtp["plain_steps"] == 0
+    assert mtp["acceptance_rate"] > 0.15, mtp  # speculation really ran and accepted drafts
+    assert mtp["drafted"] == depth * mtp["draft_rows"]
+    if batch > 1:  # rows that kept different numbers of tokens in the same step
+        assert any(len(set(k)) > 1 for k in keeps)
+    assert any(max(k) == depth + 1 for k in keeps) and any(min(k) == 1 for k in keeps)
+
+
+def test_max_tokens_and_eos_exact_with_multi_token_steps(qwen3_5_mtp_path):
+    params = {"max_tokens": 7}
+    ref, _ = asyncio.run(_run(qwen3_5_mtp_path, TRAINED[:16], params, mtp="off"))
+    got, stats = asyncio.run(_run(qwen3_5_mtp_path, TRAINED[:16], params, mtp="on", mtp_depth=3))
+    assert got == ref and all(len(t) <= 7 for t in got)
+    assert stats["mtp"]["accepted"] > 0
+
+
+def test_rows_with_processors_and_seeded_rows_match_plain_decoding(qwen3_5_mtp_path):
+    """Rows that cannot draft (logits processors; seeded sampling under "auto") share the
+    speculative batch and still produce exactly their plain-decoding output."""
+    prompts = TRAINED[:8]
+    params = [{"max_tokens": 16, "repetition_penalty": 1.3} if i % 2 else
+              {"max_tokens": 16, "temperature": 0.8, "seed": i} for i in range(8)]
+
+    async def run(mode):
+        engine = Engine(qwen3_5_mtp_path, show_progress=False, mtp=mode)
+        await engine.start()
+        try:
+            # Greedy rows that do draft keep the batch speculating.
+            outs = await asyncio.gather(*(engine.complete(p, q) for p, q in zip(prompts, params)),
+                                        *(engine.complete(p, {"max_tokens": 16, "mtp": "on"}) for p in prompts))
+            return [o.token_ids for o in outs[:8]], engine.stats()["mtp"]
+        finally:
+            await engine.close()
+
+    ref, _ = asyncio.run(run("off"))
+    got, mtp = asyncio.run(run("auto"))
+    assert got == ref
+    assert mtp["spec_steps"] > 0
+
+
+def test_sampled_distribution_matches_plain_sampling(qwen3_5_mtp_path):
+    """Speculative sampling keeps the output distribution.
+
+    top_k=2 leaves a tiny vocabulary: the first three generated tokens take at most 8 joint
+    values. 1200 seeded samples per mode, chi-square test of homogeneity on the first two
+    and the first three tokens; we reject only at p < 0.001 (fixed seeds: deterministic).
+    The factory backbone's distributions are flat, so sampled continuations leave the
+    greedy paths the head was distilled on and most drafts are rejected: this exercises the
+    residual resampling branch above all (the acceptance branch is measured in isolation
+    below); a few hundred drafts are still accepted."""
+    from scipy.stats import chi2_contingency
+
+    n = 1200
+    prompt = TRAINED[3]
+
+    async def run(mode):
+        engine = Engine(qwen3_5_mtp_path, show_progress=False, mtp=mode, max_batch_size=32, mtp_depth=2)
+        await engine.start()
+        try:
+            outs = await asyncio.gather(*(engine.complete(prompt, {
+                "max_tokens": 3, "temperature": 0.6, "top_k": 2, "seed": 1000 * (mode == "on") + i,
+                "mtp": mode}) for i in range(n)))
+            return [tuple(o.token_ids[:3]) for o in outs], engine.stats()["mtp"]
+        finally:
+            await engine.close()
+
+    plain, _ = asyncio.run(run("off"))
+    spec, mtp = asyncio.run(run("on"))
+    assert mtp["accepted"] >= 100 and mtp["drafted"] > 2000
+    for width in (2, 3):
+        keys = sorted({s[:width] for s in plain + spec})
+        table = np.array([[sum(s[:width] == k for s in plain) for k in keys],
+                          [sum(s[:width] == k for s in spec) for k in keys]])
+        table = table[:, table.sum(axis=0) >= 10]  # chi-square needs populated cells
+        assert chi2_contingency(table)[1] > 1e-3, (width, table)
+
+
+def test_acceptance_rule_reproduces_target_distribution():
+    """The acceptance maths alone, on a 6-token vocabulary with a deliberately wrong draft
+    distribution: the first emitted token must follow the target's filtered, tempered
+    distribution (total variation < 0.015 over 60000 rows)."""
+    mx.random.seed(0)
+    V, B = 6, 60000
+    params = [SamplingParams(temperature=0.7, top_k=4)] * B
+    target = mx.array([2.0, 1.0, 0.5, 0.2, -1.0, 0.0])
+    draft = mx.array([0.0, 2.0, 1.0, 0.0, 0.5, 0.1])
+    drafter = Drafter(params, [None] * B, [True] * B, 1, V)
+    d = drafter.choose(0, mx.broadcast_to(draft, (B, V)))
+    logits = mx.broadcast_to(mx.stack([target, target]), (B, 2, V))
+    accepted, nxt = drafter.accept(logits, d[:, None])
+    first = mx.where(accepted > 0, d, nxt)
+    counts = np.bincount(np.array(first), minlength=V) / B
+    lp = np.array(target) - np.log(np.exp(np.array(target)).sum())
+    lp[np.argsort(-lp)[4:]] = -np.inf
+    p = np.exp(lp / 0.7)
+    p /= p.sum()
+    assert 0.5 * np.abs(counts - p).sum() < 0.015, (counts, p)
+    assert 0.2 < float(accepted.astype(mx.float32).mean()) < 0.9  # both branches exercised
+
+
+def test_auto_policy_measures_and_chooses():
+    pol = AutoPolicy(explore_steps=2, probe_every=10)
+    decisions = [pol.speculate(4) for _ in range(4)]
+    assert decisions == [True, True, False, False] or decisions[:2] == [True, True]
+    for _ in range(2):
+        pol.record(4, speculative=True, seconds=2.0, gain=1.2)
+        pol.record(4, speculative=False, seconds=1.0)
+    assert pol.predicted_speedup(4) == pytest.approx(0.6)
+    assert [pol.speculate(4) for _ in range(9)] == [False] * 9
+    assert pol.speculate(4) is True  # periodic re-measurement of the losing mode
+    pol.record(3, speculative=True, seconds=1.0, gain=2.5)  # same bucket as 4
+    assert pol.predicted_speedup(4) > 0.6
+
+
+def test_auto_mode_stops_speculating_when_drafts_are_rejected(qwen3_5_path):
+    """The plain factory head is random: "auto" explores, measures ~0 acceptance and
+    decodes plainly from then on."""
+    outs, stats = asyncio.run(_run(qwen3_5_path, UNSEEN[:4], {"max_tokens": 48}, mtp="auto"))
+    ref, _ = asyncio.run(_run(qwen3_5_path, UNSEEN[:4], {"max_tokens": 48}, mtp="off"))
+    assert outs == ref
+    mtp = stats["mtp"]
+    assert mtp["plain_steps"] > 3 * mtp["spec_steps"] > 0
+
+
+def test_per_request_override(qwen3_5_mtp_path):
+    async def run():
+        engine = Engine(qwen3_5_mtp_path, show_progress=False, mtp="off")
+        await engine.start()
+        try:
+            await engine.complete(TRAINED[0], {"max_tokens": 8, "mtp": "on"})
+            off = engine.stats()["mtp"]
+        finally:
+            await engine.close()
+        engine = Engine(qwen3_5_mtp_path, show_progress=False, mtp="on")
+        await engine.start()
+        try:
+            await engine.complete(TRAINED[0], {"max_tokens": 8, "mtp": False})
+            return off, engine.stats()["mtp"]
+        finally:
+            await engine.close()
+
+    engine_off, request_off = asyncio.run(run())
+    assert engine_off["spec_steps"] == 0  # engine "off" loads no head: requests cannot force it
+    assert request_off["drafted"] == 0
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(mtp="sometimes")
+    with pytest.raises(InvalidRequestError):
+        Engine(qwen3_5_mtp_path, mtp_depth=4)
+
+
+# ---------------------------------------------------------------------- loading the head
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite(path, fn):
+    f = path / "model.safetensors"
+    w = dict(mx.load(str(f)))
+    w = fn(w)
+    mx.eval(w)
+    f.unlink()
+    mx.save_safetensors(str(f), w, metadata={"format": "mlx"})
+
+
+def test_head_under_language_model_prefix_loads_the_same(qwen3_5_mtp_path, tmp_path):
+    alt = _copy(qwen3_5_mtp_path, tmp_path / "alt")
+    _rewrite(alt, lambda w: {("language_model." + k if k.startswith("mtp.") else k): v for k, v in w.items()})
+    a, sa = asyncio.run(_run(qwen3_5_mtp_path, TRAINED[:4], {"max_tokens": 12}, mtp="on"))
+    b, sb = asyncio.run(_run(alt, TRAINED[:4], {"max_tokens": 12}, mtp="on"))
+    assert a == b and sa["mtp"]["accepted"] == sb["mtp"]["accepted"] > 0
+
+
+def test_head_matches_mlx_vlm_drafter(qwen3_5_mtp_path):
+    """Our MTPHead (mlx-lm layers) computes what mlx-vlm's Qwen3.5 MTP drafter computes from
+    the same checkpoint weights: the weight conventions (zero-centred norms) agree."""
+    from mlx_lm.utils import load_model
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp import Model as VLMDrafter
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp import ModelConfig
+
+    from mlx_tandem.spec.mtp_head import load_mtp_head
+
+    model, config = load_model(qwen3_5_mtp_path)
+    model.set_dtype(mx.float32)
+    ours = load_mtp_head(qwen3_5_mtp_path, model.language_model, config, dtype=mx.float32)
+    theirs = VLMDrafter(ModelConfig.from_dict({"model_type": "qwen3_5_mtp", "text_config": config["text_config"]}))
+    raw = {k: v for k, v in mx.load(str(qwen3_5_mtp_path / "model.safetensors")).items() if k.startswith("mtp.")}
+    theirs.load_weights(list(theirs.sanitize(raw).items()), strict=False)
+    theirs.set_dtype(mx.float32)
+    emb = mx.random.normal((2, 5, config["text_config"]["hidden_size"]))
+    hid = mx.random.normal(emb.shape)
+    a = ours(emb, hid)
+    b = theirs._forward_hidden(emb, hid, None, mx.arange(5)[None])
+    assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_missing_or_broken_head_is_an_error_under_on_and_a_logged_fallback_under_auto(
+        qwen3_5_mtp_path, tmp_path, caplog):
+    missing = _copy(qwen3_5_mtp_path, tmp_path / "missing")
+    _rewrite(missing, lambda w: {k: v for k, v in w.items() if not k.startswith("mtp.")})
+    broken = _copy(qwen3_5_mtp_path, tmp_path / "broken")
+    _rewrite(broken, lambda w: {k: (v[:, :-1] if k == "mtp.fc.weight" else v) for k, v in w.items()})
+    for path in (missing, broken):
+        with pytest.raises(MTPHeadError) as err:
+            asyncio.run(_run(path, TRAINED[:1], {"max_tokens": 2}, mtp="on"))
+        assert isinstance(err.value, ModelLoadError)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mlx_tandem"):
+            outs, stats = asyncio.run(_run(path, TRAINED[:1], {"max_tokens": 4}, mtp="auto"))
+        assert len(outs[0]) == 4 and stats["mtp"]["spec_steps"] == 0
+        assert any("MTP disabled" in r.getMessage() for r in caplog.records)
+
+
+def test_model_without_head_under_on_is_an_error(llama_path):
+    with pytest.raises(MTPHeadError):
+        asyncio.run(_run(llama_path, ["hi"], {"max_tokens": 2}, mtp="on"))

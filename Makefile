@@ -21,9 +21,11 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/batching.py benchmarks/results/batching.json
+	$(PY) benchmarks/mtp.py benchmarks/results/mtp.json
 
 bench-quick: $(VENV)/.installed
 	$(PY) benchmarks/batching.py benchmarks/results/batching-quick.json --quick
+	$(PY) benchmarks/mtp.py benchmarks/results/mtp-quick.json --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache benchmarks/results

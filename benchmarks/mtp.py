@@ -13,7 +13,9 @@ Side by side in one run, greedy, for batch 1 and batch 8:
     one verify forward (k+1 tokens) and one draft pass of the head:
         ideal = E(a, k) * c_plain / (k * c_draft + c_verify),  E = (1 - a^(k+1)) / (1 - a)
     (the costs are bare mlx forwards: the gap to ideal is the engine's own overhead);
-  - whether both engines produced identical tokens.
+  - whether both engines produced identical tokens;
+  - memory of the matching vision checkpoint (qwen3_5_vl) alone and with the text lane's
+    model built on its arrays (it shares every array: the growth should be ~0).
 
     python benchmarks/mtp.py results/mtp.json            # full
     python benchmarks/mtp.py results/mtp.json --quick    # about a minute
@@ -92,6 +94,34 @@ def forward_costs(path: Path, batch: int, depth: int, reps: int = 20) -> dict:
     }
 
 
+def vlm_memory(root: Path, sizes: dict) -> dict:
+    """Resident memory of a VLM alone and with the text lane's model built on its arrays."""
+    import gc
+    import json as _json
+    import resource
+
+    import mlx.core as mx
+    from mlx_vlm import load
+
+    from mlx_tandem.model_loader import text_model_from_vlm
+
+    path = root / "bench-qwen3_5-vl"
+    if not (path / "config.json").exists():
+        make_tiny_model("qwen3_5_vl", path, seed=0, mtp_layers=1, **sizes)
+    gc.collect()
+    vlm, _ = load(str(path))
+    vlm.set_dtype(mx.float32)
+    mx.eval(vlm.parameters())
+    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731 - peak RSS, bytes
+    alone = {"mlx_active_bytes": mx.get_active_memory(), "peak_rss_bytes": rss()}
+    text = text_model_from_vlm(vlm, _json.loads((path / "config.json").read_text()))
+    mx.eval(text.parameters())
+    both = {"mlx_active_bytes": mx.get_active_memory(), "peak_rss_bytes": rss()}
+    grown = both["mlx_active_bytes"] - alone["mlx_active_bytes"]
+    return {"vlm_alone": alone, "vlm_plus_text_model": both,
+            "growth_fraction": grown / max(1, alone["mlx_active_bytes"])}
+
+
 async def run_engine(engine: Engine, prompts: list[str], batch: int, max_tokens: int):
     """Prompts in rounds of ``batch`` concurrent requests; (token ids, decode seconds)."""
     outs = []
@@ -162,6 +192,7 @@ async def bench(args) -> dict:
     results["engine_stats"] = spec.stats()
     await plain.close()
     await spec.close()
+    results["memory"] = vlm_memory(path.parent, cfg["sizes"])
     return results
 
 
@@ -212,6 +243,13 @@ def main(argv=None) -> int:
         print(f"{r['batch']:>5} {r['acceptance']:>7.1%} {r['tokens_per_row_step']:>12.2f} {r['tps_off']:>12.1f} "
               f"{r['tps_on']:>10.1f} {r['speedup']:>7.2f}x {r['ideal_speedup']:>5.2f}x "
               f"{r['fraction_of_ideal']:>8.0%}  {r['identical']}")
+    mem = results["memory"]
+    mb = 2 ** 20
+    print(f"\nVLM alone: {mem['vlm_alone']['mlx_active_bytes'] / mb:.1f} MB of mlx arrays "
+          f"(peak RSS {mem['vlm_alone']['peak_rss_bytes'] / mb:.0f} MB); VLM + text model: "
+          f"{mem['vlm_plus_text_model']['mlx_active_bytes'] / mb:.1f} MB "
+          f"(peak RSS {mem['vlm_plus_text_model']['peak_rss_bytes'] / mb:.0f} MB): "
+          f"+{100 * mem['growth_fraction']:.2f}%")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

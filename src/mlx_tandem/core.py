@@ -104,6 +104,17 @@ class EngineCore:
                 mtp_mode=self.options.mtp,
                 mtp_depth=self.options.mtp_depth,
             )
+            if self.loaded.vlm is not None:
+                from .lanes.vision import VisionLane
+
+                self._lanes["vision"] = VisionLane(
+                    self.loaded.vlm, self.loaded.processor,
+                    eos_token_ids=self.loaded.eos_token_ids,
+                    max_batch_size=self.options.max_batch_size,
+                    prefill_batch_size=self.options.prefill_batch_size,
+                    prefill_step_size=self.options.prefill_step_size,
+                    context_length=self.options.max_model_len or self.loaded.context_length,
+                )
         except BaseException as exc:  # noqa: BLE001 - reported through the ready future
             self._closed.set()
             self.ready.set_exception(exc)
@@ -155,8 +166,10 @@ class EngineCore:
         import gc
 
         self._lanes.clear()
-        if self.loaded is not None and hasattr(self.loaded.model, "clear"):
-            self.loaded.model.clear()  # nn.Module is a dict of its children and parameters
+        if self.loaded is not None:
+            for module in (self.loaded.model, self.loaded.vlm):
+                if hasattr(module, "clear"):
+                    module.clear()  # nn.Module is a dict of its children and parameters
         gc.collect()
         import mlx.core as mx
 
@@ -227,12 +240,20 @@ class EngineCore:
             self._finish_aborted(req)
 
     def _admit(self) -> None:
+        """Start waiting requests, in arrival order, on lanes with a free slot; a full lane
+        does not hold back requests for another lane."""
+        full: set[str] = set()
+        kept: deque[Request] = deque()
         while self._waiting:
-            lane = self._lanes[self._waiting[0].lane]
-            if lane.num_active >= self.options.max_batch_size:
-                break
             req = self._waiting.popleft()
+            lane = self._lanes.get(req.lane)
+            if lane is not None and (req.lane in full or lane.num_active >= self.options.max_batch_size):
+                full.add(req.lane)
+                kept.append(req)
+                continue
             try:
+                if lane is None:
+                    raise InvalidRequestError(f"this model has no {req.lane} lane")
                 req.detokenizer = RequestDetokenizer(self._decode, req.params.stop)
                 lane.add(req)
             except TandemError as exc:
@@ -245,8 +266,10 @@ class EngineCore:
             req.state = RequestState.RUNNING
             self._running[req.request_id] = req
             self.stats.count("prompt_tokens", req.num_prompt_tokens)
+            self.stats.count_lane(req.lane)
             if req.extra.get("constrained"):
                 self.stats.count("constrained_requests")
+        self._waiting = kept
         self._update_queue_stats()
 
     def _step_lane(self, lane: Lane) -> None:

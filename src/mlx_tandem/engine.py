@@ -25,6 +25,7 @@ from .constraints import GrammarCompiler, GrammarProcessor, TokenBan, response_f
 from .core import EngineCore
 from .default_model import DEFAULT_MODEL_NAME
 from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, UnsupportedContentError
+from .media import load_images
 from .messages import has_media, validate_messages
 from .model_info import ModelInfo, local_checkpoint, read_model_info
 from .model_loader import LoadedModel
@@ -215,12 +216,20 @@ class Engine:
         renderer = self._renderer
         parser = None
         processors: list = []
+        lane, media = "text", None
         if spec.messages is not None:
             messages = validate_messages(spec.messages)
             if has_media(messages):
-                raise UnsupportedContentError(
-                    f"{self.loaded.path.name} is a text-only model; this request carries an image, "
-                    "video or audio part")
+                # Routing: media goes to the vision lane, everything else to the text lane
+                # (MTP and the caches live there). Images are decoded here, so a bad image
+                # fails this call before anything is queued.
+                if not self.loaded.supports_images:
+                    raise UnsupportedContentError(
+                        f"{self.loaded.path.name} is a text-only model; this request carries an image, "
+                        "video or audio part")
+                lane = "vision"
+                media = {"images": load_images(messages, allow_remote=self.options.allow_remote_images,
+                                               max_pixels=self.options.max_image_pixels)}
             plan = plan_chat(
                 self._format, tools=spec.tools, tool_choice=spec.tool_choice,
                 response_format=spec.response_format, reasoning=spec.reasoning,
@@ -228,6 +237,8 @@ class Engine:
                 marker=self._grammar.marker, encode=renderer.encode)
             text, prompt_ids = renderer.render_with_text(
                 messages, tools=plan.tools, template_kwargs=plan.template_kwargs)
+            if media is not None:
+                media["text"] = text
             fmt = self._format
             parser = ChatOutputParser(
                 fmt, tools=plan.tools, parse_tool_calls=plan.parse_tool_calls,
@@ -263,7 +274,10 @@ class Engine:
             prompt_ids=prompt_ids,
             params=params,
             sink=sink,
+            lane=lane,
         )
+        if media is not None:
+            req.extra["media"] = media
         # Generation stops at the context window: finish_reason "length".
         req.max_tokens = min(params.max_tokens, ctx - len(prompt_ids))
         if constraint is not None:

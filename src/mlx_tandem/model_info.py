@@ -26,7 +26,7 @@ class ModelInfo:
     default_max_tokens: int
     supports_tools: bool
     supports_reasoning: bool
-    #: Images/video reach the model (false until the engine has a vision lane).
+    #: Images reach the model (a vision checkpoint: requests with images take the vision lane).
     supports_images: bool = False
 
 
@@ -78,4 +78,5 @@ def read_model_info(path: Path, *, name: str, max_model_len: Optional[int] = Non
         # wraps calls in a marker.
         supports_tools="tools" in template and "tool_call" in template,
         supports_reasoning="<think>" in template or "enable_thinking" in template,
+        supports_images=isinstance(config.get("vision_config"), dict),
     )

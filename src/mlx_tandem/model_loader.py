@@ -6,6 +6,7 @@ detokenizer) and applies the platform dtype policy (float32 on CPU).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -30,6 +31,14 @@ class LoadedModel:
     vocab_size: int
     model_type: str
     dtype: str
+    #: Vision checkpoints: mlx-vlm's model and processor. ``model`` is then the text model
+    #: built on the VLM's own arrays (zero copies).
+    vlm: Any = None
+    processor: Any = None
+
+    @property
+    def supports_images(self) -> bool:
+        return self.vlm is not None
 
 
 def resolve_model_path(model: Optional[str | os.PathLike]) -> Path:
@@ -65,6 +74,49 @@ def _eos_ids(tokenizer, config: dict) -> list[int]:
     return sorted(ids)
 
 
+def is_vision_checkpoint(path: Path) -> bool:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config.get("vision_config"), dict)
+
+
+def text_model_from_vlm(vlm, config: dict):
+    """mlx-lm's text model for a VLM checkpoint, holding the VLM's own arrays.
+
+    mlx-vlm's language model and mlx-lm's model class for the same ``model_type`` (e.g.
+    qwen3_5) use the same parameter names, so ``load_weights(strict=True)`` with the VLM's
+    arrays makes every backbone parameter the same ``mx.array`` object: no copy, no extra
+    memory. A checkpoint whose names do not line up is a load error, not a silent copy.
+    """
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    shared = [("language_model." + k, v) for k, v in tree_flatten(vlm.language_model.parameters())]
+    try:
+        model.load_weights(shared, strict=True)
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot build a text model on this VLM's weights: {exc}") from exc
+    model.eval()
+    return model
+
+
+def _load_vision(path: Path):
+    import mlx.core as mx
+    from mlx_vlm import load as load_vlm
+
+    vlm, processor = load_vlm(str(path))
+    dtype = _platform.compute_dtype()
+    if dtype is not None:
+        vlm.set_dtype(dtype)
+    mx.eval(vlm.parameters())
+    config = json.loads((path / "config.json").read_text())
+    return vlm, processor, text_model_from_vlm(vlm, config), config
+
+
 def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
     from tqdm.auto import tqdm
     import mlx.core as mx
@@ -72,16 +124,20 @@ def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
     from mlx_lm.utils import load_model, load_tokenizer
 
     bar = tqdm(total=3, desc=f"Loading {path.name}", unit="step", disable=not show_progress, leave=False)
+    vlm = processor = None
     try:
         bar.set_postfix_str("weights")
-        model, config = load_model(path)
+        if is_vision_checkpoint(path):
+            vlm, processor, model, config = _load_vision(path)
+        else:
+            model, config = load_model(path)
         bar.update()
         bar.set_postfix_str("tokenizer")
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
         bar.update()
         bar.set_postfix_str("dtype")
         dtype = _platform.compute_dtype()
-        if dtype is not None:
+        if dtype is not None and vlm is None:  # a VLM was converted before its text model was built
             model.set_dtype(dtype)
             mx.eval(model.parameters())
         bar.update()
@@ -102,6 +158,8 @@ def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
         vocab_size=int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")),
         model_type=config.get("model_type", "unknown"),
         dtype=str(params[0].dtype) if params else "unknown",
+        vlm=vlm,
+        processor=processor,
     )
     logger.info("loaded %s (%s, %s, context %d, BLAS %s)", path, loaded.model_type,
                 loaded.dtype, loaded.context_length, _platform.active_blas())

@@ -29,9 +29,14 @@ class EngineOptions:
     mtp: str = "auto"
     #: Draft tokens per speculative step (1-3).
     mtp_depth: int = 2
+    #: Let image parts be fetched from http(s) URLs (off: a prompt must not make the
+    #: engine fetch arbitrary URLs; inline data, bytes and local paths always work).
+    allow_remote_images: bool = False
+    #: Largest image accepted, in pixels (width x height); larger ones fail their request.
+    max_image_pixels: int = 4096 * 4096
 
     def __post_init__(self):
-        for name in ("max_batch_size", "prefill_batch_size", "prefill_step_size", "max_waiting"):
+        for name in ("max_batch_size", "prefill_batch_size", "prefill_step_size", "max_waiting", "max_image_pixels"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 1")

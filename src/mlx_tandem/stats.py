@@ -31,6 +31,7 @@ class EngineStats:
         self.ttft_count = 0
         self.decode_rows = 0  # sum of decode batch sizes (a speculative step emits more tokens than rows)
         self.mtp_lanes: dict[str, dict] = {}
+        self.lane_requests: dict[str, int] = {"text": 0, "vision": 0}
 
     def record_step(self, *, batch_size: int, prompt_tokens: int, prompt_time: float,
                     generation_tokens: int, decode_time: float) -> None:
@@ -53,6 +54,10 @@ class EngineStats:
         with self._lock:
             self.running = running
             self.waiting = waiting
+
+    def count_lane(self, lane: str) -> None:
+        with self._lock:
+            self.lane_requests[lane] = self.lane_requests.get(lane, 0) + 1
 
     def set_mtp(self, lane: str, snapshot: dict) -> None:
         with self._lock:
@@ -92,4 +97,5 @@ class EngineStats:
                 "mean_ttft_s": (self.ttft_sum / self.ttft_count) if self.ttft_count else 0.0,
                 "uptime_s": time.perf_counter() - self.started_at,
                 "mtp": self._mtp(),
+                "lane_requests": dict(self.lane_requests),
             }

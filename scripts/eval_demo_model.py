@@ -1,0 +1,129 @@
+"""Measure the demo model on held-out prompts (phrasings and tool names training never saw).
+
+    python scripts/eval_demo_model.py [MODEL] [--n 300] [--out results/demo_eval.json]
+
+MODEL defaults to the package's embedded model. Greedy decoding through the engine, all
+prompts concurrently (the engine batches them). Reports:
+- tool dialogues: the first call names the right tool (choice) and has exactly the right
+  arguments (args); after the tool result, the answer quotes the result's value;
+- stdlib Q&A: the answer starts with the function's docstring summary;
+- arithmetic and unit conversion: the answer contains the right number;
+- MTP: acceptance of the head's drafts on the model's own greedy outputs, depth 1 and 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx_tandem  # noqa: E402,F401  - OpenBLAS before mlx
+from mlx_tandem import Engine  # noqa: E402
+
+from demo_data import held_out_examples  # noqa: E402
+
+
+def _args(call) -> dict:
+    a = call["function"]["arguments"]
+    return json.loads(a) if isinstance(a, str) else a
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+def _numbers(text: str) -> list[str]:
+    return re.findall(r"-?\d+(?:\.\d+)?", text)
+
+
+async def evaluate(model, n: int, seed: int) -> dict:
+    records = held_out_examples(n, seed=seed)
+    engine = Engine(model, show_progress=False, mtp="off", max_batch_size=32)
+    await engine.start()
+
+    async def first_turn(r):
+        msgs = r["messages"]
+        k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        out = await engine.chat(msgs[:k], {"max_tokens": 96}, tools=r.get("tools"))
+        return r, k, out
+
+    results = await asyncio.gather(*(first_turn(r) for r in records))
+    score: dict[str, list] = {"tool_choice": [], "tool_args": [], "tool_answer": [], "stdlib_summary": [],
+                              "arith": [], "units": []}
+    follow_ups = []
+    for r, k, out in results:
+        want = r["messages"][k]
+        kind = r["kind"]
+        if kind == "tool":
+            calls = want.get("tool_calls") or []
+            if not calls:
+                continue
+            expect = calls[0]
+            got = out.tool_calls[0] if out.tool_calls else None
+            score["tool_choice"].append(got is not None and got.name == expect["function"]["name"])
+            score["tool_args"].append(got is not None and got.name == expect["function"]["name"]
+                                      and got.arguments == _args(expect))
+            # Second turn: give the tool result (as the dialogue has it) and check the answer.
+            if len(r["messages"]) > k + 2 and r["messages"][k + 1]["role"] == "tool":
+                follow_ups.append((r, k))
+        elif kind == "stdlib_qa":
+            summary = want["content"].split(" Signature:")[0].split(" Call it as")[0]
+            score["stdlib_summary"].append(_norm(out.text).startswith(_norm(summary)))
+        elif kind in ("arith", "units"):
+            target = _numbers(want["content"])[-1] if _numbers(want["content"]) else None
+            score[kind].append(target is not None and target in _numbers(out.text))
+
+    async def second_turn(r, k):
+        msgs = r["messages"][: k + 2]
+        final = r["messages"][k + 2]["content"] if r["messages"][k + 2]["role"] == "assistant" else ""
+        out = await engine.chat(msgs, {"max_tokens": 64}, tools=r.get("tools"))
+        nums = [x for x in _numbers(final) if x not in _numbers(r["messages"][0]["content"] or "")]
+        key = nums or [w for w in re.findall(r"[A-Z][a-z]+", final)][:1]
+        return bool(key) and all(x in out.text for x in key[:1])
+
+    score["tool_answer"] = list(await asyncio.gather(*(second_turn(r, k) for r, k in follow_ups)))
+    await engine.close()
+
+    # MTP acceptance on the model's own greedy outputs.
+    mtp = {}
+    prompts = [r["messages"][: next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")]
+               for r in records if r["kind"] != "tool"][:64]
+    for depth in (1, 2):
+        engine = Engine(model, show_progress=False, mtp="on", mtp_depth=depth, max_batch_size=32)
+        await engine.start()
+        await asyncio.gather(*(engine.chat(p, {"max_tokens": 64}) for p in prompts))
+        st = engine.stats()["mtp"]
+        mtp[f"depth_{depth}"] = {"acceptance_rate": st["acceptance_rate"],
+                                 "mean_accepted_per_step": st["mean_accepted_per_step"], "drafted": st["drafted"]}
+        await engine.close()
+    rates = {k: (sum(v) / len(v) if v else None) for k, v in score.items()}
+    counts = {k: len(v) for k, v in score.items()}
+    return {"n": n, "seed": seed, "rates": rates, "counts": counts, "mtp": mtp}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the embedded model)")
+    ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    res = asyncio.run(evaluate(args.model, args.n, args.seed))
+    for k, v in res["rates"].items():
+        print(f"{k:>16}: {'n/a' if v is None else f'{100 * v:5.1f}%'}  (n={res['counts'][k]})")
+    for k, v in res["mtp"].items():
+        print(f"MTP {k}: acceptance {100 * v['acceptance_rate']:.1f}%, "
+              f"mean accepted per step {v['mean_accepted_per_step']:.2f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

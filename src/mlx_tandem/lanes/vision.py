@@ -1,0 +1,158 @@
+"""The vision lane: continuous batching of requests with images over mlx-vlm's BatchGenerator.
+
+Requests without media never come here; they run on the text lane, on a text model that
+shares this VLM's arrays. Here each request's images go through the checkpoint's processor
+(image-pad expansion, pixel values, m-RoPE positions) and the VLM's embedding step when it
+is admitted; mlx-vlm's generator then prefills and decodes the rows together.
+
+mlx-vlm 0.7.10's generator takes one sampler for the whole batch. Per-request sampling is
+therefore a last logits processor that draws from the request's own sampler and leaves only
+the drawn token finite, so the generator's argmax returns it. Owner thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import mlx.core as mx
+
+from ..errors import ContextLengthError, InvalidRequestError
+from ..request import Request
+from ..samplers import make_request_processors, make_request_sampler
+from .base import LaneStepStats, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+
+class _SampleAsProcessor:
+    """A request's sampler as a logits processor: keeps only the drawn token."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def __call__(self, tokens, logits):
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tok = self.sampler(logprobs).reshape(-1, 1)
+        keep = mx.arange(logits.shape[-1])[None] == tok
+        return mx.where(keep, mx.zeros_like(logits), mx.array(-float("inf"), logits.dtype))
+
+
+class VisionLane:
+    name = "vision"
+
+    def __init__(self, vlm, processor, *, eos_token_ids: Sequence[int], max_batch_size: int,
+                 prefill_batch_size: int, prefill_step_size: int, context_length: int):
+        self.vlm = vlm
+        self.processor = processor
+        self._eos = set(int(t) for t in eos_token_ids)
+        self._context_length = context_length
+        self._opts = dict(completion_batch_size=max_batch_size,
+                          prefill_batch_size=min(prefill_batch_size, max_batch_size),
+                          prefill_step_size=prefill_step_size, compute_logprobs=False)
+        self._gen = self._new_generator()
+        self._uid_to_rid: dict[int, str] = {}
+        self._rid_to_uid: dict[str, int] = {}
+        self._errors: list[tuple[str, BaseException]] = []
+        self._counters = (0, 0.0, 0)
+
+    def _new_generator(self):
+        from mlx_vlm.generate.ar import BatchGenerator
+
+        return BatchGenerator(self.vlm.language_model, self.processor, stop_tokens=self._eos, **self._opts)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._rid_to_uid)
+
+    def has_work(self) -> bool:
+        return bool(self._rid_to_uid)
+
+    def _inputs(self, request: Request):
+        from mlx_vlm.utils import prepare_inputs
+
+        media = request.extra["media"]
+        try:
+            inputs = prepare_inputs(self.processor, images=media["images"], prompts=[media["text"]],
+                                    image_token_index=getattr(self.vlm.config, "image_token_index", None),
+                                    add_special_tokens=False)
+        except Exception as exc:  # noqa: BLE001 - the processor's errors are this request's
+            raise InvalidRequestError(f"the image processor rejected this request: {exc}") from exc
+        ids = inputs["input_ids"]
+        data = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+        emb = self.vlm.get_input_embeddings(ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"),
+                                            **data)
+        kwargs = {**data, **{k: v for k, v in emb.to_dict().items() if v is not None}}
+        return ids[0].tolist(), kwargs
+
+    def add(self, request: Request) -> None:
+        ids, kwargs = self._inputs(request)
+        if len(ids) >= self._context_length:
+            raise ContextLengthError(
+                f"with its images the prompt has {len(ids)} tokens; the context window is "
+                f"{self._context_length}", prompt_tokens=len(ids), max_context=self._context_length)
+        request.prompt_ids = ids  # usage counts the expanded image tokens
+        request.max_tokens = min(request.max_tokens, self._context_length - len(ids))
+        rid = request.request_id
+        processors = make_request_processors(
+            request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc)),
+            extra=request.processors)
+        sampler = make_request_sampler(request.params)
+        if sampler is not None:
+            processors.append(_SampleAsProcessor(sampler))
+        (uid,) = self._gen.insert([ids], [request.max_tokens], prompt_kwargs=[kwargs],
+                                  logits_processors=[processors])
+        self._uid_to_rid[uid] = rid
+        self._rid_to_uid[rid] = uid
+
+    def remove(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            uid = self._rid_to_uid.pop(rid, None)
+            if uid is not None:
+                del self._uid_to_rid[uid]
+                self._gen.remove(uid)
+
+    def step(self) -> tuple[list[TokenEvent], LaneStepStats]:
+        tic = time.perf_counter()
+        _, responses = self._gen.next()
+        elapsed = time.perf_counter() - tic
+        events: dict[str, TokenEvent] = {}
+        for r in responses:
+            rid = self._uid_to_rid.get(r.uid)
+            if rid is None:
+                continue
+            ev = events.setdefault(rid, TokenEvent(rid, []))
+            ev.tokens.append(int(r.token))
+            if r.finish_reason is not None:
+                ev.finish_reason = "stop" if r.finish_reason == "stop" else "length"
+                del self._uid_to_rid[r.uid]
+                del self._rid_to_uid[rid]
+        out = list(events.values())
+        if self._errors:
+            failed = dict(self._errors)
+            self._errors.clear()
+            self.remove(list(failed))
+            out = [e for e in out if e.request_id not in failed]
+            out += [TokenEvent(rid, [], "error", exc) for rid, exc in failed.items()]
+        s = self._gen.stats()
+        p_tok, p_time, g_tok = self._counters
+        self._counters = (s.prompt_tokens, s.prompt_time, s.generation_tokens)
+        prompt_time = s.prompt_time - p_time
+        return out, LaneStepStats(prompt_tokens=s.prompt_tokens - p_tok, prompt_time=prompt_time,
+                                  generation_tokens=s.generation_tokens - g_tok,
+                                  decode_time=max(0.0, elapsed - prompt_time),
+                                  batch_size=len({r.uid for r in responses}))
+
+    def reset(self) -> list[str]:
+        dropped = list(self._rid_to_uid)
+        self._uid_to_rid.clear()
+        self._rid_to_uid.clear()
+        self._errors.clear()
+        self._gen.close()
+        self._gen = self._new_generator()
+        self._counters = (0, 0.0, 0)
+        return dropped
+
+    def close(self) -> None:
+        self._gen.close()

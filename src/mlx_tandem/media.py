@@ -1,0 +1,126 @@
+"""Images in chat messages: find them, read them, check them. Caller's thread, no mlx.
+
+Accepted sources for an image part (``image``, ``image_url`` or ``input_image``):
+bytes, a PIL image, a data URI, a bare base64 string, a local path (or ``file://`` URI), and
+``http(s)://`` URLs only when the engine option ``allow_remote_images`` is on (off by
+default: a prompt must not make the engine fetch arbitrary URLs). Every image is decoded
+here, so a bad or oversized image fails its own request at the call site, before anything
+is queued.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import urllib.parse
+import urllib.request
+from typing import Any, Iterable
+
+from .errors import InvalidRequestError, UnsupportedContentError
+
+IMAGE_PART_TYPES = frozenset({"image", "image_url", "input_image"})
+_REMOTE_TIMEOUT_S = 20
+_REMOTE_MAX_BYTES = 32 * 2**20
+
+
+def _source_of(part: dict) -> Any:
+    for key in ("image", "image_url", "url", "data"):
+        value = part.get(key)
+        if value is None:
+            continue
+        if isinstance(value, dict):  # OpenAI: {"image_url": {"url": ...}}
+            value = value.get("url")
+        if value is not None:
+            return value
+    raise InvalidRequestError(f"image part without data: keys {sorted(part)}")
+
+
+def _read_remote(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=_REMOTE_TIMEOUT_S) as resp:  # noqa: S310 - opt-in
+        data = resp.read(_REMOTE_MAX_BYTES + 1)
+    if len(data) > _REMOTE_MAX_BYTES:
+        raise InvalidRequestError(f"image at {url} is larger than {_REMOTE_MAX_BYTES} bytes")
+    return data
+
+
+def _bytes_of(source: Any, *, allow_remote: bool) -> Any:
+    """Raw bytes, or a PIL image as is."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source)
+    if type(source).__module__.startswith("PIL."):
+        return source
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    if not isinstance(source, str):
+        raise InvalidRequestError(f"unsupported image source of type {type(source).__name__}")
+    if source.startswith("data:"):
+        header, _, payload = source.partition(",")
+        if ";base64" not in header:
+            return urllib.parse.unquote_to_bytes(payload)
+        source = payload
+    elif source.startswith(("http://", "https://")):
+        if not allow_remote:
+            raise UnsupportedContentError(
+                "remote image URLs are disabled; pass the image inline (base64, bytes, path) or "
+                "create the engine with allow_remote_images=True")
+        try:
+            return _read_remote(source)
+        except OSError as exc:
+            raise InvalidRequestError(f"could not fetch image {source}: {exc}") from exc
+    else:
+        path = source[len("file://"):] if source.startswith("file://") else source
+        if len(path) < 4096 and os.path.isfile(path):
+            with open(path, "rb") as f:
+                return f.read()
+    try:
+        return base64.b64decode(source, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError(
+            "image is not bytes, a data URI, base64, an existing file or an http(s) URL") from None
+
+
+def load_image(source: Any, *, allow_remote: bool = False, max_pixels: int = 4096 * 4096):
+    """A decoded RGB PIL image from any accepted source."""
+    from PIL import Image, UnidentifiedImageError
+
+    data = _bytes_of(source, allow_remote=allow_remote)
+    if isinstance(data, Image.Image):
+        img = data
+    else:
+        try:
+            img = Image.open(io.BytesIO(data))
+        except (UnidentifiedImageError, OSError) as exc:
+            raise InvalidRequestError(f"could not decode image: {exc}") from exc
+    w, h = img.size
+    if w * h > max_pixels:  # checked before decoding the pixels: no decompression bombs
+        raise InvalidRequestError(f"image is {w}x{h} = {w * h} pixels; the limit is {max_pixels} "
+                                  "(engine option max_image_pixels)")
+    if w < 1 or h < 1:
+        raise InvalidRequestError(f"image has no pixels ({w}x{h})")
+    try:
+        img.load()
+        return img.convert("RGB")
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(f"could not decode image: {exc}") from exc
+
+
+def load_images(messages: Iterable[dict], *, allow_remote: bool, max_pixels: int) -> list:
+    """The images of a conversation in the order the chat template renders them."""
+    images = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type")
+            if kind in IMAGE_PART_TYPES:
+                try:
+                    images.append(load_image(_source_of(part), allow_remote=allow_remote, max_pixels=max_pixels))
+                except InvalidRequestError as exc:
+                    raise type(exc)(f"messages[{i}].content[{j}]: {exc}") from exc.__cause__
+            elif kind in ("video", "video_url", "audio", "input_audio"):
+                raise UnsupportedContentError(
+                    f"messages[{i}].content[{j}]: {kind} parts are not supported yet (images are)")
+    return images

@@ -1,0 +1,204 @@
+"""Per-request routing on a vision checkpoint: one copy of the weights serves a text lane
+(mlx-lm text model on the VLM's own arrays, with MTP) and a vision lane (mlx-vlm)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_tandem import Engine
+from mlx_tandem.errors import InvalidRequestError, UnsupportedContentError
+from mlx_tandem.model_loader import text_model_from_vlm
+
+MAX = 10
+
+
+def _image(seed: int, size: int):
+    from PIL import Image
+
+    return Image.fromarray((np.random.default_rng(seed).random((size, size, 3)) * 255).astype("uint8"))
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _data_uri(img) -> str:
+    return "data:image/png;base64," + base64.b64encode(_png(img)).decode()
+
+
+def _user(*parts):
+    return {"role": "user", "content": list(parts)}
+
+
+def _img_part(src):
+    return {"type": "image", "image": src}
+
+
+def _text(t):
+    return {"type": "text", "text": t}
+
+
+@pytest.fixture(scope="module")
+def vl_engine(qwen3_5_vl_path):
+    engine = Engine(qwen3_5_vl_path, show_progress=False, max_batch_size=8)
+    engine.start_sync()
+    yield engine
+    engine.close_sync()
+
+
+def test_text_model_shares_every_array_with_the_vlm(qwen3_5_vl_path):
+    import json
+
+    from mlx_vlm import load
+
+    vlm, _ = load(str(qwen3_5_vl_path))
+    mx.eval(vlm.parameters())
+    config = json.loads((qwen3_5_vl_path / "config.json").read_text())
+    before = mx.get_active_memory()
+    text = text_model_from_vlm(vlm, config)
+    mx.eval(text.parameters())
+    grown = mx.get_active_memory() - before
+    ours = dict(tree_flatten(text.parameters()))
+    theirs = {"language_model." + k: v for k, v in tree_flatten(vlm.language_model.parameters())}
+    assert ours.keys() == theirs.keys() and len(ours) > 10
+    assert all(ours[k] is theirs[k] for k in ours)  # the same objects, not equal copies
+    total = sum(v.nbytes for _, v in tree_flatten(vlm.parameters()))
+    assert grown < 0.01 * total, (grown, total)
+
+
+def test_engine_text_lane_runs_on_the_vlm_arrays(vl_engine):
+    def check():
+        loaded = vl_engine.loaded
+        ours = dict(tree_flatten(loaded.model.parameters()))
+        theirs = {"language_model." + k: v for k, v in tree_flatten(loaded.vlm.language_model.parameters())}
+        return all(ours[k] is theirs[k] for k in ours) and ours.keys() == theirs.keys()
+
+    assert vl_engine.run_on_owner_thread(check)
+    assert vl_engine.model_info().supports_images
+
+
+def _lane_counts(engine, messages_list):
+    before = engine.stats()["lane_requests"]
+    for m in messages_list:
+        engine.chat_sync(m, {"max_tokens": 2})
+    after = engine.stats()["lane_requests"]
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def test_routing_by_content(vl_engine, tmp_path):
+    img = _image(0, 32)
+    path = tmp_path / "img.png"
+    path.write_bytes(_png(img))
+    text_only = [
+        [{"role": "user", "content": "plain string"}],
+        [_user(_text("a list of text parts"), _text("only"))],
+        [{"role": "system", "content": "sys"}, {"role": "user", "content": "q"},
+         {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+    ]
+    with_media = [
+        [_user(_text("what is this?"), _img_part(_data_uri(img)))],
+        [_user({"type": "image_url", "image_url": {"url": _data_uri(img)}}, _text("and this?"))],
+        [_user(_img_part(str(path)), _text("from a path")), {"role": "assistant", "content": "ok"},
+         {"role": "user", "content": "the image was in an earlier turn"}],
+        [_user(_img_part(_png(img)), _text("raw bytes"))],
+        [_user({"type": "input_image", "image_url": base64.b64encode(_png(img)).decode()}, _text("bare base64"))],
+    ]
+    assert _lane_counts(vl_engine, text_only) == {"text": 3, "vision": 0}
+    assert _lane_counts(vl_engine, with_media) == {"text": 0, "vision": 5}
+
+
+def test_mixed_traffic_and_image_output_equals_mlx_vlm_generate(vl_engine, qwen3_5_vl_path):
+    from mlx_vlm import generate, load
+
+    images = [_image(1, 64), _image(2, 96)]
+    image_msgs = [[_user(_img_part(_data_uri(im)), _text(f"Describe picture {i}."))] for i, im in enumerate(images)]
+    text_msgs = [[{"role": "user", "content": f"Tell me about topic {i}."}] for i in range(6)]
+
+    async def run():
+        return await asyncio.gather(*(vl_engine.chat(m, {"max_tokens": MAX}) for m in text_msgs + image_msgs))
+
+    before = vl_engine.stats()["max_batch_size"]
+    outs = asyncio.run(run())
+    assert all(o.finish_reason in ("stop", "length") for o in outs)
+    assert vl_engine.stats()["max_batch_size"] >= max(before, 2)
+
+    # Text requests: the same answers one at a time (the lanes do not disturb each other).
+    for m, o in zip(text_msgs, outs[:6]):
+        assert vl_engine.chat_sync(m, {"max_tokens": MAX}).token_ids == o.token_ids
+
+    # Image requests: exactly what mlx-vlm's own generate says for the same prompt and image.
+    model, processor = load(str(qwen3_5_vl_path))
+    tok = vl_engine.tokenizer
+    for im, m, o in zip(images, image_msgs, outs[6:]):
+        text = tok.decode(vl_engine.apply_chat_template(m), skip_special_tokens=False)
+        ref = generate(model, processor, text, image=[im], max_tokens=MAX, temperature=0.0, verbose=False)
+        assert o.text == ref.text, (o.text, ref.text)
+
+
+def test_bad_images_fail_their_own_request_only(qwen3_5_vl_path, tmp_path):
+    engine = Engine(qwen3_5_vl_path, show_progress=False, max_image_pixels=64 * 64)
+
+    async def run():
+        await engine.start()
+        good = [asyncio.create_task(engine.chat([{"role": "user", "content": f"q{i}"}], {"max_tokens": 8}))
+                for i in range(3)]
+        good.append(asyncio.create_task(engine.chat([_user(_img_part(_data_uri(_image(3, 32))), _text("ok"))],
+                                                    {"max_tokens": 8})))
+        errors = []
+        for bad in (_img_part("data:image/png;base64,bm90IGFuIGltYWdl"),  # decodes to "not an image"
+                    _img_part("this is neither a path nor base64!"),
+                    _img_part(_data_uri(_image(4, 128))),  # 16384 pixels > 4096
+                    _img_part(str(tmp_path / "missing.png")),
+                    {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+                    {"type": "video", "video": "clip.mp4"}):
+            try:
+                await engine.chat([_user(bad, _text("?"))], {"max_tokens": 4})
+            except (InvalidRequestError, UnsupportedContentError) as exc:
+                errors.append(type(exc))
+        outs = await asyncio.gather(*good)
+        await engine.close()
+        return errors, outs
+
+    errors, outs = asyncio.run(run())
+    assert len(errors) == 6
+    assert errors[4] is UnsupportedContentError and errors[5] is UnsupportedContentError  # remote off; video
+    assert all(o.finish_reason in ("stop", "length") and o.token_ids for o in outs)
+
+
+def test_remote_images_only_when_enabled(qwen3_5_vl_path, monkeypatch):
+    from mlx_tandem import media
+
+    fetched = []
+
+    def fake_fetch(url):
+        fetched.append(url)
+        return _png(_image(5, 32))
+
+    monkeypatch.setattr(media, "_read_remote", fake_fetch)
+    engine = Engine(qwen3_5_vl_path, show_progress=False, allow_remote_images=True)
+    try:
+        out = engine.chat_sync([_user({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                                      _text("?"))], {"max_tokens": 4})
+    finally:
+        engine.close_sync()
+    assert fetched == ["https://example.com/a.png"] and out.token_ids
+
+
+def test_image_on_a_text_checkpoint_is_a_typed_error(qwen3_5_engine):
+    async def run():
+        with pytest.raises(UnsupportedContentError):
+            await qwen3_5_engine.chat([_user(_img_part(_data_uri(_image(0, 16))), _text("?"))])
+        return await qwen3_5_engine.chat([{"role": "user", "content": "still serving"}], {"max_tokens": 3})
+
+    assert asyncio.run(run()).token_ids

@@ -44,7 +44,7 @@ logger = logging.getLogger("train_demo_model")
 DEMO_SIZES = dict(hidden_size=256, num_hidden_layers=6, intermediate_size=768, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2,
                   linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
-                  full_attention_interval=3)
+                  full_attention_interval=2)
 MAX_POSITIONS = 4096
 
 
@@ -238,6 +238,7 @@ def main(argv=None) -> int:
     for _ in range(step):  # the same batch sequence as an uninterrupted run
         next(data)
     bar = tqdm(total=args.steps, initial=step, desc="training", unit="step")
+    loss = None  # stays None when resuming a finished run: export only
     with patched_gated_delta():
         while step < args.steps:
             tokens, mask = next(data)
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
             if step % args.save_every == 0 or step == args.steps:
                 save_checkpoint(ckpt, trainee, opt, step)
     bar.close()
-    if not math.isfinite(loss.item()):
+    if loss is not None and not math.isfinite(loss.item()):
         logger.error("loss is not finite; not exporting")
         return 1
     export(final, init_dir, trainee)

@@ -275,3 +275,25 @@ def test_missing_or_broken_head_is_an_error_under_on_and_a_logged_fallback_under
 def test_model_without_head_under_on_is_an_error(llama_path):
     with pytest.raises(MTPHeadError):
         asyncio.run(_run(llama_path, ["hi"], {"max_tokens": 2}, mtp="on"))
+
+
+def test_single_token_prompts_and_stop_strings_match_plain_decoding(qwen3_5_mtp_path):
+    """A one-token prompt has no history for the head (its first entry is masked); a stop
+    string can end a request in the middle of a multi-token step."""
+    async def run(mode):
+        engine = Engine(qwen3_5_mtp_path, show_progress=False, mtp=mode, mtp_depth=3)
+        await engine.start()
+        try:
+            single = await asyncio.gather(*(engine.complete([t], {"max_tokens": 12}) for t in (5, 77, 300)))
+            full = await engine.complete(TRAINED[5], {"max_tokens": 24})
+            stop = full.text[len(full.text) // 2:][:3]
+            stopped = await engine.complete(TRAINED[5], {"max_tokens": 24, "stop": [stop]})
+            return [o.token_ids for o in single], full.text, stop, stopped.text, engine.stats()["mtp"]
+        finally:
+            await engine.close()
+
+    *ref, _ = asyncio.run(run("off"))
+    *got, mtp = asyncio.run(run("on"))
+    assert got == ref
+    assert got[3] == got[1][: got[1].index(got[2])]  # cut before the stop string, never emitted
+    assert mtp["accepted"] > 0

@@ -17,24 +17,37 @@ from .default_model import IS_RANDOM
 
 async def run(model: str | None, concurrency: int, max_tokens: int) -> None:
     engine = Engine(model)
-    print("Loading the model (built offline on first use)...", flush=True)
+    print("Loading the model...", flush=True)
     await engine.start()
     if model is None and IS_RANDOM:
-        print("\nNote: the embedded default model has random weights until a trained one ships, "
-              "so its words are noise.\nWhat you see working is the engine: streaming, continuous "
+        print("\nNote: the packaged demo model is missing, so a random-weight model stands in and "
+              "its words are noise.\nWhat you see working is the engine: streaming, continuous "
               "batching, hybrid (GatedDeltaNet + attention) caches, stats.\n")
+    elif model is None:
+        print("\nThe embedded demo model is tiny (7M parameters, trained offline on stdlib Q&A, "
+              "arithmetic, units and tool use): expect short, narrow answers.\n")
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "Tell me about Python's json module."},
+        {"role": "user", "content": "What does json.dumps do?"},
     ]
-    print("User: Tell me about Python's json module.\nAssistant: ", end="", flush=True)
-    async for delta in engine.stream_chat(messages, SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=0)):
+    print("User: What does json.dumps do?\nAssistant: ", end="", flush=True)
+    async for delta in engine.stream_chat(messages, SamplingParams(max_tokens=max_tokens)):
         print(delta.text, end="", flush=True)
         if delta.finish_reason:
             print(f"\n[finish_reason={delta.finish_reason}, usage={delta.usage}]")
 
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    out = await engine.chat([{"role": "user", "content": "What's the weather like in Oslo?"}],
+                            SamplingParams(max_tokens=64), tools=tools)
+    print(f"\nWith a get_weather tool, 'What's the weather like in Oslo?' -> tool calls: "
+          f"{[(c.name, c.arguments) for c in out.tool_calls] or out.text!r}")
+
     print(f"\nNow {concurrency} concurrent requests share each forward step...", flush=True)
-    questions = [f"Question {i}: what does functools.lru_cache do?" for i in range(concurrency)]
+    topics = ["json.loads", "functools.lru_cache", "textwrap.dedent", "math.gcd", "os.path.join",
+              "statistics.mean", "heapq.heappush", "bisect.insort"]
+    questions = [f"What does {topics[i % len(topics)]} do?" for i in range(concurrency)]
     t0 = time.perf_counter()
     outs = await asyncio.gather(*[
         engine.chat([{"role": "user", "content": q}], SamplingParams(max_tokens=max_tokens))
@@ -49,6 +62,11 @@ async def run(model: str | None, concurrency: int, max_tokens: int) -> None:
                 "generation_tokens", "prompt_tokens_per_s", "generation_tokens_per_s", "mean_ttft_s", "blas"):
         value = stats[key]
         print(f"  {key:24s} {value:.2f}" if isinstance(value, float) else f"  {key:24s} {value}")
+    mtp = stats["mtp"]
+    print(f"  {'mtp_acceptance_rate':24s} {mtp['acceptance_rate']:.2f} "
+          f"({mtp['accepted']}/{mtp['drafted']} drafts, {mtp['spec_steps']} speculative steps)")
+    for q, o in list(zip(questions, outs))[:3]:
+        print(f"  {q} -> {o.text.strip()[:80]!r}")
     await engine.close()
 
 

@@ -41,10 +41,9 @@ def context_length_of(config: dict) -> int:
 def local_checkpoint(model: Optional[str | Path]) -> Optional[Path]:
     """The checkpoint directory if it is already on disk (no download, no build)."""
     if model is None:
-        from .default_model import DEFAULT_MODEL_NAME, cache_dir
+        from .default_model import default_model_path
 
-        path = cache_dir() / "models" / DEFAULT_MODEL_NAME
-        return path if (path / "config.json").is_file() else None
+        return default_model_path(build=False)
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()

@@ -297,3 +297,26 @@ def test_single_token_prompts_and_stop_strings_match_plain_decoding(qwen3_5_mtp_
     assert got == ref
     assert got[3] == got[1][: got[1].index(got[2])]  # cut before the stop string, never emitted
     assert mtp["accepted"] > 0
+
+
+def test_adapters_pass_the_per_call_mtp_override(qwen3_5_mtp_path):
+    from langchain_mlx_tandem import ChatMLX
+    from llama_index.core.base.llms.types import ChatMessage
+    from llama_index.llms.mlx_tandem import MLXTandemLLM
+
+    opts = {"show_progress": False, "mtp": "on", "max_waiting": 4321}  # a private engine
+    lc = ChatMLX(model=str(qwen3_5_mtp_path), engine_options=opts, max_tokens=12)
+    li = MLXTandemLLM(model=str(qwen3_5_mtp_path), engine_options=opts, max_tokens=12, mtp="off")
+    engine = lc.engine
+    assert li.engine is engine
+
+    def drafted(fn):
+        before = engine.stats()["mtp"]["drafted"]
+        out = fn()
+        return out, engine.stats()["mtp"]["drafted"] - before
+
+    on, d_on = drafted(lambda: lc.invoke(TRAINED[1]).content)
+    off, d_off = drafted(lambda: lc.invoke(TRAINED[1], mtp="off").content)
+    li_off, d_li = drafted(lambda: li.chat([ChatMessage(role="user", content=TRAINED[1])]).message.content)
+    assert d_on > 0 and d_off == 0 and d_li == 0
+    assert on == off == li_off  # greedy: the same answer either way

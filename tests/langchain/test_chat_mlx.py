@@ -21,6 +21,7 @@ from langgraph.prebuilt import ToolNode
 from langchain_mlx_tandem import ChatMLX
 from langchain_mlx_tandem._convert import to_engine_messages
 from mlx_tandem import Engine
+from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 from mlx_tandem.errors import ConstraintError, ContextLengthError, TandemError, UnsupportedContentError
 
 from .conftest import PATHS
@@ -331,4 +332,4 @@ def test_identity_params_and_profile():
     ctx = cfg.get("text_config", cfg)["max_position_embeddings"]
     assert llm.profile["max_input_tokens"] == ctx
     assert llm.profile["tool_calling"] is True
-    assert ChatMLX().model_name.startswith("tandem-default")
+    assert ChatMLX().model_name == DEFAULT_MODEL_NAME

@@ -25,6 +25,7 @@ from llama_index.core.types import PydanticProgramMode
 from llama_index.llms.mlx_tandem import MLXTandemLLM
 from llama_index.llms.mlx_tandem._convert import to_engine_messages
 from mlx_tandem import Engine
+from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 from mlx_tandem.errors import ContextLengthError, UnsupportedContentError
 
 from .conformance import Person, add, multiply, user
@@ -244,7 +245,7 @@ def test_metadata_from_the_checkpoint_without_loading():
     assert md.is_function_calling_model and md.model_name == PATHS["qwen3_5"]
     assert fresh.engine.stats()["loaded"] is False  # metadata never loads the weights
     assert make_llm(context_window=1000, max_tokens=50).metadata.context_window == 1000
-    assert MLXTandemLLM().metadata.model_name.startswith("tandem-default")
+    assert MLXTandemLLM().metadata.model_name == DEFAULT_MODEL_NAME
 
 
 def _wait_idle(engine: Engine) -> int:

@@ -53,6 +53,8 @@ class ChatMLX(BaseChatModel):
     repetition_penalty: float = 1.0
     stop: Optional[list[str]] = Field(default=None, alias="stop_sequences")
     seed: Optional[int] = None
+    mtp: Optional[Union[str, bool]] = None
+    """Speculative decoding with the model's MTP head: "auto", "on", "off"; None = engine option."""
     streaming: bool = False
     reasoning: Optional[bool] = None
     """Thinking on/off through the template's ``enable_thinking``; None keeps its default."""
@@ -85,6 +87,7 @@ class ChatMLX(BaseChatModel):
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
             "seed": self.seed,
+            "mtp": self.mtp,
             "reasoning": self.reasoning,
         }
 

@@ -72,6 +72,8 @@ class MLXTandemLLM(FunctionCallingLLM):
     repetition_penalty: float = 1.0
     stop: Optional[list[str]] = Field(default=None, description="Stop strings (never emitted).")
     seed: Optional[int] = None
+    mtp: Optional[Union[str, bool]] = Field(
+        default=None, description='Speculative decoding with the MTP head: "auto", "on", "off"; None = engine option.')
     reasoning: Optional[bool] = Field(
         default=None, description="Thinking on/off through the template's enable_thinking; None keeps its default.")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -17,7 +17,7 @@ the Gumbel-max trick, so one noise tensor per row serves all depths.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -149,6 +149,7 @@ class SpecConfig:
 
 class MTPGenerationBatch(GenerationBatch):
     spec: SpecConfig  # set by SpecBatchGenerator
+    _last_plain = False  # was the previous step plain (so its forward is pipelined)?
 
     # ------------------------------------------------------------------ policy
     def _wants_spec(self, rows: list[RowSpec]) -> bool:
@@ -169,7 +170,7 @@ class MTPGenerationBatch(GenerationBatch):
         if not spec:
             # A plain step evaluates the previous step's pipelined forward: right after a
             # speculative step there is none, so that step's time is not a plain step's cost.
-            steady = getattr(self, "_last_plain", False)
+            steady = self._last_plain
             out = super().next()
             self._last_plain = True
             self.spec.stats.plain_steps += 1

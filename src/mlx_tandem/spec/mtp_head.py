@@ -16,7 +16,6 @@ weight conventions (which norms are zero-centred) follow mlx-vlm 0.7.10's MTP sa
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Optional
@@ -130,10 +129,3 @@ def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[
     head.eval()
     return head
 
-
-def declared_mtp_layers(path: Path) -> int:
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    return int((config.get("text_config") or config).get("mtp_num_hidden_layers") or 0)

@@ -5,7 +5,7 @@ For N in (1, 4, 16, 32) the same greedy chat prompts run:
   (b) N concurrently through the engine (continuous batching),
   (c) through mlx-lm's raw BatchGenerator, no engine around it (same prompts, all inserted at once).
 It prints aggregate generated tokens/s and the ratios (b)/(a) and (b)/(c), checks that all
-three produced the same tokens, and writes JSON to the path given.
+three produced the same tokens, and writes JSON to the path given (and a PNG plot next to it).
 
     python benchmarks/batching.py results/batching.json           # full
     python benchmarks/batching.py results/batching.json --quick   # under a minute
@@ -136,6 +136,34 @@ async def bench(args) -> dict:
     return results
 
 
+def plot(results: dict, png: Path) -> bool:
+    """Throughput against concurrency, the three ways side by side (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return False
+    runs = results["runs"]
+    ns = [r["n"] for r in runs]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(ns, [r["one_at_a_time_tps"] for r in runs], "o-", label="(a) one at a time")
+    ax.plot(ns, [r["engine_concurrent_tps"] for r in runs], "o-", label="(b) engine, N concurrent")
+    ax.plot(ns, [r["raw_batch_generator_tps"] for r in runs], "o--", label="(c) raw mlx-lm BatchGenerator")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_xlabel("concurrent requests N")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title("Continuous batching")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("output", help="path of the JSON file to write")
@@ -155,7 +183,8 @@ def main(argv=None) -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    png = out.with_suffix(".png")
+    print(f"\nwrote {out}" + (f" and {png}" if plot(results, png) else ""))
     return 0
 
 

@@ -31,6 +31,18 @@ class LaneStepStats:
     batch_size: int = 0
 
 
+def fail_errored(events: list[TokenEvent], errors: list, remove) -> list[TokenEvent]:
+    """Requests whose logits processors raised during the step: drop their token events,
+    remove their rows (``remove``) and give each one error event. ``errors`` is emptied."""
+    if not errors:
+        return events
+    failed = dict(errors)
+    errors.clear()
+    remove(list(failed))
+    events = [e for e in events if e.request_id not in failed]
+    return events + [TokenEvent(rid, [], "error", exc) for rid, exc in failed.items()]
+
+
 class Lane(Protocol):
     name: str
 

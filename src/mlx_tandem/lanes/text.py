@@ -16,7 +16,7 @@ from mlx_lm.generate import BatchGenerator
 from ..request import Request
 from ..samplers import SeededSampler, make_request_processors, make_request_sampler
 from ..spec.batch import MTPTextModel, RowSpec, SpecBatchGenerator, SpecConfig
-from .base import LaneStepStats, TokenEvent
+from .base import LaneStepStats, TokenEvent, fail_errored
 
 logger = logging.getLogger(__name__)
 
@@ -122,12 +122,7 @@ class TextLane:
                 if self.spec is not None:
                     self.spec.rows.pop(r.uid, None)
         events = list(by_rid.values())
-        if self._errors:
-            failed = dict(self._errors)
-            self._errors.clear()
-            self.remove(list(failed))
-            events = [e for e in events if e.request_id not in failed]
-            events += [TokenEvent(rid, [], "error", exc) for rid, exc in failed.items()]
+        events = fail_errored(events, self._errors, self.remove)
         stats = LaneStepStats(
             prompt_tokens=s.prompt_tokens,
             prompt_time=s.prompt_time,

@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..errors import ContextLengthError, InvalidRequestError
 from ..request import Request
 from ..samplers import make_request_processors, make_request_sampler
-from .base import LaneStepStats, TokenEvent
+from .base import LaneStepStats, TokenEvent, fail_errored
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +129,7 @@ class VisionLane:
                 del self._uid_to_rid[r.uid]
                 del self._rid_to_uid[rid]
         out = list(events.values())
-        if self._errors:
-            failed = dict(self._errors)
-            self._errors.clear()
-            self.remove(list(failed))
-            out = [e for e in out if e.request_id not in failed]
-            out += [TokenEvent(rid, [], "error", exc) for rid, exc in failed.items()]
+        out = fail_errored(out, self._errors, self.remove)
         s = self._gen.stats()
         p_tok, p_time, g_tok = self._counters
         self._counters = (s.prompt_tokens, s.prompt_time, s.generation_tokens)

@@ -11,7 +11,8 @@ from typing import Any, Optional, Sequence
 
 from .params import SamplingParams
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "mtp")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "mtp",
+                   "specprefill", "keep_pct")
 CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning")
 
 

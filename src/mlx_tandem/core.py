@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .detokenizer import RequestDetokenizer
-from .errors import EngineClosedError, EngineStepError, InvalidRequestError, TandemError
+from .errors import EngineClosedError, EngineStepError, InvalidRequestError, ModelLoadError, TandemError
 from .lanes import Lane, TextLane, TokenEvent
 from .model_loader import LoadedModel, load_mtp_head, load_text_model, resolve_model_path
 from .options import EngineOptions
 from .outputs import StreamDelta, Usage
+from .prefix_cache import PrefixCache
+from .specprefill import SpecPrefillConfig
 from .request import Request, RequestState, dispatch
 from .stats import EngineStats
 
@@ -103,6 +105,10 @@ class EngineCore:
                 mtp_head=load_mtp_head(self.loaded, self.options.mtp),
                 mtp_mode=self.options.mtp,
                 mtp_depth=self.options.mtp_depth,
+                prefix_cache=(PrefixCache(self.options.prefix_cache_bytes,
+                                          min_tokens=self.options.prefix_cache_min_tokens)
+                              if self.options.prefix_cache_bytes else None),
+                specprefill=self._load_specprefill(),
             )
             if self.loaded.vlm is not None:
                 from .lanes.vision import VisionLane
@@ -137,6 +143,19 @@ class EngineCore:
                 lane.close()
             self._drain_device()
             self._release_arrays()
+
+    def _load_specprefill(self) -> Optional[SpecPrefillConfig]:
+        opts = self.options
+        if opts.specprefill_draft is None:
+            return None
+        draft = load_text_model(resolve_model_path(opts.specprefill_draft), show_progress=opts.show_progress)
+        # Scores index prompt positions, so both models must cut text into the same tokens.
+        if draft.tokenizer._tokenizer.get_vocab() != self.loaded.tokenizer._tokenizer.get_vocab():
+            raise ModelLoadError(
+                f"SpecPrefill draft {draft.path.name} has a different tokenizer from {self.loaded.path.name}")
+        return SpecPrefillConfig(draft=draft.model, threshold=opts.specprefill_threshold,
+                                 keep_pct=opts.specprefill_keep_pct, chunk_size=opts.specprefill_chunk_size,
+                                 lookahead=opts.specprefill_lookahead)
 
     @staticmethod
     def _drain_device() -> None:
@@ -295,6 +314,10 @@ class EngineCore:
         mtp = getattr(lane, "mtp_stats", None)
         if mtp is not None and (snap := mtp()) is not None:
             self.stats.set_mtp(lane.name, snap)
+        for section in ("prefix_cache", "specprefill"):
+            report = getattr(lane, f"{section}_stats", None)
+            if report is not None and (snap := report()) is not None:
+                self.stats.set_section(section, snap)
         for ev in events:
             self._process(lane, ev)
 
@@ -333,7 +356,7 @@ class EngineCore:
         req.finish_time = now
         self._emit(req, StreamDelta(
             req.request_id, text, tuple(new_ids), finish_reason=finish,
-            usage=Usage(req.num_prompt_tokens, req.num_generated)))
+            usage=Usage(req.num_prompt_tokens, req.num_generated, req.cached_tokens)))
         self._retire(req)
         self.stats.count("requests_finished")
 

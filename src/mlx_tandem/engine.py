@@ -216,7 +216,7 @@ class Engine:
         renderer = self._renderer
         parser = None
         processors: list = []
-        lane, media = "text", None
+        lane, media, cache_points = "text", None, []
         if spec.messages is not None:
             messages = validate_messages(spec.messages)
             if has_media(messages):
@@ -239,6 +239,9 @@ class Engine:
                 messages, tools=plan.tools, template_kwargs=plan.template_kwargs)
             if media is not None:
                 media["text"] = text
+            elif self.options.prefix_cache_bytes:
+                cache_points = renderer.cache_points(
+                    messages, prompt_ids, tools=plan.tools, template_kwargs=plan.template_kwargs)
             fmt = self._format
             parser = ChatOutputParser(
                 fmt, tools=plan.tools, parse_tool_calls=plan.parse_tool_calls,
@@ -263,6 +266,12 @@ class Engine:
                 raise InvalidRequestError("give messages or a prompt")
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
+        if params.specprefill:
+            if self.options.specprefill_draft is None:
+                raise InvalidRequestError("specprefill=True needs a draft model: set the engine option "
+                                          "specprefill_draft")
+            if lane != "text":
+                raise InvalidRequestError("SpecPrefill applies to text requests; this one carries images")
         ctx = self.context_length
         if len(prompt_ids) >= ctx:
             raise ContextLengthError(
@@ -278,6 +287,7 @@ class Engine:
         )
         if media is not None:
             req.extra["media"] = media
+        req.cache_points = cache_points
         # Generation stops at the context window: finish_reason "length".
         req.max_tokens = min(params.max_tokens, ctx - len(prompt_ids))
         if constraint is not None:

@@ -8,6 +8,11 @@ from typing import Optional
 from .errors import InvalidRequestError
 
 
+def check_keep_pct(v, what: str) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
+        raise InvalidRequestError(f"{what}={v!r}: must be a number in (0, 1]")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     #: Most requests decoding together in one forward step.
@@ -34,12 +39,40 @@ class EngineOptions:
     allow_remote_images: bool = False
     #: Largest image accepted, in pixels (width x height); larger ones fail their request.
     max_image_pixels: int = 4096 * 4096
+    #: Bytes of prompt-cache snapshots kept for reuse (system prompts, earlier turns,
+    #: finished answers); 0 turns the prefix cache off.
+    prefix_cache_bytes: int = 1 << 30
+    #: Shortest prefix worth storing or reusing, in tokens.
+    prefix_cache_min_tokens: int = 32
+    #: SpecPrefill draft: a checkpoint with the target's tokenizer (a small model). None
+    #: turns SpecPrefill off. Long prompts are then scored by the draft and the target
+    #: prefills only their important chunks (lossy: the answer may differ from a full prefill).
+    specprefill_draft: Optional[str] = None
+    #: Uncached prompt tokens from which SpecPrefill applies (requests can force it on/off).
+    specprefill_threshold: int = 8192
+    #: Share of the prompt's chunks the target prefills (first and last chunks always kept).
+    specprefill_keep_pct: float = 0.2
+    #: Tokens per chunk that SpecPrefill keeps or drops as a whole.
+    specprefill_chunk_size: int = 32
+    #: Draft decode steps whose attention scores the prompt.
+    specprefill_lookahead: int = 8
 
     def __post_init__(self):
         for name in ("max_batch_size", "prefill_batch_size", "prefill_step_size", "max_waiting", "max_image_pixels"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 1")
+        for name in ("specprefill_threshold", "specprefill_chunk_size", "specprefill_lookahead"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 1")
+        check_keep_pct(self.specprefill_keep_pct, "engine option specprefill_keep_pct")
+        if self.specprefill_draft is not None:
+            object.__setattr__(self, "specprefill_draft", str(self.specprefill_draft))
+        for name in ("prefix_cache_bytes", "prefix_cache_min_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 0")
         if not isinstance(self.coalesce_ms, (int, float)) or not 0 <= self.coalesce_ms <= 1000:
             raise InvalidRequestError(f"engine option coalesce_ms={self.coalesce_ms!r}: must be in [0, 1000]")
         from .spec.policy import normalize_mode

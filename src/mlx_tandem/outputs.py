@@ -13,6 +13,8 @@ FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    #: Prompt tokens restored from the prefix cache instead of prefilled.
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -33,6 +33,11 @@ class SamplingParams:
     #: Speculative decoding for this request: "auto" | "on" | "off" (True/False accepted);
     #: None follows the engine's ``mtp`` option.
     mtp: Optional[str] = None
+    #: SpecPrefill for this request: True forces it (the engine needs a draft), False turns
+    #: it off, None applies it to prompts past the engine's threshold.
+    specprefill: Optional[bool] = None
+    #: Share of prompt chunks SpecPrefill keeps for this request (None: the engine's).
+    keep_pct: Optional[float] = None
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -75,6 +80,12 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             bad("seed", "must be a non-negative integer or None")
+        if self.specprefill is not None and not isinstance(self.specprefill, bool):
+            bad("specprefill", "must be True, False or None")
+        if self.keep_pct is not None:
+            from .options import check_keep_pct
+
+            check_keep_pct(self.keep_pct, "SamplingParams.keep_pct")
         if any(not callable(p) for p in self.logits_processors):
             bad("logits_processors", "must be callables (tokens, logits) -> logits")
 

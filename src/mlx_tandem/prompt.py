@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 from .errors import InvalidRequestError, TemplateError
@@ -47,12 +48,26 @@ def _template_ready(messages: list[Message]) -> list[Message]:
     return out
 
 
+# Two user messages that differ from their first character on.
+_PROBES = ("A", "Z")
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class PromptRenderer:
     """Renders chats to token ids with one tokenizer, safely from many threads."""
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self.lock = threading.Lock()
+        self._system_prefixes: OrderedDict[str, list[int]] = OrderedDict()
 
     def render(
         self,
@@ -75,19 +90,79 @@ class PromptRenderer:
     ) -> tuple[str, list[int]]:
         """The rendered prompt text and its token ids."""
         msgs = _template_ready(normalize_messages(messages))
+        text = self._apply(msgs, tools, add_generation_prompt, template_kwargs)
+        return text, self.encode(text)
+
+    def _apply(self, msgs: list[Message], tools, add_generation_prompt: bool, template_kwargs) -> str:
         kwargs = dict(template_kwargs or {})
         if tools:
             kwargs["tools"] = list(tools)
         try:
             with self.lock:
-                text = self._tokenizer.apply_chat_template(
+                return self._tokenizer.apply_chat_template(
                     msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
                 )
         except InvalidRequestError:
             raise
         except Exception as exc:  # jinja2 errors, raise_exception() in templates, ...
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
-        return text, self.encode(text)
+
+    # ------------------------------------------------------------------ cache points
+    def cache_points(
+        self,
+        messages: Sequence[Message],
+        prompt_ids: Sequence[int],
+        *,
+        tools: Optional[Sequence[dict]] = None,
+        template_kwargs: Optional[dict[str, Any]] = None,
+    ) -> list[tuple[int, str]]:
+        """Prompt lengths worth a prefix-cache snapshot, found for any chat template.
+
+        - "system": where the system prompt (and tool definitions) end. The template renders
+          the system messages followed by two different probe user messages; their common
+          token prefix is the part every conversation with this system prompt shares.
+        - "turn": where the conversation before this request's generation prompt ends; the
+          next turn of the conversation starts with it.
+
+        No ChatML (or other) markers are searched for. A boundary that the actual prompt does
+        not share is cut back to the common prefix.
+        """
+        msgs = _template_ready(normalize_messages(messages))
+        points = []
+        n_system = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
+        if n_system or tools:
+            shared = self._system_prefix(msgs[:n_system], tools, template_kwargs)
+            points.append((_common_prefix(shared, prompt_ids), "system"))
+        try:
+            history = self.encode(self._apply(msgs, tools, False, template_kwargs))
+        except TemplateError:  # e.g. templates that insist on a final user turn
+            history = []
+        points.append((_common_prefix(history, prompt_ids), "turn"))
+        out, seen = [], set()
+        for n, kind in points:
+            if 0 < n < len(prompt_ids) and n not in seen:
+                seen.add(n)
+                out.append((n, kind))
+        return out
+
+    def _system_prefix(self, system_msgs: list[Message], tools, template_kwargs) -> list[int]:
+        key = json.dumps([system_msgs, tools, template_kwargs], sort_keys=True, default=str)
+        with self.lock:
+            hit = self._system_prefixes.get(key)
+            if hit is not None:
+                self._system_prefixes.move_to_end(key)
+                return hit
+        try:
+            a, b = (self.encode(self._apply(system_msgs + [{"role": "user", "content": probe}], tools, False,
+                                            template_kwargs)) for probe in _PROBES)
+        except TemplateError:
+            a = b = []
+        shared = a[: _common_prefix(a, b)]
+        with self.lock:
+            self._system_prefixes[key] = shared
+            while len(self._system_prefixes) > 64:
+                self._system_prefixes.popitem(last=False)
+        return shared
 
     def encode(self, text: str) -> list[int]:
         with self.lock:

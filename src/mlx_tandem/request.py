@@ -109,6 +109,11 @@ class Request:
     extra: dict = field(default_factory=dict)
     # Engine-made logits processors (grammar, token bans), applied after the params' ones.
     processors: list = field(default_factory=list)
+    # Prompt positions worth a prefix-cache snapshot: (length, kind), e.g. the end of the
+    # system prompt ("system") and of the conversation before this turn ("turn").
+    cache_points: list = field(default_factory=list)
+    # Prompt tokens served from the prefix cache (set by the lane when admitted).
+    cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

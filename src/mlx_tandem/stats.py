@@ -7,6 +7,14 @@ import time
 from typing import Any
 
 
+_EMPTY_PREFIX_CACHE = {"hits": 0, "misses": 0, "hit_tokens": 0, "stored": 0, "evicted": 0,
+                       "entries": 0, "bytes": 0}
+
+
+_EMPTY_SPECPREFILL = {"requests": 0, "sparse_tokens": 0, "kept_tokens": 0, "keep_ratio": 0.0,
+                      "draft_time_s": 0.0, "target_time_s": 0.0}
+
+
 class EngineStats:
     def __init__(self):
         self._lock = threading.Lock()
@@ -32,6 +40,7 @@ class EngineStats:
         self.decode_rows = 0  # sum of decode batch sizes (a speculative step emits more tokens than rows)
         self.mtp_lanes: dict[str, dict] = {}
         self.lane_requests: dict[str, int] = {"text": 0, "vision": 0}
+        self.sections: dict[str, dict] = {}  # "prefix_cache", "specprefill": set by the lanes
 
     def record_step(self, *, batch_size: int, prompt_tokens: int, prompt_time: float,
                     generation_tokens: int, decode_time: float) -> None:
@@ -62,6 +71,10 @@ class EngineStats:
     def set_mtp(self, lane: str, snapshot: dict) -> None:
         with self._lock:
             self.mtp_lanes[lane] = snapshot
+
+    def set_section(self, name: str, snapshot: dict) -> None:
+        with self._lock:
+            self.sections[name] = snapshot
 
     def _mtp(self) -> dict[str, Any]:
         total = {k: sum(l[k] for l in self.mtp_lanes.values())
@@ -98,4 +111,6 @@ class EngineStats:
                 "uptime_s": time.perf_counter() - self.started_at,
                 "mtp": self._mtp(),
                 "lane_requests": dict(self.lane_requests),
+                "prefix_cache": dict(self.sections.get("prefix_cache") or _EMPTY_PREFIX_CACHE),
+                "specprefill": dict(self.sections.get("specprefill") or _EMPTY_SPECPREFILL),
             }

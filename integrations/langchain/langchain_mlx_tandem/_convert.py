@@ -98,8 +98,11 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
 
 
 def usage_metadata(usage) -> dict:
-    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+    out = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+           "total_tokens": usage.total_tokens}
+    if usage.cached_tokens:
+        out["input_token_details"] = {"cache_read": usage.cached_tokens}
+    return out
 
 
 def response_metadata(model_name: str, finish_reason: Optional[str]) -> dict:

@@ -55,6 +55,10 @@ class ChatMLX(BaseChatModel):
     seed: Optional[int] = None
     mtp: Optional[Union[str, bool]] = None
     """Speculative decoding with the model's MTP head: "auto", "on", "off"; None = engine option."""
+    specprefill: Optional[bool] = None
+    """SpecPrefill for long prompts: True forces it, False turns it off; None = engine threshold."""
+    keep_pct: Optional[float] = None
+    """Share of prompt chunks SpecPrefill keeps, in (0, 1]; None = engine option."""
     streaming: bool = False
     reasoning: Optional[bool] = None
     """Thinking on/off through the template's ``enable_thinking``; None keeps its default."""
@@ -88,6 +92,8 @@ class ChatMLX(BaseChatModel):
             "repetition_penalty": self.repetition_penalty,
             "seed": self.seed,
             "mtp": self.mtp,
+            "specprefill": self.specprefill,
+            "keep_pct": self.keep_pct,
             "reasoning": self.reasoning,
         }
 

@@ -4,21 +4,52 @@ mlx-lm's generator already batches hybrid caches (KVCache + ArraysCache), interl
 chunked prefill with decode, pipelines the next step with async_eval and takes per-row
 samplers and logits processors. This lane maps engine requests onto its uids, and turns
 its responses into TokenEvents. Owner thread only.
+
+With a PrefixCache, a request starts from the longest cached prefix of its prompt, and the
+rest of its prompt is inserted as segments that end at its cache points, so mlx-lm reports
+when each boundary is reached and the row's exact state there (recurrent state included)
+is snapshotted. A finished request's full cache (prompt + answer) is kept too.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
+from ..prefix_cache import PrefixCache
 from ..request import Request
 from ..samplers import SeededSampler, make_request_processors, make_request_sampler
 from ..spec.batch import MTPTextModel, RowSpec, SpecBatchGenerator, SpecConfig
+from ..specprefill import SpecPrefillConfig, SpecPrefillStats
+from ..specprefill.job import SparsePrefill
+from ..specprefill.positions import positioned
 from .base import LaneStepStats, TokenEvent, fail_errored
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RowCaching:
+    """Where a row's prompt started (tokens restored from the cache) and what to snapshot."""
+
+    start: int
+    points: list[tuple[int, str]] = field(default_factory=list)  # (prompt length, kind), ascending
+    store_final: bool = True
+
+
+def split_at(tokens: list[int], cuts: Sequence[int]) -> list[list[int]]:
+    """``tokens`` cut into segments ending at each of ``cuts`` (ascending, inside the list)."""
+    out, prev = [], 0
+    for c in cuts:
+        out.append(tokens[prev:c])
+        prev = c
+    out.append(tokens[prev:])
+    return [seg for seg in out if seg]
 
 
 class TextLane:
@@ -35,8 +66,14 @@ class TextLane:
         mtp_head=None,
         mtp_mode: str = "off",
         mtp_depth: int = 2,
+        prefix_cache: Optional[PrefixCache] = None,
+        specprefill: Optional[SpecPrefillConfig] = None,
     ):
         self.model = model
+        self.prefix_cache = prefix_cache
+        self.specprefill = specprefill
+        self.sp_stats = SpecPrefillStats()
+        self._sparse: dict[str, tuple] = {}  # request id -> (request, job, sampler, processors), in order
         # Speculation needs a head and a mode other than "off"; per-request "on" cannot
         # conjure a head, so without one every request decodes plainly.
         self.spec = (SpecConfig(head=mtp_head, depth=mtp_depth, mode=mtp_mode)
@@ -52,6 +89,7 @@ class TextLane:
         self._uid_to_rid: dict[int, str] = {}
         self._rid_to_uid: dict[str, int] = {}
         self._errors: list[tuple[str, BaseException]] = []
+        self._caching: dict[int, _RowCaching] = {}
 
     def _new_generator(self) -> BatchGenerator:
         if self.spec is not None:
@@ -72,10 +110,10 @@ class TextLane:
 
     @property
     def num_active(self) -> int:
-        return len(self._rid_to_uid)
+        return len(self._rid_to_uid) + len(self._sparse)
 
     def has_work(self) -> bool:
-        return bool(self._rid_to_uid)
+        return bool(self._rid_to_uid or self._sparse)
 
     def add(self, request: Request) -> None:
         rid = request.request_id
@@ -84,29 +122,108 @@ class TextLane:
             request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc)),
             extra=request.processors,
         )
-        (uid,) = self._gen.insert(
-            [request.prompt_ids],
+        prompt = list(request.prompt_ids)
+        cache, start = None, 0
+        if self.prefix_cache is not None:
+            cache, start = self.prefix_cache.fetch(prompt)
+        request.cached_tokens = start
+        job = self._sparse_prefill(request, cache, start)
+        if job is not None:
+            self._sparse[rid] = (request, job, sampler, processors)
+            return
+        # Every row gets PositionedKVCaches, so any batch can take a sparse-prefilled row.
+        points = sorted((p, k) for p, k in request.cache_points if start < p < len(prompt))
+        self._insert(request, split_at(prompt[start:], [p - start for p, _ in points]),
+                     positioned(cache if cache is not None else make_prompt_cache(self._gen.model)),
+                     prompt[:start], sampler, processors, _RowCaching(start, points))
+
+    def _insert(self, request: Request, segments, cache, all_tokens, sampler, processors,
+                caching: _RowCaching) -> None:
+        (uid,) = self._gen.insert_segments(
+            [segments],
             max_tokens=[request.max_tokens],
+            caches=[cache],
+            all_tokens=[all_tokens],
             samplers=[sampler],
             logits_processors=[processors],
         )
-        self._uid_to_rid[uid] = rid
-        self._rid_to_uid[rid] = uid
+        if self.prefix_cache is not None:
+            self._caching[uid] = caching
+        self._uid_to_rid[uid] = request.request_id
+        self._rid_to_uid[request.request_id] = uid
         if self.spec is not None:
             self.spec.rows[uid] = self._row_spec(request, sampler, processors)
 
+    # ------------------------------------------------------------------ SpecPrefill
+    def _sparse_prefill(self, request: Request, cache, start: int) -> Optional[SparsePrefill]:
+        """A SparsePrefill job when this request gets SpecPrefill, else None.
+
+        The prompt up to its system-prompt boundary is prefilled densely (and snapshotted),
+        so the next request with that system prompt hits the cache; the rest is scored by
+        the draft and prefilled sparsely when it is at least ``threshold`` tokens long (or
+        the request asks for SpecPrefill).
+        """
+        sp = self.specprefill
+        want = request.params.specprefill
+        if sp is None or want is False:
+            return None
+        n = len(request.prompt_ids)
+        system = max((p for p, k in request.cache_points if k == "system" and p < n - 1), default=0)
+        dense_end = max(start, system)
+        if n - 1 - dense_end < (1 if want else sp.threshold):
+            return None
+        keep = request.params.keep_pct if request.params.keep_pct is not None else sp.keep_pct
+        return SparsePrefill(
+            self._gen.model, sp.draft, request.prompt_ids, cache, start=start, dense_end=dense_end,
+            keep_pct=keep, chunk_size=sp.chunk_size, lookahead=sp.lookahead,
+            step_size=self._opts["prefill_step_size"])
+
+    def _advance_sparse(self) -> tuple[list[TokenEvent], int, float]:
+        """One piece of the oldest sparse prefill; a finished one joins the batch."""
+        rid = next(iter(self._sparse))
+        request, job, sampler, processors = self._sparse[rid]
+        tic = time.perf_counter()
+        try:
+            fed = job.advance()
+            if job.at_dense_end and self.prefix_cache is not None and \
+                    (job.dense_end, "system") in request.cache_points:
+                self.prefix_cache.store(request.prompt_ids[: job.dense_end], job.dense_snapshot(), "system")
+            if job.done:
+                del self._sparse[rid]
+                self.sp_stats.record(job)
+                prompt = list(request.prompt_ids)
+                # The answer's cache is not exact (sparse), so it is not kept for reuse.
+                self._insert(request, [prompt[-1:]], job.row_cache(), prompt[:-1], sampler, processors,
+                             _RowCaching(len(prompt), store_final=False))
+        except Exception as exc:  # noqa: BLE001 - this request fails, the lane goes on
+            logger.exception("SpecPrefill of %s failed", rid)
+            self._sparse.pop(rid, None)
+            return [TokenEvent(rid, [], "error", exc)], 0, 0.0
+        return [], fed, time.perf_counter() - tic
+
+    def specprefill_stats(self) -> dict | None:
+        return self.sp_stats.snapshot() if self.specprefill is not None else None
+
     def remove(self, request_ids: Sequence[str]) -> None:
+        for r in request_ids:
+            self._sparse.pop(r, None)
         uids = [self._rid_to_uid.pop(r) for r in request_ids if r in self._rid_to_uid]
         for uid in uids:
             del self._uid_to_rid[uid]
+            self._caching.pop(uid, None)
         if uids:
             self._gen.remove(uids)
             if self.spec is not None:
                 self._gen.forget(uids)
 
     def step(self) -> tuple[list[TokenEvent], LaneStepStats]:
+        sparse_events, sparse_tokens, sparse_time = self._advance_sparse() if self._sparse else ([], 0, 0.0)
+        if not self._rid_to_uid:
+            return sparse_events, LaneStepStats(prompt_tokens=sparse_tokens, prompt_time=sparse_time)
         with self._gen.stats() as s:
-            _, responses = self._gen.next()
+            prompt_responses, responses = self._gen.next()
+        if self._caching:
+            self._snapshot_boundaries(prompt_responses)
         # A speculative step sends several responses per row, in order: one event per row.
         by_rid: dict[str, TokenEvent] = {}
         for r in responses:
@@ -121,16 +238,37 @@ class TextLane:
                 del self._rid_to_uid[rid]
                 if self.spec is not None:
                     self.spec.rows.pop(r.uid, None)
-        events = list(by_rid.values())
+                caching = self._caching.pop(r.uid, None)
+                if caching is not None and caching.store_final and r.prompt_cache is not None:
+                    self.prefix_cache.store(r.all_tokens, r.prompt_cache, "final")
+        events = sparse_events + list(by_rid.values())
         events = fail_errored(events, self._errors, self.remove)
         stats = LaneStepStats(
-            prompt_tokens=s.prompt_tokens,
-            prompt_time=s.prompt_time,
+            prompt_tokens=s.prompt_tokens + sparse_tokens,
+            prompt_time=s.prompt_time + sparse_time,
             generation_tokens=s.generation_tokens,
             decode_time=s.decode_time,
             batch_size=len({r.uid for r in responses}),
         )
         return events, stats
+
+    def _snapshot_boundaries(self, prompt_responses) -> None:
+        """Store the state of rows whose prefill just reached one of their cache points."""
+        due: dict[int, str] = {}
+        for r in prompt_responses:
+            caching = self._caching.get(r.uid)
+            if caching is None or not r.end_of_segment or r.end_of_prompt or not caching.points:
+                continue
+            pos, kind = caching.points[0]
+            if caching.start + r.progress[0] == pos:
+                caching.points.pop(0)
+                due[r.uid] = kind
+        if due:
+            for uid, (cache, tokens) in self._gen.extract_cache(list(due)).items():
+                self.prefix_cache.store(tokens, cache, due[uid])
+
+    def prefix_cache_stats(self) -> dict | None:
+        return self.prefix_cache.snapshot() if self.prefix_cache is not None else None
 
     def reset(self) -> list[str]:
         """Drop every request and start from a fresh generator (after a failed step)."""
@@ -138,6 +276,9 @@ class TextLane:
         self._uid_to_rid.clear()
         self._rid_to_uid.clear()
         self._errors.clear()
+        dropped += list(self._sparse)
+        self._sparse.clear()
+        self._caching.clear()
         self._gen.close()
         self._gen = self._new_generator()
         return dropped

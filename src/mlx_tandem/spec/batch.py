@@ -260,15 +260,21 @@ class MTPGenerationBatch(GenerationBatch):
         responses, keep = [], []
         for i, uid in enumerate(self.uids):
             finish = None
-            for tok in blocks[i][: accepted[i] + 1]:
+            kept = blocks[i][: accepted[i] + 1]
+            for j, tok in enumerate(kept):
                 self.tokens[i].append(tok)
                 self._num_tokens[i] += 1
                 if self._num_tokens[i] >= self.max_tokens[i]:
                     finish = "length"
                 if self._matchers[i].advance(tok):
                     finish = "stop"
-                responses.append(self.Response(uid=uid, token=tok, logprobs=None, finish_reason=finish,
-                                               prompt_cache=None, all_tokens=None))
+                # Like a plain step, a finished row hands back its cache, but only when the
+                # cache holds exactly the emitted tokens (it finished on its last kept one).
+                exact = finish is not None and j == len(kept) - 1
+                responses.append(self.Response(
+                    uid=uid, token=tok, logprobs=None, finish_reason=finish,
+                    prompt_cache=self.extract_cache(i) if exact else None,
+                    all_tokens=self.tokens[i] if exact else None))
                 if finish:
                     break
             if finish is None:

@@ -20,9 +20,13 @@ from typing import List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from ..specprefill.positions import shift_offsets
+
 
 class MTPKVCache(KVCache):
     """One request's MTP cache before it joins a batch (or after it is extracted)."""
+
+    position_shift = 0  # RoPE position - stored entries (after a sparse prefill; see specprefill)
 
     def __init__(self, pending: Optional[mx.array] = None):
         super().__init__()
@@ -51,7 +55,7 @@ class BatchMTPCache(BatchKVCache):
             like = next(p for p in pend if p is not None)
             out.pending = mx.concatenate([p if p is not None else mx.zeros_like(like) for p in pend])
         out.has_pending = mx.array([p is not None for p in pend])
-        return out
+        return shift_offsets(out, caches)
 
     def filter(self, batch_indices):
         super().filter(batch_indices)

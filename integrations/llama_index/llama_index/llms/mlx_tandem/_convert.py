@@ -146,6 +146,8 @@ def raw_response(model_name: str, request_id: str, finish_reason: Optional[str],
         raw["finish_reason"] = finish_reason
     if usage is not None:
         raw["usage"] = token_counts(usage)
+        if usage.cached_tokens:  # OpenAI's shape, which LlamaIndex users already read
+            raw["usage"]["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
     return raw
 
 

@@ -74,6 +74,10 @@ class MLXTandemLLM(FunctionCallingLLM):
     seed: Optional[int] = None
     mtp: Optional[Union[str, bool]] = Field(
         default=None, description='Speculative decoding with the MTP head: "auto", "on", "off"; None = engine option.')
+    specprefill: Optional[bool] = Field(
+        default=None, description="SpecPrefill for long prompts: True forces it, False turns it off; None = engine threshold.")
+    keep_pct: Optional[float] = Field(
+        default=None, description="Share of prompt chunks SpecPrefill keeps, in (0, 1]; None = engine option.")
     reasoning: Optional[bool] = Field(
         default=None, description="Thinking on/off through the template's enable_thinking; None keeps its default.")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,172 @@
+"""PrefixCache: snapshots of prompt caches keyed by their tokens, reused by later prompts.
+
+Owner thread only. Works for hybrid models: attention KV can be trimmed to a shorter common
+prefix, recurrent state (``ArraysCache``) cannot, so an entry serves a prompt only when its
+tokens are a prefix of the prompt, unless every layer of the entry is trimmable. That is why
+the text lane snapshots at boundaries (end of the system prompt, end of the previous turn)
+instead of only at the end of a request.
+
+Entries are independent copies (``copy.deepcopy``): a row's extracted cache is a view that
+would keep the whole batch's buffers alive, and a live request must never see, or change,
+a stored snapshot. Lookup uses mlx-lm's ``PromptTrie``; eviction is ours: least recently
+used first, within a priority of kinds (``final`` answers go before ``turn`` checkpoints,
+which go before ``system`` prompts), under a byte budget.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, trim_prompt_cache
+
+logger = logging.getLogger(__name__)
+
+#: Entry kinds, evicted first to last.
+KINDS = ("final", "turn", "system")
+_KEY = "model"  # one cache per lane and model: PromptTrie wants a model key
+
+
+@dataclass
+class _Entry:
+    tokens: tuple[int, ...]
+    cache: list[Any]
+    nbytes: int
+    kind: str
+    trimmable: bool
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int, *, min_tokens: int = 1):
+        self.budget_bytes = int(budget_bytes)
+        self.min_tokens = max(1, int(min_tokens))
+        self._trie = PromptTrie()
+        self._lru: dict[str, OrderedDict[tuple[int, ...], _Entry]] = {k: OrderedDict() for k in KINDS}
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.hit_tokens = 0
+        self.stored = 0
+        self.evicted = 0
+        self.hits_by_kind = {k: 0 for k in KINDS}
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self._lru.values())
+
+    # ------------------------------------------------------------------ lookup
+    def fetch(self, tokens: Sequence[int]) -> tuple[Optional[list[Any]], int]:
+        """A private copy of the longest usable cached prefix of ``tokens`` and its length.
+
+        At most ``len(tokens) - 1`` tokens are reused: the model must still be fed at least
+        one token to produce the first logits. Returns (None, 0) on a miss.
+        """
+        tokens = list(tokens)
+        found = self._find(tokens[:-1]) if len(tokens) > 1 else None
+        if found is None:
+            self.misses += 1
+            return None, 0
+        entry, n = found
+        cache = copy.deepcopy(entry.cache)
+        if n < len(entry.tokens):
+            trim_prompt_cache(cache, len(entry.tokens) - n)
+            for c in cache:  # state that belongs to the trimmed-off position (MTP's pending)
+                if getattr(c, "pending", None) is not None:
+                    c.pending = None
+        self._touch(entry)
+        self.hits += 1
+        self.hit_tokens += n
+        self.hits_by_kind[entry.kind] += 1
+        return cache, n
+
+    def _find(self, tokens: list[int]) -> Optional[tuple[_Entry, int]]:
+        if not tokens:
+            return None
+        res = self._trie.search(_KEY, tokens)
+        if res.exact is not None:
+            return self._get(res.exact), len(tokens)
+        best = None
+        if res.shorter is not None and len(res.shorter) >= self.min_tokens:
+            best = (self._get(res.shorter), len(res.shorter))
+        if res.longer is not None and res.common_prefix >= self.min_tokens:
+            longer = self._get(res.longer)
+            if longer.trimmable and res.common_prefix > (best[1] if best else 0):
+                best = (longer, res.common_prefix)
+        return best
+
+    def _get(self, tokens: list[int]) -> _Entry:
+        return self._trie.get(_KEY, tokens)
+
+    def _touch(self, entry: _Entry) -> None:
+        self._lru[entry.kind].move_to_end(entry.tokens)
+
+    # ------------------------------------------------------------------ insertion
+    def store(self, tokens: Sequence[int], cache: list[Any], kind: str) -> bool:
+        """Keep an independent copy of ``cache`` (the state after ``tokens``). False if skipped."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown prefix cache kind {kind!r}")
+        tokens = tuple(int(t) for t in tokens)
+        if len(tokens) < self.min_tokens or not cache:
+            return False
+        nbytes = sum(c.nbytes for c in cache)
+        if nbytes > self.budget_bytes:
+            return False
+        try:
+            prev = self._get(list(tokens))
+        except KeyError:
+            prev = None
+        if prev is not None:
+            # Same tokens, same state: keep the old copy, but a more durable kind wins.
+            if KINDS.index(kind) > KINDS.index(prev.kind):
+                del self._lru[prev.kind][tokens]
+                prev.kind = kind
+                self._lru[kind][tokens] = prev
+            self._touch(prev)
+            return False
+        entry = _Entry(tokens, copy.deepcopy(cache), nbytes, kind, can_trim_prompt_cache(cache))
+        self._trie.add(_KEY, list(tokens), entry)
+        self._lru[kind][tokens] = entry
+        self.nbytes += nbytes
+        self.stored += 1
+        if entry.trimmable:
+            # A trimmable entry serves every prefix of itself, so shorter copies are waste,
+            # except those of a more durable kind: they must outlive this entry.
+            rank = KINDS.index(kind)
+            for _, old in self._trie.pop_prefixes(_KEY, list(tokens)):
+                if KINDS.index(old.kind) > rank:
+                    self._trie.add(_KEY, list(old.tokens), old)
+                else:
+                    self._forget(old)
+        self._evict_to(self.budget_bytes, keep=entry)
+        return True
+
+    def _forget(self, entry: _Entry) -> None:
+        self._lru[entry.kind].pop(entry.tokens, None)
+        self.nbytes -= entry.nbytes
+
+    def _evict_to(self, budget: int, keep: Optional[_Entry] = None) -> None:
+        while self.nbytes > budget:
+            victim = next((e for k in KINDS for e in self._lru[k].values() if e is not keep), None)
+            if victim is None:
+                return
+            self._trie.pop(_KEY, list(victim.tokens))
+            self._forget(victim)
+            self.evicted += 1
+
+    def clear(self) -> None:
+        self._evict_to(0)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_tokens": self.hit_tokens,
+            "hits_by_kind": dict(self.hits_by_kind),
+            "stored": self.stored,
+            "evicted": self.evicted,
+            "entries": len(self),
+            "bytes": self.nbytes,
+            "budget_bytes": self.budget_bytes,
+        }

@@ -1,0 +1,92 @@
+"""Request-local RoPE positions: a row's attention caches can sit ahead of what they store.
+
+After a sparse prefill a row's KV cache holds fewer entries than the position its next token
+is at. mlx-lm's batch caches already keep the two apart (``BatchKVCache.offset`` is the RoPE
+position of each row; storage and masks use ``_idx`` and ``left_padding``), but a single
+request's ``KVCache`` uses one ``offset`` for both, and ``BatchKVCache.merge`` rebuilds
+offsets from stored lengths. ``PositionedKVCache`` carries the gap (``position_shift``)
+through the merge, so the row joins the continuous batch at its true position. No RoPE
+module and no shared model object is touched: another request's positions cannot change.
+(mlx-lm 0.32.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+
+def shift_offsets(batch: BatchKVCache, caches: list[Any]) -> BatchKVCache:
+    """Add each row's ``position_shift`` (0 when it has none) to a merged batch cache."""
+    shifts = [int(getattr(c, "position_shift", 0)) for c in caches]
+    if any(shifts):
+        batch.offset = batch.offset + mx.array(shifts, dtype=batch.offset.dtype)
+    return batch
+
+
+class PositionedKVCache(KVCache):
+    """A request's KV cache whose next RoPE position is ``offset + position_shift``."""
+
+    def __init__(self, position_shift: int = 0):
+        super().__init__()
+        self.position_shift = position_shift
+
+    @classmethod
+    def of(cls, kv: KVCache, position_shift: int = 0) -> "PositionedKVCache":
+        out = cls(position_shift)
+        out.keys, out.values, out.offset = kv.keys, kv.values, kv.offset
+        return out
+
+    @classmethod
+    def merge(cls, caches):
+        # Whichever row comes first, every row's shift is honoured.
+        return shift_offsets(BatchKVCache.merge(caches), caches)
+
+
+def positioned(cache: list[Any]) -> list[Any]:
+    """The same cache with every plain ``KVCache`` made a ``PositionedKVCache`` (shift 0).
+
+    The text lane gives every row such a cache, so a batch's first row (whose class picks
+    the merge) always carries shifts through, whatever kind of row joins with it.
+    """
+    return [PositionedKVCache.of(c) if type(c) is KVCache else c for c in cache]
+
+
+def as_batch_of_one(cache: list[Any]) -> list[Any]:
+    """A request's cache as batch caches of one row, whose RoPE offsets can be set freely."""
+    return [type(c).merge([c]) for c in cache]
+
+
+def set_position(batch_cache: list[Any], position: int) -> None:
+    """Make the next token of a one-row batch cache sit at RoPE ``position``.
+
+    Every attention cache moves by the same amount, so caches that keep their own relation
+    to the backbone's position (the MTP head's entries sit one position behind) keep it.
+    The first attention cache is the reference (the backbone's come first in a row's list).
+    """
+    attn = [c for c in batch_cache if isinstance(c, BatchKVCache)]
+    if not attn:
+        return
+    delta = position - int(attn[0].offset[0].item())
+    if delta:
+        for c in attn:
+            c.offset = c.offset + delta
+
+
+def from_batch_of_one(batch_cache: list[Any], position: int) -> list[Any]:
+    """Back to a request's cache whose next token sits at ``position`` (see PositionedKVCache)."""
+    set_position(batch_cache, position)
+    out = []
+    for c in batch_cache:
+        row = c.extract(0)
+        if isinstance(c, BatchKVCache):
+            stored = row.offset if row.keys is not None else 0
+            shift = int(c.offset[0].item()) - stored
+            if type(row) is KVCache:
+                row = PositionedKVCache.of(row, shift)
+            else:  # e.g. the MTP head's cache: same protocol, its own class
+                row.position_shift = shift
+        out.append(row)
+    return out

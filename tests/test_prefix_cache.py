@@ -1,0 +1,269 @@
+"""Prefix cache: system-prompt and multi-turn reuse, exact for attention-only and hybrid models.
+
+Every cache hit is compared with a cold one-request reference (mlx-lm's generate_step), so a
+hit that restored the wrong state, the wrong positions or a shared (mutated) snapshot fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from mlx_tandem import Engine, SamplingParams
+from mlx_tandem.prefix_cache import PrefixCache
+
+from .reference import reference_greedy
+
+SYSTEM = ("You are the planning assistant of a small workshop. Answer briefly, name the tools "
+          "you would use, and never invent measurements. ") * 3
+TOOLS = [{"type": "function", "function": {
+    "name": "lookup_part", "description": "Find a spare part by its catalogue number.",
+    "parameters": {"type": "object", "properties": {"number": {"type": "string"}}, "required": ["number"]}}}]
+
+
+def _engine(path, **kw) -> Engine:
+    return Engine(path, show_progress=False, prefix_cache_min_tokens=8, **kw)
+
+
+def _user(i: int) -> str:
+    return ["How do I sharpen a chisel?", "Which glue for oak?", "Plan a birdhouse.",
+            "What is a dado joint?", "Is pine good for shelves?", "How long does varnish dry?"][i % 6]
+
+
+def _kv(tokens: int, value: float) -> KVCache:
+    c = KVCache()
+    c.update_and_fetch(mx.full((1, 2, tokens, 4), value), mx.full((1, 2, tokens, 4), value))
+    return c
+
+
+def _hybrid(tokens: int, value: float) -> list:
+    state = ArraysCache(2)
+    state[0] = mx.full((1, 3), value)
+    state[1] = mx.full((1, 2, 2), value)
+    return [_kv(tokens, value), state]
+
+
+# --------------------------------------------------------------------------- PrefixCache alone
+def test_fetch_reuses_the_longest_stored_prefix_and_leaves_one_token_to_feed():
+    pc = PrefixCache(1 << 20, min_tokens=2)
+    prompt = list(range(100, 120))
+    pc.store(prompt[:5], _hybrid(5, 1.0), "system")
+    pc.store(prompt[:12], _hybrid(12, 2.0), "turn")
+    cache, n = pc.fetch(prompt)
+    assert n == 12 and cache[0].offset == 12 and float(cache[1][0][0, 0]) == 2.0
+    # The whole prompt stored: reuse all but the last token (the model must see one).
+    pc.store(prompt, _hybrid(20, 3.0), "final")
+    cache, n = pc.fetch(prompt)
+    assert n == 12  # the 20-token entry would leave nothing to feed, and it cannot be trimmed
+    cache, n = pc.fetch(prompt + [7])
+    assert n == 20 and float(cache[1][0][0, 0]) == 3.0
+    assert pc.fetch([1, 2, 3]) == (None, 0)
+    assert pc.hits == 3 and pc.misses == 1 and pc.hit_tokens == 44
+
+
+def test_recurrent_state_is_never_trimmed_but_attention_only_entries_are():
+    pc = PrefixCache(1 << 20, min_tokens=2)
+    stored = list(range(10))
+    pc.store(stored, _hybrid(10, 1.0), "final")
+    # Shares 6 tokens with the entry, which is longer: a hybrid entry cannot be cut back.
+    assert pc.fetch(stored[:6] + [99, 98])[1] == 0
+    pc = PrefixCache(1 << 20, min_tokens=2)
+    pc.store(stored, [_kv(10, 1.0)], "final")
+    cache, n = pc.fetch(stored[:6] + [99, 98])
+    assert n == 6 and cache[0].offset == 6
+    # ... and the stored entry itself is untouched by trimming the copy.
+    assert pc.fetch(stored + [5])[0][0].offset == 10
+
+
+def test_snapshots_are_independent_of_live_caches_and_of_each_other():
+    pc = PrefixCache(1 << 20, min_tokens=2)
+    live = _hybrid(6, 1.0)
+    pc.store(list(range(6)), live, "system")
+    live[0].update_and_fetch(mx.full((1, 2, 1, 4), 9.0), mx.full((1, 2, 1, 4), 9.0))
+    live[1][0] = live[1][0] + 5  # a live request moving on
+    copy1, _ = pc.fetch(list(range(8)))
+    copy1[0].update_and_fetch(mx.full((1, 2, 1, 4), 7.0), mx.full((1, 2, 1, 4), 7.0))
+    copy1[1][0] = copy1[1][0] * 0
+    copy2, n = pc.fetch(list(range(8)))
+    assert n == 6 and copy2[0].offset == 6
+    np.testing.assert_array_equal(np.array(copy2[0].keys[..., :6, :]), np.ones((1, 2, 6, 4)))
+    np.testing.assert_array_equal(np.array(copy2[1][0]), np.ones((1, 3)))
+
+
+def test_eviction_is_lru_within_kind_priority_under_the_byte_budget():
+    entry_bytes = sum(c.nbytes for c in _hybrid(4, 0.0))
+    pc = PrefixCache(3 * entry_bytes, min_tokens=2)
+    sys_t, a, b, c = [0, 1, 2, 3], [5, 1, 2, 3], [6, 1, 2, 3], [7, 1, 2, 3]
+    pc.store(sys_t, _hybrid(4, 0.0), "system")
+    pc.store(a, _hybrid(4, 0.0), "final")
+    pc.store(b, _hybrid(4, 0.0), "final")
+    assert pc.fetch(a + [9])[1] == 4  # a is now more recent than b
+    pc.store(c, _hybrid(4, 0.0), "final")  # over budget: the least recent final (b) goes
+    assert pc.evicted == 1 and pc.nbytes <= pc.budget_bytes
+    assert pc.fetch(b + [9])[1] == 0
+    assert pc.fetch(a + [9])[1] == 4 and pc.fetch(c + [9])[1] == 4
+    pc.store([8, 1, 2, 3], _hybrid(4, 0.0), "turn")  # finals go before turns and system prompts
+    pc.store([9, 1, 2, 3], _hybrid(4, 0.0), "turn")
+    assert pc.fetch(sys_t + [9])[1] == 4
+    assert pc.fetch(a + [9])[1] == 0 and pc.fetch(c + [9])[1] == 0
+    # An entry larger than the whole budget is not stored.
+    assert not pc.store(list(range(50, 1050)), _hybrid(1000, 0.0), "system")
+
+
+def test_a_system_prompt_outlives_longer_trimmable_entries():
+    pc = PrefixCache(1 << 20, min_tokens=2)
+    pc.store([1, 2, 3, 4], [_kv(4, 1.0)], "system")
+    pc.store([1, 2, 3, 4, 5, 6], [_kv(6, 1.0)], "final")
+    pc.clear()
+    assert len(pc) == 0 and pc.nbytes == 0
+    pc.store([1, 2, 3, 4], [_kv(4, 1.0)], "system")
+    pc.store([1, 2, 3, 4, 5, 6], [_kv(6, 1.0)], "final")
+    pc._evict_to(pc.nbytes - 1)  # the final answer goes first; the system prompt stays
+    assert pc.fetch([1, 2, 3, 4, 5, 6, 7])[1] == 4
+
+
+# --------------------------------------------------------------------------- boundaries
+def test_system_boundary_is_found_for_a_template_without_chatml_markers(llama_engine):
+    # A Llama-3-style template: no <|im_start|> anywhere.
+    template = (
+        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    renderer = llama_engine._renderer
+    kwargs = {"chat_template": template}
+    points = {}
+    for user in ("How do I sharpen a chisel?", "Zebra wood?"):
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+        ids = renderer.render(msgs, template_kwargs=kwargs)
+        points[user] = (ids, dict((k, n) for n, k in renderer.cache_points(msgs, ids, template_kwargs=kwargs)))
+    (ids_a, pa), (ids_b, pb) = points.values()
+    assert pa["system"] == pb["system"]
+    shared = renderer.decode(ids_a[: pa["system"]])
+    assert shared.endswith("<|start_header_id|>user<|end_header_id|>\n\n") and SYSTEM in shared
+    # "turn": everything but the generation prompt.
+    assert renderer.decode(ids_a[pa["turn"]:]) == "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+# --------------------------------------------------------------------------- in the engine
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+async def test_shared_system_prompt_hits_equal_cold_runs_in_mixed_batches(kind, request):
+    path = request.getfixturevalue(f"{kind}_path")
+    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user(i)}] for i in range(6)]
+    others = [[{"role": "user", "content": f"Unrelated question number {i}, about rivers."}] for i in range(4)]
+    async with _engine(path) as engine:
+        ids = [engine.apply_chat_template(c, tools=TOOLS) for c in chats]
+        other_ids = [engine.apply_chat_template(c) for c in others]
+        expected = [reference_greedy(path, p, 10) for p in ids]
+        system_len = {k: n for n, k in engine._renderer.cache_points(chats[3], ids[3], tools=TOOLS)}["system"]
+        other_expected = [reference_greedy(path, p, 10) for p in other_ids]
+        params = SamplingParams(max_tokens=10)
+        # Wave 1: concurrent requests sharing one system prompt, nothing cached yet.
+        wave1 = await asyncio.gather(*[engine.chat(c, params, tools=TOOLS) for c in chats[:3]])
+        first = engine.stats()["prefix_cache"]
+        # Wave 2: hits mixed with requests the cache cannot serve, in one batch.
+        wave2 = await asyncio.gather(*[engine.chat(c, params, tools=TOOLS) for c in chats[3:]],
+                                     *[engine.chat(c, params) for c in others])
+        stats = engine.stats()["prefix_cache"]
+    outs = list(wave1) + list(wave2[:3])
+    for i, out in enumerate(outs):
+        assert out.token_ids == expected[i], f"chat {i} diverged from the cold reference"
+    for i, out in enumerate(wave2[3:]):
+        assert out.token_ids == other_expected[i]
+    assert stats["hits"] - first["hits"] >= 3
+    assert all(out.usage.cached_tokens >= system_len for out in wave2[:3])
+    assert all(out.usage.cached_tokens < len(p) for out, p in zip(wave2[:3], ids[3:]))
+    assert all(out.usage.cached_tokens == 0 for out in wave2[3:])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+async def test_agent_turns_reuse_the_previous_turn(kind, request):
+    """Turn N+1 (after a tool result) starts from turn N's cache and equals a cold run."""
+    path = request.getfixturevalue(f"{kind}_path")
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Find part A-17 for me."}]
+    async with _engine(path) as engine:
+        params = SamplingParams(max_tokens=8)
+        cached = []
+        for turn in range(4):
+            ids = engine.apply_chat_template(chat, tools=TOOLS)
+            out = await engine.chat(chat, params, tools=TOOLS)
+            assert out.token_ids == reference_greedy(path, ids, 8), f"turn {turn} diverged"
+            cached.append((out.usage.cached_tokens, len(ids)))
+            call_id = f"call_{turn}"
+            chat = chat + [
+                {"role": "assistant", "content": "", "tool_calls": [{
+                    "id": call_id, "type": "function",
+                    "function": {"name": "lookup_part", "arguments": json.dumps({"number": f"A-{17 + turn}"})}}]},
+                {"role": "tool", "tool_call_id": call_id, "content": f"part A-{17 + turn}: not in stock"},
+            ]
+        stats = engine.stats()["prefix_cache"]
+    # Every later turn reuses at least the whole previous prompt's conversation.
+    for (hit, _), (_, prev_len) in zip(cached[1:], cached[:-1]):
+        assert hit >= prev_len - 8, cached
+    assert stats["hits_by_kind"]["turn"] + stats["hits_by_kind"]["final"] >= 3
+
+
+async def test_stored_snapshots_do_not_change_while_requests_decode(qwen3_5_path):
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user(0)}]
+    async with _engine(qwen3_5_path) as engine:
+        await engine.chat(chat, SamplingParams(max_tokens=4))
+
+        def dump():
+            pc = engine._core._lanes["text"].prefix_cache
+            out = {}
+            for kind, entries in pc._lru.items():
+                for tokens, e in entries.items():
+                    out[(kind, tokens)] = [np.array(a) for c in e.cache for a in _arrays(c.state)]
+            return out
+
+        before = engine.run_on_owner_thread(dump)
+        await asyncio.gather(*[engine.chat([chat[0], {"role": "user", "content": _user(i)}],
+                                           SamplingParams(max_tokens=12)) for i in range(4)])
+        after = engine.run_on_owner_thread(dump)
+    assert before and set(before) <= set(after)
+    for key, arrays in before.items():
+        for x, y in zip(arrays, after[key]):
+            np.testing.assert_array_equal(x, y)
+
+
+def _arrays(state):
+    if isinstance(state, mx.array):
+        return [state]
+    if not isinstance(state, (list, tuple)):
+        return []
+    out = []
+    for s in state:
+        out += _arrays(s)
+    return out
+
+
+async def test_mtp_rows_restore_the_heads_cache_exactly(qwen3_5_mtp_path):
+    """MTP's head cache is part of every snapshot: with speculation forced on, hits still
+    give exactly the plain greedy output."""
+    from mlx_tandem.testing.mtp_distill import default_prompts
+
+    system = {"role": "system", "content": SYSTEM}
+    chats = [[system, {"role": "user", "content": p}] for p in default_prompts(6)]
+    async with _engine(qwen3_5_mtp_path, mtp="on") as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        expected = [reference_greedy(qwen3_5_mtp_path, p, 16) for p in ids]
+        outs = [await engine.chat(chats[0], SamplingParams(max_tokens=16))]
+        outs += await asyncio.gather(*[engine.chat(c, SamplingParams(max_tokens=16)) for c in chats[1:]])
+        stats = engine.stats()
+    for i, out in enumerate(outs):
+        assert out.token_ids == expected[i], f"chat {i} diverged"
+    assert stats["prefix_cache"]["hits"] >= 5 and stats["mtp"]["spec_steps"] > 0
+
+
+async def test_prefix_cache_off_and_stats_shape(llama_path):
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user(0)}]
+    async with _engine(llama_path, prefix_cache_bytes=0) as engine:
+        for _ in range(2):
+            out = await engine.chat(chat, SamplingParams(max_tokens=4))
+            assert out.usage.cached_tokens == 0
+        stats = engine.stats()["prefix_cache"]
+    assert stats["hits"] == 0 and stats["entries"] == 0

@@ -1,0 +1,237 @@
+"""SpecPrefill in the engine: exact at keep 1.0, true positions, isolated from other requests.
+
+Scoring and chunk selection are tested on their own in test_specprefill_scoring.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.utils import load
+
+from mlx_tandem import Engine, InvalidRequestError, SamplingParams
+from mlx_tandem.errors import ModelLoadError
+from mlx_tandem.spec.mtp_cache import MTPKVCache
+from mlx_tandem.specprefill.job import SparsePrefill
+from mlx_tandem.specprefill.positions import PositionedKVCache, positioned
+
+from .reference import reference_greedy
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def _engine(path, draft_path, **kw) -> Engine:
+    kw = {"show_progress": False, "specprefill_draft": str(draft_path), "specprefill_threshold": 256,
+          "prefill_step_size": 64, "prefix_cache_min_tokens": 8, **kw}
+    return Engine(path, **kw)
+
+
+# --------------------------------------------------------------------------- positions
+def _kv(n: int) -> KVCache:
+    c = KVCache()
+    c.update_and_fetch(mx.ones((1, 2, n, 4)), mx.ones((1, 2, n, 4)))
+    return c
+
+
+@pytest.mark.parametrize("shifted_first", [True, False])
+def test_merge_keeps_each_rows_true_position(shifted_first):
+    plain = positioned([_kv(3)])[0]
+    shifted = PositionedKVCache.of(_kv(5), position_shift=7)
+    rows = [shifted, plain] if shifted_first else [plain, shifted]
+    batch = rows[0].merge(rows)
+    want = [12, 3] if shifted_first else [3, 12]
+    assert batch.offset.tolist() == want and batch.size() == 5
+    # Decoding moves every row on by one, still at its own position.
+    batch.update_and_fetch(mx.zeros((2, 2, 1, 4)), mx.zeros((2, 2, 1, 4)))
+    assert batch.offset.tolist() == [w + 1 for w in want]
+    # The MTP head's cache carries its shift through its own merge too.
+    head = MTPKVCache()
+    head.update_and_fetch(mx.ones((1, 2, 2, 4)), mx.ones((1, 2, 2, 4)))
+    head.position_shift = 4
+    assert MTPKVCache.merge([MTPKVCache(), head]).offset.tolist()[1] == 6
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_kept_tokens_are_prefilled_at_their_original_positions(kind, request, draft_path):
+    """A llama's first-layer keys depend only on a token and its RoPE position: after a sparse
+    prefill they must equal the full prefill's keys at exactly the kept positions. (Qwen3.5's
+    first attention layer follows a GatedDeltaNet layer, whose state sees only the kept tokens,
+    so there only the dense part can match; its positions are checked in the engine test.)"""
+    path = request.getfixturevalue(f"{kind}_path")
+    model, _ = load(str(path))
+    draft, _ = load(str(draft_path))
+    prompt = _prompt(300)
+    job = SparsePrefill(model, draft, prompt, None, start=0, dense_end=40, keep_pct=0.25,
+                        chunk_size=16, lookahead=4, step_size=50)
+    steps = 0
+    while not job.done:
+        job.advance()
+        steps += 1
+    assert steps > 3  # bounded pieces, not one blocking call
+    kept = [i for s, e in job.runs for i in range(s, e)]
+    assert kept[:40] == list(range(40)) and kept[-1] == len(prompt) - 2
+    assert len(kept) < len(prompt) * 0.5
+
+    full = make_prompt_cache(model)
+    model(mx.array(prompt[:-1])[None], cache=full)
+    layer = next(i for i, c in enumerate(full) if isinstance(c, KVCache))
+    row = job.row_cache()
+    got = np.array(row[layer].keys[..., : row[layer].offset, :])
+    want = np.array(full[layer].keys[..., : full[layer].offset, :])[:, :, kept]
+    if kind == "llama":
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    else:
+        np.testing.assert_allclose(got[:, :, :40], want[:, :, :40], rtol=1e-4, atol=1e-5)
+        assert not np.allclose(got, want, rtol=1e-4, atol=1e-5)
+    # The row's next token (the last prompt token) sits at its true position.
+    assert row[layer].offset + row[layer].position_shift == len(prompt) - 1
+
+
+# --------------------------------------------------------------------------- in the engine
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+async def test_keep_all_equals_full_prefill(kind, request, draft_path):
+    path = request.getfixturevalue(f"{kind}_path")
+    prompts = [_prompt(400, seed) for seed in range(3)]
+    expected = [reference_greedy(path, p, 16) for p in prompts]
+    async with _engine(path, draft_path, specprefill_keep_pct=1.0) as engine:
+        outs = await asyncio.gather(*[engine.complete(p, {"max_tokens": 16}) for p in prompts])
+        stats = engine.stats()["specprefill"]
+    assert [o.token_ids for o in outs] == expected
+    assert stats["requests"] == 3 and stats["kept_tokens"] == stats["sparse_tokens"] == 3 * 399
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+async def test_decode_runs_at_the_true_position_and_others_are_unaffected(kind, request, draft_path):
+    path = request.getfixturevalue(f"{kind}_path")
+    short = _prompt(20, seed=5)
+    long = _prompt(900, seed=6)
+    expected_short = reference_greedy(path, short, 60)
+    async with _engine(path, draft_path) as engine:
+        lane = None
+
+        def positions(rid):
+            """(RoPE offsets of the row's attention layers, tokens it has seen, entries stored)."""
+            nonlocal lane
+            lane = engine._core._lanes["text"]
+            batch = lane._gen._generation_batch
+            i = batch.uids.index(lane._rid_to_uid[rid])
+            n = len(lane.model.layers)
+            attn = [c for c in batch.prompt_cache[:n] if isinstance(c, BatchKVCache)]
+            lp = attn[0].left_padding.tolist()[i]
+            return [int(c.offset[i].item()) for c in attn], len(batch.tokens[i]), attn[0]._idx - lp
+
+        stream_a = await engine.open_complete_stream(short, {"max_tokens": 60, "specprefill": False})
+        first = await stream_a.__anext__()
+        a_times = [time.perf_counter()]
+        task_a = asyncio.create_task(_drain(stream_a, a_times))
+        submitted = time.perf_counter()
+        stream_b = await engine.open_complete_stream(long, {"max_tokens": 8, "keep_pct": 0.2})
+        b_first = await stream_b.__anext__()
+        b_first_time = time.perf_counter()
+        offsets, seen, stored = engine.run_on_owner_thread(lambda: positions(stream_b.request_id))
+        rest_b = await stream_b.collect()
+        a_rest = await task_a
+        stats = engine.stats()["specprefill"]
+    # Every attention layer continues at the prompt's true length, not at what it stored.
+    assert set(offsets) == {seen} and seen >= len(long)
+    assert stored < 0.5 * len(long)
+    assert stats["requests"] == 1 and 0.15 < stats["keep_ratio"] < 0.3
+    # The request decoding alongside is exactly its solo greedy output ...
+    assert list(first.token_ids) + a_rest == expected_short
+    # ... and kept decoding while the sparse prefill ran (a piece per step, no stall).
+    during = [t for t in a_times if submitted < t < b_first_time]
+    assert len(during) >= 3, (len(during), len(a_times))
+    assert b_first.token_ids or rest_b.token_ids
+
+
+async def _drain(stream, times) -> list[int]:
+    out = []
+    async for delta in stream:
+        times.append(time.perf_counter())
+        out.extend(delta.token_ids)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+async def test_only_the_uncached_suffix_is_scored_and_filled_sparsely(kind, request, draft_path):
+    path = request.getfixturevalue(f"{kind}_path")
+    system = {"role": "system", "content": "You maintain the river gauges. " * 40}
+    chats = [[system, {"role": "user", "content": f"Report {i}: " + "levels rising slowly, " * 60}]
+             for i in range(2)]
+    async with _engine(path, draft_path, specprefill_keep_pct=1.0) as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        boundary = {k: n for n, k in engine._renderer.cache_points(chats[1], ids[1])}["system"]
+        expected = [reference_greedy(path, p, 10) for p in ids]
+        first = await engine.chat(chats[0], {"max_tokens": 10})
+        after_first = engine.stats()["specprefill"]
+        second = await engine.chat(chats[1], {"max_tokens": 10})
+        stats = engine.stats()
+    assert [first.token_ids, second.token_ids] == expected
+    # The first request filled the system prompt densely (and cached it), the rest sparsely.
+    assert after_first["sparse_tokens"] == len(ids[0]) - 1 - boundary
+    # The second reused the system prompt: only its own suffix went through SpecPrefill.
+    assert second.usage.cached_tokens >= boundary
+    assert stats["specprefill"]["sparse_tokens"] - after_first["sparse_tokens"] == \
+        len(ids[1]) - 1 - second.usage.cached_tokens
+    assert stats["prefix_cache"]["hits_by_kind"]["system"] >= 1
+
+
+async def test_short_prompts_and_opt_outs_prefill_normally(llama_path, draft_path):
+    async with _engine(llama_path, draft_path) as engine:
+        await engine.complete(_prompt(100), {"max_tokens": 2})  # under the threshold
+        await engine.complete(_prompt(600), {"max_tokens": 2, "specprefill": False})
+        assert engine.stats()["specprefill"]["requests"] == 0
+        await engine.complete(_prompt(100, 1), {"max_tokens": 2, "specprefill": True})
+        assert engine.stats()["specprefill"]["requests"] == 1
+
+
+async def test_bad_settings_are_typed_errors(llama_path, draft_path, tiny_models):
+    async with Engine(llama_path, show_progress=False) as engine:
+        with pytest.raises(InvalidRequestError, match="specprefill_draft"):
+            await engine.complete(_prompt(10), {"specprefill": True})
+    for bad in (0, 1.5, "half"):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(keep_pct=bad)
+        with pytest.raises(InvalidRequestError):
+            Engine(llama_path, specprefill_keep_pct=bad)
+    other_vocab = tiny_models.get("draft", vocab_size=1024)
+    engine = Engine(llama_path, show_progress=False, specprefill_draft=str(other_vocab))
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        await engine.start()
+    await engine.close()
+
+
+def test_adapters_pass_specprefill_per_call(llama_path, draft_path):
+    from langchain_mlx_tandem import ChatMLX
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.mlx_tandem import MLXTandemLLM
+
+    opts = {"specprefill_draft": str(draft_path), "specprefill_threshold": 10_000, "show_progress": False}
+    def long(i):  # a new prompt per call: a cached prompt leaves nothing to prefill sparsely
+        return f"Reading {i}: " + "the gauge at the weir reads high " * 40
+    lc = ChatMLX(model=str(llama_path), engine_options=opts, max_tokens=4)
+    li = MLXTandemLLM(model=str(llama_path), engine_options=opts, max_tokens=4, specprefill=True)
+    engine = Engine.shared(str(llama_path), **opts)
+
+    def requests():
+        return engine.stats()["specprefill"]["requests"]
+
+    lc.invoke(long(0))
+    assert requests() == 0  # under the threshold
+    lc.invoke(long(1), specprefill=True, keep_pct=0.5)
+    assert requests() == 1
+    li.chat([ChatMessage(role="user", content=long(2))])
+    assert requests() == 2
+    li.chat([ChatMessage(role="user", content=long(3))], specprefill=False)
+    assert requests() == 2
+    with pytest.raises(InvalidRequestError):
+        lc.invoke(long(4), keep_pct=2.0)

@@ -123,7 +123,7 @@ async def test_decode_runs_at_the_true_position_and_others_are_unaffected(kind, 
             nonlocal lane
             lane = engine._core._lanes["text"]
             batch = lane._gen._generation_batch
-            i = batch.uids.index(lane._rid_to_uid[rid])
+            i = batch.uids.index(lane._rows.uid(rid))
             n = len(lane.model.layers)
             attn = [c for c in batch.prompt_cache[:n] if isinstance(c, BatchKVCache)]
             lp = attn[0].left_padding.tolist()[i]

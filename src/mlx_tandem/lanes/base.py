@@ -31,6 +31,41 @@ class LaneStepStats:
     batch_size: int = 0
 
 
+class RowIds:
+    """The two-way map between engine request ids and a batch generator's row uids."""
+
+    def __init__(self):
+        self._rid: dict[int, str] = {}
+        self._uid: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._uid)
+
+    def add(self, uid: int, request_id: str) -> None:
+        self._rid[uid] = request_id
+        self._uid[request_id] = uid
+
+    def request_id(self, uid: int) -> Optional[str]:
+        return self._rid.get(uid)
+
+    def uid(self, request_id: str) -> Optional[int]:
+        return self._uid.get(request_id)
+
+    def pop(self, request_id: str) -> Optional[int]:
+        """Forget a request; its uid, or None if it was not here."""
+        uid = self._uid.pop(request_id, None)
+        if uid is not None:
+            del self._rid[uid]
+        return uid
+
+    def clear(self) -> list[str]:
+        """Forget every request; their ids."""
+        dropped = list(self._uid)
+        self._rid.clear()
+        self._uid.clear()
+        return dropped
+
+
 def fail_errored(events: list[TokenEvent], errors: list, remove) -> list[TokenEvent]:
     """Requests whose logits processors raised during the step: drop their token events,
     remove their rows (``remove``) and give each one error event. ``errors`` is emptied."""

@@ -28,7 +28,7 @@ from ..spec.batch import MTPTextModel, RowSpec, SpecBatchGenerator, SpecConfig
 from ..specprefill import SpecPrefillConfig, SpecPrefillStats
 from ..specprefill.job import SparsePrefill
 from ..specprefill.positions import positioned
-from .base import LaneStepStats, TokenEvent, fail_errored
+from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,7 @@ class TextLane:
             prefill_step_size=prefill_step_size,
         )
         self._gen = self._new_generator()
-        self._uid_to_rid: dict[int, str] = {}
-        self._rid_to_uid: dict[str, int] = {}
+        self._rows = RowIds()
         self._errors: list[tuple[str, BaseException]] = []
         self._caching: dict[int, _RowCaching] = {}
 
@@ -110,10 +109,10 @@ class TextLane:
 
     @property
     def num_active(self) -> int:
-        return len(self._rid_to_uid) + len(self._sparse)
+        return len(self._rows) + len(self._sparse)
 
     def has_work(self) -> bool:
-        return bool(self._rid_to_uid or self._sparse)
+        return bool(self._rows or self._sparse)
 
     def add(self, request: Request) -> None:
         rid = request.request_id
@@ -149,8 +148,7 @@ class TextLane:
         )
         if self.prefix_cache is not None:
             self._caching[uid] = caching
-        self._uid_to_rid[uid] = request.request_id
-        self._rid_to_uid[request.request_id] = uid
+        self._rows.add(uid, request.request_id)
         if self.spec is not None:
             self.spec.rows[uid] = self._row_spec(request, sampler, processors)
 
@@ -207,9 +205,8 @@ class TextLane:
     def remove(self, request_ids: Sequence[str]) -> None:
         for r in request_ids:
             self._sparse.pop(r, None)
-        uids = [self._rid_to_uid.pop(r) for r in request_ids if r in self._rid_to_uid]
+        uids = [uid for uid in map(self._rows.pop, request_ids) if uid is not None]
         for uid in uids:
-            del self._uid_to_rid[uid]
             self._caching.pop(uid, None)
         if uids:
             self._gen.remove(uids)
@@ -218,7 +215,7 @@ class TextLane:
 
     def step(self) -> tuple[list[TokenEvent], LaneStepStats]:
         sparse_events, sparse_tokens, sparse_time = self._advance_sparse() if self._sparse else ([], 0, 0.0)
-        if not self._rid_to_uid:
+        if not self._rows:
             return sparse_events, LaneStepStats(prompt_tokens=sparse_tokens, prompt_time=sparse_time)
         with self._gen.stats() as s:
             prompt_responses, responses = self._gen.next()
@@ -227,15 +224,14 @@ class TextLane:
         # A speculative step sends several responses per row, in order: one event per row.
         by_rid: dict[str, TokenEvent] = {}
         for r in responses:
-            rid = self._uid_to_rid.get(r.uid)
+            rid = self._rows.request_id(r.uid)
             if rid is None:  # removed while its token was in flight
                 continue
             ev = by_rid.setdefault(rid, TokenEvent(rid, []))
             ev.tokens.append(r.token)
             if r.finish_reason is not None:
                 ev.finish_reason = r.finish_reason
-                del self._uid_to_rid[r.uid]
-                del self._rid_to_uid[rid]
+                self._rows.pop(rid)
                 if self.spec is not None:
                     self.spec.rows.pop(r.uid, None)
                 caching = self._caching.pop(r.uid, None)
@@ -272,9 +268,7 @@ class TextLane:
 
     def reset(self) -> list[str]:
         """Drop every request and start from a fresh generator (after a failed step)."""
-        dropped = list(self._rid_to_uid)
-        self._uid_to_rid.clear()
-        self._rid_to_uid.clear()
+        dropped = self._rows.clear()
         self._errors.clear()
         dropped += list(self._sparse)
         self._sparse.clear()

@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..errors import ContextLengthError, InvalidRequestError
 from ..request import Request
 from ..samplers import make_request_processors, make_request_sampler
-from .base import LaneStepStats, TokenEvent, fail_errored
+from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,7 @@ class VisionLane:
                           prefill_batch_size=min(prefill_batch_size, max_batch_size),
                           prefill_step_size=prefill_step_size, compute_logprobs=False)
         self._gen = self._new_generator()
-        self._uid_to_rid: dict[int, str] = {}
-        self._rid_to_uid: dict[str, int] = {}
+        self._rows = RowIds()
         self._errors: list[tuple[str, BaseException]] = []
         self._counters = (0, 0.0, 0)
 
@@ -64,10 +63,10 @@ class VisionLane:
 
     @property
     def num_active(self) -> int:
-        return len(self._rid_to_uid)
+        return len(self._rows)
 
     def has_work(self) -> bool:
-        return bool(self._rid_to_uid)
+        return bool(self._rows)
 
     def _inputs(self, request: Request):
         from mlx_vlm.utils import prepare_inputs
@@ -103,14 +102,12 @@ class VisionLane:
             processors.append(_SampleAsProcessor(sampler))
         (uid,) = self._gen.insert([ids], [request.max_tokens], prompt_kwargs=[kwargs],
                                   logits_processors=[processors])
-        self._uid_to_rid[uid] = rid
-        self._rid_to_uid[rid] = uid
+        self._rows.add(uid, rid)
 
     def remove(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
-            uid = self._rid_to_uid.pop(rid, None)
+            uid = self._rows.pop(rid)
             if uid is not None:
-                del self._uid_to_rid[uid]
                 self._gen.remove(uid)
 
     def step(self) -> tuple[list[TokenEvent], LaneStepStats]:
@@ -119,15 +116,14 @@ class VisionLane:
         elapsed = time.perf_counter() - tic
         events: dict[str, TokenEvent] = {}
         for r in responses:
-            rid = self._uid_to_rid.get(r.uid)
+            rid = self._rows.request_id(r.uid)
             if rid is None:
                 continue
             ev = events.setdefault(rid, TokenEvent(rid, []))
             ev.tokens.append(int(r.token))
             if r.finish_reason is not None:
                 ev.finish_reason = "stop" if r.finish_reason == "stop" else "length"
-                del self._uid_to_rid[r.uid]
-                del self._rid_to_uid[rid]
+                self._rows.pop(rid)
         out = list(events.values())
         out = fail_errored(out, self._errors, self.remove)
         s = self._gen.stats()
@@ -140,9 +136,7 @@ class VisionLane:
                                   batch_size=len({r.uid for r in responses}))
 
     def reset(self) -> list[str]:
-        dropped = list(self._rid_to_uid)
-        self._uid_to_rid.clear()
-        self._rid_to_uid.clear()
+        dropped = self._rows.clear()
         self._errors.clear()
         self._gen.close()
         self._gen = self._new_generator()

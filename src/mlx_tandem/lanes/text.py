@@ -42,6 +42,16 @@ class _RowCaching:
     store_final: bool = True
 
 
+@dataclass
+class _Sparse:
+    """A request in its SpecPrefill, before it joins the generator."""
+
+    request: Request
+    job: SparsePrefill
+    sampler: object
+    processors: list
+
+
 def split_at(tokens: list[int], cuts: Sequence[int]) -> list[list[int]]:
     """``tokens`` cut into segments ending at each of ``cuts`` (ascending, inside the list)."""
     out, prev = [], 0
@@ -73,7 +83,7 @@ class TextLane:
         self.prefix_cache = prefix_cache
         self.specprefill = specprefill
         self.sp_stats = SpecPrefillStats()
-        self._sparse: dict[str, tuple] = {}  # request id -> (request, job, sampler, processors), in order
+        self._sparse: dict[str, _Sparse] = {}  # by request id, in arrival order
         # Speculation needs a head and a mode other than "off"; per-request "on" cannot
         # conjure a head, so without one every request decodes plainly.
         self.spec = (SpecConfig(head=mtp_head, depth=mtp_depth, mode=mtp_mode)
@@ -128,7 +138,7 @@ class TextLane:
         request.cached_tokens = start
         job = self._sparse_prefill(request, cache, start)
         if job is not None:
-            self._sparse[rid] = (request, job, sampler, processors)
+            self._sparse[rid] = _Sparse(request, job, sampler, processors)
             return
         # Every row gets PositionedKVCaches, so any batch can take a sparse-prefilled row.
         points = sorted((p, k) for p, k in request.cache_points if start < p < len(prompt))
@@ -179,7 +189,8 @@ class TextLane:
     def _advance_sparse(self) -> tuple[list[TokenEvent], int, float]:
         """One piece of the oldest sparse prefill; a finished one joins the batch."""
         rid = next(iter(self._sparse))
-        request, job, sampler, processors = self._sparse[rid]
+        pending = self._sparse[rid]
+        request, job = pending.request, pending.job
         tic = time.perf_counter()
         try:
             fed = job.advance()
@@ -191,8 +202,8 @@ class TextLane:
                 self.sp_stats.record(job)
                 prompt = list(request.prompt_ids)
                 # The answer's cache is not exact (sparse), so it is not kept for reuse.
-                self._insert(request, [prompt[-1:]], job.row_cache(), prompt[:-1], sampler, processors,
-                             _RowCaching(len(prompt), store_final=False))
+                self._insert(request, [prompt[-1:]], job.row_cache(), prompt[:-1], pending.sampler,
+                             pending.processors, _RowCaching(len(prompt), store_final=False))
         except Exception as exc:  # noqa: BLE001 - this request fails, the lane goes on
             logger.exception("SpecPrefill of %s failed", rid)
             self._sparse.pop(rid, None)

@@ -185,6 +185,23 @@ async def test_only_the_uncached_suffix_is_scored_and_filled_sparsely(kind, requ
     assert stats["prefix_cache"]["hits_by_kind"]["system"] >= 1
 
 
+async def test_the_draft_scores_only_what_its_own_cache_does_not_hold(qwen3_5_path, draft_path):
+    system = {"role": "system", "content": "You maintain the river gauges. " * 40}
+    chats = [[system, {"role": "user", "content": f"Report {i}: " + "levels rising slowly, " * 60}]
+             for i in range(2)]
+    async with _engine(qwen3_5_path, draft_path, specprefill_keep_pct=0.3) as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        boundary = {k: n for n, k in engine._renderer.cache_points(chats[1], ids[1])}["system"]
+        await engine.chat(chats[0], {"max_tokens": 4})
+        first = engine.stats()["specprefill"]
+        await engine.chat(chats[1], {"max_tokens": 4})
+        second = engine.stats()["specprefill"]
+    assert first["draft_tokens"] == len(ids[0])  # nothing cached yet: the whole prompt
+    # The draft restored its own snapshot of the system prompt and scored only the rest.
+    assert second["draft_tokens"] - first["draft_tokens"] == len(ids[1]) - boundary
+    assert 0.25 < second["keep_ratio"] < 0.4
+
+
 async def test_short_prompts_and_opt_outs_prefill_normally(llama_path, draft_path):
     async with _engine(llama_path, draft_path) as engine:
         await engine.complete(_prompt(100), {"max_tokens": 2})  # under the threshold

@@ -12,7 +12,7 @@ _EMPTY_PREFIX_CACHE = {"hits": 0, "misses": 0, "hit_tokens": 0, "stored": 0, "ev
 
 
 _EMPTY_SPECPREFILL = {"requests": 0, "sparse_tokens": 0, "kept_tokens": 0, "keep_ratio": 0.0,
-                      "draft_time_s": 0.0, "target_time_s": 0.0}
+                      "draft_tokens": 0, "draft_time_s": 0.0, "target_time_s": 0.0}
 
 
 class EngineStats:

@@ -83,6 +83,10 @@ class TextLane:
         self.prefix_cache = prefix_cache
         self.specprefill = specprefill
         self.sp_stats = SpecPrefillStats()
+        # The draft's own snapshots (its state for system prompts), so that a cached prefix
+        # is not scored again: a small share of the budget, the draft is small.
+        self.draft_cache = (PrefixCache(prefix_cache.budget_bytes // 8, min_tokens=prefix_cache.min_tokens)
+                            if specprefill is not None and prefix_cache is not None else None)
         self._sparse: dict[str, _Sparse] = {}  # by request id, in arrival order
         # Speculation needs a head and a mode other than "off"; per-request "on" cannot
         # conjure a head, so without one every request decodes plainly.
@@ -184,7 +188,7 @@ class TextLane:
         return SparsePrefill(
             self._gen.model, sp.draft, request.prompt_ids, cache, start=start, dense_end=dense_end,
             keep_pct=keep, chunk_size=sp.chunk_size, lookahead=sp.lookahead,
-            step_size=self._opts["prefill_step_size"])
+            step_size=self._opts["prefill_step_size"], draft_cache=self.draft_cache)
 
     def _advance_sparse(self) -> tuple[list[TokenEvent], int, float]:
         """One piece of the oldest sparse prefill; a finished one joins the batch."""

@@ -25,6 +25,7 @@ class SpecPrefillStats:
     requests: int = 0
     sparse_tokens: int = 0  # prompt tokens in the sparse parts
     kept_tokens: int = 0  # of those, the ones the target prefilled
+    draft_tokens: int = 0  # prompt tokens the draft prefilled (its cached prefixes are not)
     draft_time: float = 0.0
     target_time: float = 0.0
 
@@ -32,6 +33,7 @@ class SpecPrefillStats:
         self.requests += 1
         self.sparse_tokens += job.sparse_tokens
         self.kept_tokens += job.kept_tokens - (job.dense_end - job.start)
+        self.draft_tokens += job.draft_tokens
         self.draft_time += job.draft_time
         self.target_time += job.target_time
 
@@ -41,6 +43,7 @@ class SpecPrefillStats:
             "sparse_tokens": self.sparse_tokens,
             "kept_tokens": self.kept_tokens,
             "keep_ratio": self.kept_tokens / self.sparse_tokens if self.sparse_tokens else 0.0,
+            "draft_tokens": self.draft_tokens,
             "draft_time_s": self.draft_time,
             "target_time_s": self.target_time,
         }

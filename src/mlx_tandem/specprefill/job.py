@@ -30,7 +30,7 @@ class SparsePrefill:
 
     def __init__(self, model, draft, prompt: Sequence[int], cache: Optional[list[Any]], *,
                  start: int, dense_end: int, keep_pct: float, chunk_size: int,
-                 lookahead: int, step_size: int):
+                 lookahead: int, step_size: int, draft_cache=None):
         self.model = model
         self.prompt = list(prompt)
         self.start = start
@@ -40,13 +40,19 @@ class SparsePrefill:
         self.step_size = step_size
         self.cache = as_batch_of_one(positioned(cache if cache is not None else make_prompt_cache(model)))
         # keep_pct 1.0 keeps everything: the draft's scores would not change anything.
-        self.scorer = (DraftScorer(draft, self.prompt, lookahead=lookahead, step_size=step_size)
-                       if keep_pct < 1.0 and self.dense_end < len(self.prompt) - 1 else None)
+        self.scorer = None
+        self.draft_cache = draft_cache  # the draft's own PrefixCache: its state for the dense part
+        if keep_pct < 1.0 and self.dense_end < len(self.prompt) - 1:
+            restored, n = draft_cache.fetch(self.prompt) if draft_cache is not None else (None, 0)
+            self.scorer = DraftScorer(draft, self.prompt, lookahead=lookahead, step_size=step_size,
+                                      cache=restored, start=n,
+                                      snapshot_at=self.dense_end if self.dense_end > n else None)
         self.runs: Optional[list[tuple[int, int]]] = None if self.scorer else self._plan(None)
         self._run = 0
         self._pos = self.runs[0][0] if self.runs else self.dense_end
         self.at_dense_end = False  # the dense part just finished (the lane may snapshot it)
         self.draft_time = 0.0
+        self.draft_tokens = 0  # prompt tokens the draft prefilled (a cached prefix is not)
         self.target_time = 0.0
         self.kept_tokens = sum(e - s for s, e in self.runs) if self.runs is not None else 0
 
@@ -75,7 +81,11 @@ class SparsePrefill:
         self.at_dense_end = False
         if self.runs is None:
             tic = time.perf_counter()
-            if self.scorer.advance():
+            done = self.scorer.advance()
+            if self.scorer.snapshot is not None and self.draft_cache is not None:
+                self.draft_cache.store(self.prompt[: self.dense_end], self.scorer.snapshot, "system")
+            self.draft_tokens = self.scorer.prefilled_tokens
+            if done:
                 self.runs = self._plan(self.scorer.scores)
                 self.kept_tokens = sum(e - s for s, e in self.runs)
                 self._pos = self.runs[0][0] if self.runs else self.dense_end

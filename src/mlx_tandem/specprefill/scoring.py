@@ -100,7 +100,11 @@ class DraftScorer:
     cache is dropped once the scores are ready; a scorer whose ``advance()`` raised is spent.
     """
 
-    def __init__(self, model: nn.Module, tokens: Sequence[int], *, lookahead: int = 8, step_size: int = 512):
+    def __init__(self, model: nn.Module, tokens: Sequence[int], *, lookahead: int = 8, step_size: int = 512,
+                 cache: list[Any] | None = None, start: int = 0, snapshot_at: int | None = None):
+        """``cache`` may already hold the draft's state for ``tokens[:start]`` (a prefix cache
+        hit): only the rest is prefilled. Prefill pauses at ``snapshot_at`` and exposes the
+        cache there as ``snapshot`` (for the caller to store) until the next ``advance()``."""
         if len(tokens) == 0:
             raise InvalidRequestError("SpecPrefill scoring needs at least one prompt token")
         if lookahead < 1:
@@ -111,12 +115,15 @@ class DraftScorer:
         self.tokens = [int(t) for t in tokens]
         self.lookahead = lookahead
         self.step_size = step_size
-        self.cache: list[Any] | None = make_prompt_cache(model)
+        self.cache: list[Any] | None = cache if cache is not None else make_prompt_cache(model)
         self.attention_layers = _attention_layers(model, self.cache)
         self.lookahead_tokens: list[int] = []
         self.scores: np.ndarray | None = None
         self.done = False
-        self._prefilled = 0
+        self._prefilled = start
+        self.prefilled_tokens = 0  # tokens this scorer fed to the draft (not restored ones)
+        self.snapshot_at = snapshot_at
+        self.snapshot: list[Any] | None = None
 
     def advance(self) -> bool:
         """Do one bounded piece of work: one draft prefill chunk of <= step_size tokens, or
@@ -124,13 +131,19 @@ class DraftScorer:
         Returns True once `self.scores` is ready. Calling it again after done is a no-op returning True."""
         if self.done:
             return True
+        self.snapshot = None
         end = len(self.tokens) - 1
         if self._prefilled < end:
             stop = min(self._prefilled + self.step_size, end)
+            if self.snapshot_at is not None and self._prefilled < self.snapshot_at < stop:
+                stop = self.snapshot_at
             self.model(mx.array(self.tokens[self._prefilled:stop])[None], cache=self.cache)
             # Only the cache is evaluated: the lm_head over the chunk is never computed.
             mx.eval([c.state for c in self.cache])
+            self.prefilled_tokens += stop - self._prefilled
             self._prefilled = stop
+            if stop == self.snapshot_at:
+                self.snapshot = self.cache
             return False
         self.scores = self._lookahead_and_score()
         self.cache = None
@@ -140,6 +153,7 @@ class DraftScorer:
     def _lookahead_and_score(self) -> np.ndarray:
         n_prompt = len(self.tokens)
         cache = self.cache
+        self.prefilled_tokens += 1
         logits = self.model(mx.array(self.tokens[-1:])[None], cache=cache)
         attns = [self.model.layers[i].self_attn for i in self.attention_layers]
         recorders = [_QueryRecorder(attn.rope) for attn in attns]

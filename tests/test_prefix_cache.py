@@ -267,3 +267,21 @@ async def test_prefix_cache_off_and_stats_shape(llama_path):
             assert out.usage.cached_tokens == 0
         stats = engine.stats()["prefix_cache"]
     assert stats["hits"] == 0 and stats["entries"] == 0
+
+
+async def test_prompts_are_cut_only_where_a_snapshot_will_be_stored(qwen3_5_path):
+    """Each cut is one more prefill chunk (different float rounding), so known or too-short
+    points are not cut."""
+    from mlx_tandem.request import Request
+
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user(0)}]
+    async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=40) as engine:
+        ids = engine.apply_chat_template(chat)
+        points = engine._renderer.cache_points(chat, ids)
+        lane = engine._core._lanes["text"]
+        req = Request("probe", ids, SamplingParams(), sink=None, cache_points=points + [(20, "turn")])
+        before = engine.run_on_owner_thread(lambda: lane._snapshot_points(req, 0))
+        await engine.chat(chat, SamplingParams(max_tokens=2))
+        after = engine.run_on_owner_thread(lambda: lane._snapshot_points(req, 0))
+    assert before == sorted(points) and all(p >= 40 for p, _ in before)  # 20 is below the minimum
+    assert after == []  # both points are stored now

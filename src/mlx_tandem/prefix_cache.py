@@ -102,6 +102,14 @@ class PrefixCache:
     def _touch(self, entry: _Entry) -> None:
         self._lru[entry.kind].move_to_end(entry.tokens)
 
+    def contains(self, tokens: Sequence[int]) -> bool:
+        """Is there an entry for exactly these tokens?"""
+        try:
+            self._get([int(t) for t in tokens])
+        except KeyError:
+            return False
+        return True
+
     # ------------------------------------------------------------------ insertion
     def store(self, tokens: Sequence[int], cache: list[Any], kind: str) -> bool:
         """Keep an independent copy of ``cache`` (the state after ``tokens``). False if skipped."""

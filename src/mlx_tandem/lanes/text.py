@@ -145,10 +145,24 @@ class TextLane:
             self._sparse[rid] = _Sparse(request, job, sampler, processors)
             return
         # Every row gets PositionedKVCaches, so any batch can take a sparse-prefilled row.
-        points = sorted((p, k) for p, k in request.cache_points if start < p < len(prompt))
+        points = self._snapshot_points(request, start)
         self._insert(request, split_at(prompt[start:], [p - start for p, _ in points]),
                      positioned(cache if cache is not None else make_prompt_cache(self._gen.model)),
                      prompt[:start], sampler, processors, _RowCaching(start, points))
+
+    def _snapshot_points(self, request: Request, start: int) -> list[tuple[int, str]]:
+        """The request's cache points worth a snapshot: new ones, long enough to be stored.
+
+        Each point cuts the prefill into one more chunk, which changes float rounding (a
+        near-tie in the logits can then flip), so the prompt is cut only where a snapshot
+        will really be stored.
+        """
+        pc = self.prefix_cache
+        if pc is None:
+            return []
+        n = len(request.prompt_ids)
+        return sorted((p, k) for p, k in request.cache_points
+                      if start < p < n and p >= pc.min_tokens and not pc.contains(request.prompt_ids[:p]))
 
     def _insert(self, request: Request, segments, cache, all_tokens, sampler, processors,
                 caching: _RowCaching) -> None:

@@ -252,3 +252,20 @@ def test_adapters_pass_specprefill_per_call(llama_path, draft_path):
     assert requests() == 2
     with pytest.raises(InvalidRequestError):
         lc.invoke(long(4), keep_pct=2.0)
+
+
+async def test_cancelling_during_the_sparse_prefill_frees_the_request(llama_path, draft_path):
+    async with _engine(llama_path, draft_path, prefill_step_size=16) as engine:
+        stream = await engine.open_complete_stream(_prompt(900, seed=9), {"max_tokens": 4, "keep_pct": 0.2})
+        lane = engine._core._lanes["text"]
+        for _ in range(200):  # wait until it is inside its sparse prefill
+            if engine.run_on_owner_thread(lambda: len(lane._sparse)):
+                break
+            await asyncio.sleep(0.01)
+        assert engine.run_on_owner_thread(lambda: len(lane._sparse)) == 1
+        stream.cancel()  # the abort reaches the engine thread before the next call below
+        assert engine.run_on_owner_thread(lambda: (len(lane._sparse), lane.num_active)) == (0, 0)
+        # The engine goes on serving, SpecPrefill included.
+        out = await engine.complete(_prompt(400, seed=10), {"max_tokens": 4, "keep_pct": 1.0})
+        assert out.token_ids == reference_greedy(llama_path, _prompt(400, seed=10), 4)
+        assert engine.stats()["specprefill"]["requests"] == 1

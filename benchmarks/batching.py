@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -25,7 +23,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import mlx_tandem  # noqa: E402  - OpenBLAS before mlx
+import mlx_tandem  # noqa: E402,F401  - OpenBLAS before mlx
+import report  # noqa: E402  - benchmarks/report.py
 from mlx_tandem import Engine, SamplingParams, _platform  # noqa: E402
 from mlx_tandem.testing import make_tiny_model  # noqa: E402
 
@@ -136,16 +135,8 @@ async def bench(args) -> dict:
     return results
 
 
-def plot(results: dict, png: Path) -> bool:
+def plot(results: dict, plt):
     """Throughput against concurrency, the three ways side by side (needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return False
     runs = results["runs"]
     ns = [r["n"] for r in runs]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -158,10 +149,7 @@ def plot(results: dict, png: Path) -> bool:
     ax.set_ylabel("generated tokens/s")
     ax.set_title("Continuous batching")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def main(argv=None) -> int:
@@ -171,20 +159,14 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", help="where to build/reuse the benchmark model")
     args = ap.parse_args(argv)
     results = asyncio.run(bench(args))
-    results["machine"] = {"platform": platform.platform(), "python": sys.version.split()[0],
-                          "cpus": os.cpu_count(), "blas": _platform.active_blas(),
-                          "mlx_tandem": mlx_tandem.__version__}
+    results["machine"] = report.machine()
     print(f"\n{'N':>4} {'tokens':>7} {'(a) 1-by-1 tok/s':>17} {'(b) engine tok/s':>17} "
           f"{'(c) raw BG tok/s':>17} {'(b)/(a)':>8} {'(b)/(c)':>8}  same")
     for r in results["runs"]:
         print(f"{r['n']:>4} {r['tokens']:>7} {r['one_at_a_time_tps']:>17.1f} {r['engine_concurrent_tps']:>17.1f} "
               f"{r['raw_batch_generator_tps']:>17.1f} {r['ratio_b_over_a']:>8.2f} {r['ratio_b_over_c']:>8.2f}  "
               f"{r['outputs_identical']}")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    png = out.with_suffix(".png")
-    print(f"\nwrote {out}" + (f" and {png}" if plot(results, png) else ""))
+    report.write(results, args.output, plot)
     return 0
 
 

@@ -26,7 +26,6 @@ import asyncio
 import inspect
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -34,8 +33,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import mlx_tandem  # noqa: E402  - OpenBLAS before mlx
-from mlx_tandem import Engine, _platform  # noqa: E402
+import mlx_tandem  # noqa: E402,F401  - OpenBLAS before mlx
+import report  # noqa: E402  - benchmarks/report.py
+from mlx_tandem import Engine  # noqa: E402
 from mlx_tandem.testing import make_tiny_model  # noqa: E402
 
 FULL = dict(
@@ -200,7 +200,7 @@ async def bench_turns(cfg, path: Path, name: str, bar) -> dict:
         docs = corpus()
         chat = [{"role": "system", "content": engine.tokenizer.decode(natural_tokens(cfg["system_tokens"] // 2, encode))},
                 {"role": "user", "content": "Explain how to walk a directory tree and copy files."}]
-        times, hits = [], []
+        times = []
         for turn in range(cfg["turns"]):
             t, _ = await ttft(engine, messages=chat, params={"max_tokens": 4}, tools=tools)
             times.append(t)
@@ -246,15 +246,7 @@ async def bench(args) -> dict:
     return results
 
 
-def plot(results: dict, png: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
+def plot(results: dict, plt):
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     bars = [
         (axes[0], "SpecPrefill (keep 20%)",
@@ -276,9 +268,7 @@ def plot(results: dict, png: Path) -> None:
         ax.set_title(title)
         ax.set_ylabel("time to first token (s)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def main(argv=None) -> int:
@@ -289,9 +279,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", help="where to build/reuse the bench models")
     args = ap.parse_args(argv)
     results = asyncio.run(bench(args))
-    results["machine"] = {"platform": platform.platform(), "python": sys.version.split()[0],
-                          "cpus": os.cpu_count(), "blas": _platform.active_blas(),
-                          "mlx_tandem": mlx_tandem.__version__}
+    results["machine"] = report.machine()
     print("\nP3 SpecPrefill, attention-only target, keep 20% of chunks")
     print(f"{'prompt':>7} {'full TTFT':>10} {'SpecPrefill':>12} {'speedup':>8} {'kept':>6} {'agree@32':>9}")
     for r in results["specprefill"]:
@@ -307,11 +295,7 @@ def main(argv=None) -> int:
         print(f"{r['model']:>8}: {r['without_cache']['ttft_per_turn_s'][-1]:.3f}s without the prefix cache, "
               f"{r['with_cache']['ttft_per_turn_s'][-1]:.3f}s with it: {r['turn5_speedup']:.1f}x "
               f"({r['with_cache']['prompt_tokens_last_turn']} prompt tokens)")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    plot(results, out.with_suffix(".png"))
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    report.write(results, args.output, plot)
     return 0
 
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -35,8 +33,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import mlx_tandem  # noqa: E402  - OpenBLAS before mlx
-from mlx_tandem import Engine, _platform  # noqa: E402
+import mlx_tandem  # noqa: E402,F401  - OpenBLAS before mlx
+import report  # noqa: E402  - benchmarks/report.py
+from mlx_tandem import Engine  # noqa: E402
 from mlx_tandem.testing import make_tiny_model  # noqa: E402
 from mlx_tandem.testing.mtp_distill import default_prompts, distill_mtp_head  # noqa: E402
 
@@ -196,15 +195,7 @@ async def bench(args) -> dict:
     return results
 
 
-def plot(results: dict, png: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
+def plot(results: dict, plt):
     runs = results["runs"]
     labels = [f"batch {r['batch']}" for r in runs]
     x = range(len(runs))
@@ -219,9 +210,7 @@ def plot(results: dict, png: Path) -> None:
     ax.set_title(f"MTP speculative decoding (acceptance {runs[0]['acceptance']:.0%})")
     ax.legend(loc="upper left", fontsize=8)
     ax.margins(y=0.25)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def main(argv=None) -> int:
@@ -233,9 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=2, choices=(1, 2, 3), help="draft tokens per step")
     args = ap.parse_args(argv)
     results = asyncio.run(bench(args))
-    results["machine"] = {"platform": platform.platform(), "python": sys.version.split()[0],
-                          "cpus": os.cpu_count(), "blas": _platform.active_blas(),
-                          "mlx_tandem": mlx_tandem.__version__}
+    results["machine"] = report.machine()
     print(f"\nMTP depth {results['depth']}, greedy, {results['max_tokens']} new tokens per request")
     print(f"{'batch':>5} {'accept':>7} {'tok/row/step':>12} {'plain tok/s':>12} {'MTP tok/s':>10} "
           f"{'speedup':>8} {'ideal':>6} {'of ideal':>9}  identical")
@@ -250,11 +237,7 @@ def main(argv=None) -> int:
           f"{mem['vlm_plus_text_model']['mlx_active_bytes'] / mb:.1f} MB "
           f"(peak RSS {mem['vlm_plus_text_model']['peak_rss_bytes'] / mb:.0f} MB): "
           f"+{100 * mem['growth_fraction']:.2f}%")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    plot(results, out.with_suffix(".png"))
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    report.write(results, args.output, plot)
     return 0
 
 

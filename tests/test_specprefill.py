@@ -161,12 +161,17 @@ async def _drain(stream, times) -> list[int]:
     return out
 
 
+def _gauge_reports() -> list[list[dict]]:
+    """Two chats sharing a long system prompt, each with a long user message."""
+    system = {"role": "system", "content": "You maintain the river gauges. " * 40}
+    return [[system, {"role": "user", "content": f"Report {i}: " + "levels rising slowly, " * 60}]
+            for i in range(2)]
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
 async def test_only_the_uncached_suffix_is_scored_and_filled_sparsely(kind, request, draft_path):
     path = request.getfixturevalue(f"{kind}_path")
-    system = {"role": "system", "content": "You maintain the river gauges. " * 40}
-    chats = [[system, {"role": "user", "content": f"Report {i}: " + "levels rising slowly, " * 60}]
-             for i in range(2)]
+    chats = _gauge_reports()
     async with _engine(path, draft_path, specprefill_keep_pct=1.0) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
         boundary = {k: n for n, k in engine._renderer.cache_points(chats[1], ids[1])}["system"]
@@ -186,9 +191,7 @@ async def test_only_the_uncached_suffix_is_scored_and_filled_sparsely(kind, requ
 
 
 async def test_the_draft_scores_only_what_its_own_cache_does_not_hold(qwen3_5_path, draft_path):
-    system = {"role": "system", "content": "You maintain the river gauges. " * 40}
-    chats = [[system, {"role": "user", "content": f"Report {i}: " + "levels rising slowly, " * 60}]
-             for i in range(2)]
+    chats = _gauge_reports()
     async with _engine(qwen3_5_path, draft_path, specprefill_keep_pct=0.3) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
         boundary = {k: n for n, k in engine._renderer.cache_points(chats[1], ids[1])}["system"]

@@ -1,0 +1,40 @@
+"""What every benchmark writes: the machine it ran on, its JSON, and a PNG plot next to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Callable
+
+
+def machine() -> dict:
+    import mlx_tandem
+    from mlx_tandem import _platform
+
+    return {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
+            "blas": _platform.active_blas(), "mlx_tandem": mlx_tandem.__version__}
+
+
+def write(results: dict, output: str | Path, draw: Callable) -> None:
+    """Write ``results`` as JSON at ``output`` and ``draw(results, plt)``'s figure as a PNG
+    beside it (skipped, with a message, when matplotlib is not installed)."""
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"\nwrote {out} (matplotlib not installed: no plot)")
+        return
+    fig = draw(results, plt)
+    png = out.with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    print(f"\nwrote {out} and {png}")

@@ -35,6 +35,13 @@ def _user(i: int) -> str:
             "What is a dado joint?", "Is pine good for shelves?", "How long does varnish dry?"][i % 6]
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _kv(tokens: int, value: float) -> KVCache:
     c = KVCache()
     c.update_and_fetch(mx.full((1, 2, tokens, 4), value), mx.full((1, 2, tokens, 4), value))
@@ -177,7 +184,12 @@ async def test_shared_system_prompt_hits_equal_cold_runs_in_mixed_batches(kind, 
     assert stats["hits"] - first["hits"] >= 3
     assert all(out.usage.cached_tokens >= system_len for out in wave2[:3])
     assert all(out.usage.cached_tokens < len(p) for out, p in zip(wave2[:3], ids[3:]))
-    assert all(out.usage.cached_tokens == 0 for out in wave2[3:])
+    # An unrelated request can only reuse what it shares with a sequence seen before: never the
+    # workshop system prompt. (It may reuse a few tokens of another unrelated question that
+    # finished before it was admitted, which depends on timing, so no exact count.)
+    for out, p in zip(wave2[3:], other_ids):
+        shared = max(_common_prefix(p, q) for q in ids + other_ids if q is not p)
+        assert out.usage.cached_tokens <= shared < system_len
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])

@@ -10,6 +10,8 @@ export TOKENIZERS_PARALLELISM := false
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
+	# PyPI's Linux torch wheel pulls in CUDA (GBs); the tests need the CPU build.
+	if [ "$$(uname -s)" = Linux ]; then $(VENV)/bin/pip install -q "torch>=2.14,<3" --index-url https://download.pytorch.org/whl/cpu; fi
 	$(VENV)/bin/pip install -q -e ".[dev]"
 	touch $@
 

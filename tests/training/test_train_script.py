@@ -1,13 +1,17 @@
-"""The demo-model training script: runs, checkpoints, resumes, exports a checkpoint the engine loads."""
+"""The demo-model training script: runs, checkpoints, resumes, and exports a checkpoint that
+the engine (MLX) loads and computes exactly as the trainer (PyTorch) did."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_demo_model.py"
 
@@ -15,24 +19,82 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_demo_model.py"
 def _run(out: Path, steps: int) -> str:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--steps", str(steps), "--batch", "4",
                            "--n-dialogues", "24", "--save-every", "1", "--max-len", "832"],
-                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
-                                                                            "HF_HUB_OFFLINE": "1"})
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
+
+
+def _trainer_module():
+    spec = importlib.util.spec_from_file_location("train_demo_model", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _torch_logits(final: Path, ids: np.ndarray):
+    """Backbone and MTP-head logits of the exported checkpoint, computed by the trainer's modules."""
+    import torch
+    from safetensors.torch import load_file
+
+    T = _trainer_module()
+    config = json.loads((final / "config.json").read_text())
+    trainee = T.Trainee(T.Qwen3_5TextConfig(**config["text_config"])).float().eval()
+    trainee.load_hf({k: v.float() for k, v in load_file(str(final / "model.safetensors")).items()})
+    tokens = torch.from_numpy(ids)
+    with torch.no_grad():
+        inner = trainee.lm.model
+        h = inner(input_ids=tokens).last_hidden_state
+        hs = h[:, :-1]
+        pos = torch.arange(hs.shape[1])[None]
+        mtp = trainee.mtp(inner.embed_tokens(tokens[:, 1:]), hs, inner.rotary_emb(hs, pos[None].expand(3, -1, -1)))
+        return trainee.lm.lm_head(h)[0].numpy(), trainee.lm.lm_head(mtp)[0].numpy()
+
+
+def _mlx_logits(final: Path, ids: np.ndarray):
+    """The same logits as the engine computes them: mlx-lm's model and the engine's MTP head."""
+    from mlx_lm.utils import load_model
+
+    from mlx_tandem.spec.mtp_head import load_mtp_head
+
+    model, config = load_model(final)
+    model.set_dtype(mx.float32)
+    lm = getattr(model, "language_model", model)
+    x = mx.array(ids)
+    h = lm.model(x)
+    head = load_mtp_head(final, lm, config, dtype=mx.float32)
+    mtp = head(lm.model.embed_tokens(x[:, 1:]), h[:, :-1])
+    return np.array(lm.lm_head(h)[0]), np.array(lm.lm_head(mtp)[0])
 
 
 def test_train_resume_export(tmp_path):
     from mlx_tandem import Engine
 
-    _run(tmp_path, 1)
-    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text()) == {"step": 1}
-    log = _run(tmp_path, 2)
+    resumed, straight = tmp_path / "resumed", tmp_path / "straight"
+    _run(resumed, 1)
+    assert json.loads((resumed / "checkpoint" / "state.json").read_text()) == {"step": 1}
+    log = _run(resumed, 3)
     assert "resumed at step 1" in log
-    final = tmp_path / "final"
+    _run(straight, 3)
+
+    # A resumed run ends with exactly the weights of an uninterrupted one.
+    final = resumed / "final"
     weights = mx.load(str(final / "model.safetensors"))
+    reference = mx.load(str(straight / "final" / "model.safetensors"))
+    assert weights.keys() == reference.keys()
+    assert all(mx.array_equal(weights[k], reference[k]).item() for k in weights)
+
     assert any(k.startswith("mtp.") for k in weights)
     assert all(v.dtype == mx.float16 for v in weights.values())
     assert (final / "model.safetensors").stat().st_size < 25 * 2**20
+
+    # MLX computes what PyTorch trained: backbone and MTP head, over a sequence long enough
+    # for several GatedDeltaNet chunks.
+    ids = np.random.default_rng(0).integers(0, 2000, size=(1, 150)).astype(np.int64)
+    torch_main, torch_mtp = _torch_logits(final, ids)
+    mlx_main, mlx_mtp = _mlx_logits(final, ids)
+    for ours, theirs in ((mlx_main, torch_main), (mlx_mtp, torch_mtp)):
+        assert np.abs(ours - theirs).max() < 2e-2 * np.abs(theirs).max()
+
     engine = Engine(final, show_progress=False)
     try:
         out = engine.chat_sync([{"role": "user", "content": "hi"}], {"max_tokens": 4})

@@ -50,7 +50,10 @@ from typing import Callable
 
 # Shares of each kind in a generated set; tool use gets the most because it is the skill the
 # adapters' tests exercise and the one with the most surface (names, schemas, phrasings).
+# The evaluation split keeps these shares, so every training run is measured on the same set.
 KIND_WEIGHTS = {"stdlib_qa": 0.22, "arith": 0.16, "units": 0.16, "tool": 0.36, "chat": 0.10}
+# Training leans on tool use: its dialogues carry the skills a small model learns last.
+TRAIN_KIND_WEIGHTS = {"stdlib_qa": 0.18, "arith": 0.12, "units": 0.12, "tool": 0.48, "chat": 0.10}
 KINDS = tuple(KIND_WEIGHTS)
 
 # ----------------------------------------------------------------------------- held out
@@ -790,6 +793,11 @@ def generic_tool(rng: random.Random, split: str) -> tuple[dict, str, dict, str, 
     """A made-up integer function: (tool schema, user ask, arguments, tool content, answer)."""
     heads, tails = GENERIC_NAMES[split]
     name = rng.choice(heads) + rng.choice(tails)
+    if split == "train" and rng.random() < 0.6:  # made-up syllables: too many names to memorize
+        made = "".join(rng.choice(GENERIC_SYLLABLES) for _ in range(rng.randint(2, 3)))
+        name = made + rng.choice(tails)
+        if name in EVAL_NAMES:
+            name = made + "_x"
     params = rng.sample(GENERIC_PARAMS, rng.choices([0, 1, 2], [0.15, 0.6, 0.25])[0])
     args = {p: rng.randint(-20, 120) if rng.random() < 0.8 else rng.randint(-999, 999) for p in params}
     props = {p: {"type": "integer"} for p in params}
@@ -807,19 +815,90 @@ def generic_tool(rng: random.Random, split: str) -> tuple[dict, str, dict, str, 
     return tool, ask, args, content, answer
 
 
-def _distractors(rng: random.Random, pool: list[ToolSpec], exclude: str) -> list[dict]:
+# Training tools get a fresh name per dialogue (same words, new verb, suffix or casing), so
+# the only way to name the right tool is to copy it from the tool list: with fixed names a
+# small model memorizes them instead and never learns to read the list.
+RENAME_VERBS = ["get", "fetch", "lookup", "find", "query", "read", "check", "calc", "compute", "load", "show",
+                "run", "do", "make", "tool"]
+_VERBISH = {"get", "check", "calculate", "convert", "count", "find", "set", "send", "create", "define",
+            "book", "shorten", "reverse", "roll", "flip", "translate", "is", "to"}
+RENAME_SUFFIXES = ["", "", "", "_v2", "_tool", "_api", "_now", "_info", "_fn", "2"]
+GENERIC_SYLLABLES = ["ka", "zo", "ri", "mu", "te", "lo", "vi", "na", "qu", "bex", "dor", "fin", "gal", "hop",
+                     "jin", "kel", "mor", "pax", "rud", "sil", "tor", "wen", "yab", "zim", "ox", "ul"]
+EVAL_NAMES = frozenset(t.name for t in EVAL_TOOL_POOL) | frozenset(
+    h + t for h in GENERIC_NAMES["eval"][0] for t in GENERIC_NAMES["eval"][1])
+
+
+def _fresh_name(name: str, rng: random.Random) -> str:
+    if rng.random() < 0.25:
+        return name
+    words = name.split("_")
+    core = words[1:] if words[0] in _VERBISH and len(words) > 1 else words
+    if rng.random() < 0.6:
+        core = [rng.choice(RENAME_VERBS)] + core
+    new = "_".join(core) + rng.choice(RENAME_SUFFIXES)
+    if rng.random() < 0.2:  # camelCase
+        head, *rest = new.split("_")
+        new = head + "".join(w[:1].upper() + w[1:] for w in rest)
+    return name if new in EVAL_NAMES else new
+
+
+def _renamed(schema: dict, rng: random.Random, split: str) -> dict:
+    if split != "train":
+        return schema
+    fn = dict(schema["function"], name=_fresh_name(schema["function"]["name"], rng))
+    return {**schema, "function": fn}
+
+
+def _distractor_specs(rng: random.Random, pool: list[ToolSpec], exclude: str,
+                      split: str = "eval") -> list[tuple[ToolSpec, dict]]:
     # Mostly one tool: each tool costs ~100 tokens of system prompt with the tiny tokenizer.
     k = rng.choices([0, 1, 2], [0.5, 0.32, 0.18])[0]
     others = [t for t in pool if t.name != exclude]
-    return [t.schema() for t in rng.sample(others, k)]
+    return [(t, _renamed(t.schema(), rng, split)) for t in rng.sample(others, k)]
 
 
-def _call_dialogue(tools: list[dict], ask: str, name: str, args: dict, content: str, answer: str) -> list[dict]:
-    call = {"id": "call_1", "type": "function", "function": {"name": name, "arguments": args}}
+def _distractors(rng: random.Random, pool: list[ToolSpec], exclude: str, split: str = "eval") -> list[dict]:
+    return [schema for _, schema in _distractor_specs(rng, pool, exclude, split)]
+
+
+def _call_dialogue(tools: list[dict], ask: str, name: str, args: dict, content: str, answer: str,
+                   call_id: str = "call_1") -> list[dict]:
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
     return [{"role": "user", "content": ask},
             {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_1", "content": content},
+            {"role": "tool", "tool_call_id": call_id, "content": content},
             {"role": "assistant", "content": answer}]
+
+
+def _spec_turn(spec: ToolSpec, schema: dict, rng: random.Random, tools: list[dict], call_id: str) -> list[dict]:
+    slots = spec.sample(rng)
+    content, extra = spec.run(slots, rng)
+    ask = rng.choice(spec.asks).format(**slots)
+    answer = rng.choice(spec.answers).format(**slots, **extra)
+    return _call_dialogue(tools, ask, schema["function"]["name"], spec.arguments(slots), content, answer, call_id)
+
+
+TOOL_LIST_ASKS = ["Which tools do you have?", "List your tools.", "What tools can you call?",
+                  "Name the functions you can use."]
+
+
+def _list_tools_turn(rng: random.Random, tools: list[dict]) -> list[dict]:
+    names = [t["function"]["name"] for t in tools]
+    text = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    return [{"role": "user", "content": rng.choice(TOOL_LIST_ASKS)},
+            {"role": "assistant", "content": rng.choice(["I can call {t}.", "{t}.", "My tools: {t}."]).format(t=text)}]
+
+
+def _more_turns(rng: random.Random, listed: list[tuple[ToolSpec, dict]], tools: list[dict]) -> list[dict]:
+    """Training only: further requests against the same tool list, each calling whichever
+    listed tool it needs. The same list with different answers is what teaches a small model
+    to read the request and the list instead of memorizing one call."""
+    msgs = _list_tools_turn(rng, tools) if rng.random() < 0.25 else []
+    for turn in range(rng.choices([0, 1, 2], [0.35, 0.4, 0.25])[0]):
+        spec, schema = rng.choice(listed)
+        msgs += _spec_turn(spec, schema, rng, tools, f"call_{turn + 2}")
+    return msgs
 
 
 def tool_record(rng: random.Random, split: str) -> dict:
@@ -827,21 +906,28 @@ def tool_record(rng: random.Random, split: str) -> dict:
     system = _system(rng, split, p=0.25)
     mode = rng.choices(["domain", "generic", "none"], [0.55, 0.25, 0.20])[0]
     if mode == "none":  # tools are offered but the question needs none of them
-        tools = _distractors(rng, pool, "") or [rng.choice(pool).schema()]
+        tools = _distractors(rng, pool, "", split) or [_renamed(rng.choice(pool).schema(), rng, split)]
         ask, answer = rng.choice([arith_pair, units_pair, chat_pair, _stdlib_pair])(rng, split)
         msgs = [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]
     elif mode == "generic":
         tool, ask, args, content, answer = generic_tool(rng, split)
-        tools = _distractors(rng, pool, "") + [tool]
+        listed = _distractor_specs(rng, pool, "", split)
+        tools = [schema for _, schema in listed] + [tool]
         msgs = _call_dialogue(tools, ask, tool["function"]["name"], args, content, answer)
+        if split == "train" and listed:
+            msgs += _more_turns(rng, listed, tools)
     else:
         spec = rng.choice(pool)
         slots = spec.sample(rng)
         content, extra = spec.run(slots, rng)
-        tools = _distractors(rng, pool, spec.name) + [spec.schema()]
+        schema = _renamed(spec.schema(), rng, split)
+        listed = _distractor_specs(rng, pool, spec.name, split) + [(spec, schema)]
+        tools = [s for _, s in listed]
         ask = rng.choice(spec.asks).format(**slots)
         answer = rng.choice(spec.answers).format(**slots, **extra)
-        msgs = _call_dialogue(tools, ask, spec.name, spec.arguments(slots), content, answer)
+        msgs = _call_dialogue(tools, ask, schema["function"]["name"], spec.arguments(slots), content, answer)
+        if split == "train":
+            msgs += _more_turns(rng, listed, tools)
     rng.shuffle(tools)  # the right tool can sit anywhere in the list
     return {"kind": "tool", "messages": system + msgs, "tools": tools}
 
@@ -865,14 +951,14 @@ def _record(kind: str, rng: random.Random, split: str) -> dict:
     raise RuntimeError(f"could not draw a clean {kind} record")
 
 
-def _kind_plan(n: int, kinds, rng: random.Random) -> list[str]:
+def _kind_plan(n: int, kinds, rng: random.Random, weights: dict = KIND_WEIGHTS) -> list[str]:
     """Exact quotas per kind (largest remainder), in a seeded random order."""
-    chosen = list(kinds or KINDS)
+    chosen = list(kinds or weights)
     unknown = set(chosen) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown kinds {sorted(unknown)}; expected some of {KINDS}")
-    total = sum(KIND_WEIGHTS[k] for k in chosen)
-    shares = {k: n * KIND_WEIGHTS[k] / total for k in chosen}
+    total = sum(weights[k] for k in chosen)
+    shares = {k: n * weights[k] / total for k in chosen}
     counts = {k: int(v) for k, v in shares.items()}
     for k in sorted(chosen, key=lambda k: counts[k] - shares[k])[: n - sum(counts.values())]:
         counts[k] += 1
@@ -883,7 +969,8 @@ def _kind_plan(n: int, kinds, rng: random.Random) -> list[str]:
 
 def _build(n: int, seed: int, kinds, split: str) -> list[dict]:
     rng = random.Random(seed)
-    return [_record(kind, rng, split) for kind in _kind_plan(n, kinds, rng)]
+    weights = TRAIN_KIND_WEIGHTS if split == "train" else KIND_WEIGHTS
+    return [_record(kind, rng, split) for kind in _kind_plan(n, kinds, rng, weights)]
 
 
 def generate(n: int, seed: int = 0, kinds=None) -> list[dict]:

@@ -10,8 +10,9 @@ export TOKENIZERS_PARALLELISM := false
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	# PyPI's Linux torch wheel pulls in CUDA (GBs); the tests need the CPU build.
-	if [ "$$(uname -s)" = Linux ]; then $(VENV)/bin/pip install -q "torch>=2.14,<3" --index-url https://download.pytorch.org/whl/cpu; fi
+	# PyPI's Linux torch wheel pulls in CUDA (GBs): prefer the CPU build (2.13.0+cpu sorts above
+	# 2.13.0 where a CPU wheel is on the index or in find-links; elsewhere this is PyPI's 2.13).
+	if [ "$$(uname -s)" = Linux ]; then $(VENV)/bin/pip install -q "torch>=2.13,<2.14"; fi
 	$(VENV)/bin/pip install -q -e ".[dev]"
 	touch $@
 

@@ -7,8 +7,8 @@ with an MTP head, on the dialogues of ``scripts/demo_data.py``.
 Why PyTorch: this is the one place the project trains, and training on CPU is bound by
 elementwise transcendental functions (exp, sigmoid) that MLX's CPU backend runs scalar and
 single-threaded (about 40 M/s, against 200 GFLOP/s for its matmuls). PyTorch's CPU kernels
-are vectorized and threaded: the same step runs 2.9x faster (measured: 1640 vs 560 tokens/s,
-batch 8 x 400 tokens, 2 cores). The model is transformers' own ``Qwen3_5ForCausalLM`` (with
+are vectorized and threaded: ``benchmarks/training_step.py`` measures the same step at 4.9x
+the tokens/s of mlx-lm's model (batch 8 x 400 tokens, 2 cores). The model is transformers' own ``Qwen3_5ForCausalLM`` (with
 its chunked gated delta rule), so there is no second implementation of the architecture to
 keep in step; the engine still serves the result with mlx-lm. ``tests/training`` checks
 that MLX reproduces the trained model's logits.
@@ -201,6 +201,7 @@ class Trainee(nn.Module):
 def build(init_dir: Path, seed: int) -> Trainee:
     """The factory's initial checkpoint (written once into ``init_dir``), as a float32 Trainee."""
     if not (init_dir / "config.json").exists():
+        # After torch: the OpenBLAS that mlx_tandem loads globally slows a torch imported later.
         import mlx_tandem  # noqa: F401  - OpenBLAS before mlx
         from mlx_tandem.testing.factory import make_tiny_model
 

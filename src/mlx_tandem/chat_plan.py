@@ -14,6 +14,10 @@ Decisions (see docs/design.md, "Tools and structured output"):
 - A forced tool_choice forces exactly one call unless ``parallel_tool_calls=True`` is given:
   the grammar governs the whole answer, and an open-ended list of calls lets a weak model
   loop until its budget runs out. Under "auto" the model may make any number of calls.
+- Under "auto", a call the model opens is held to the listed tools and their schemas by a
+  lazy grammar (tool_call_grammar.py), where the format's call body is JSON and the engine
+  option ``constrain_tool_calls`` is on (the default). Not with a response_format, whose
+  grammar governs the whole answer.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .chat_format import ChatFormat
-from .constraints import Constraint, response_format_constraint, tool_call_constraint
+from .constraints import Constraint, open_call_constraint, response_format_constraint, tool_call_constraint
 from .errors import ConstraintError, InvalidRequestError
 
 
@@ -34,6 +38,9 @@ class ChatPlan:
     banned_token_ids: list[int] = field(default_factory=list)
     parse_tool_calls: bool = False
     forced_json_calls: bool = False
+    # "auto" with a lazy grammar: the rest of a call, applied once the model emits start_id.
+    open_call: Optional[Constraint] = None
+    call_start_id: Optional[int] = None
 
 
 def normalize_tools(tools: Optional[Sequence[Any]]) -> list[dict]:
@@ -94,6 +101,7 @@ def plan_chat(
     template_kwargs: Optional[dict],
     marker,
     encode,
+    constrain_calls: bool = True,
 ) -> ChatPlan:
     tools = normalize_tools(tools)
     names = [t["function"]["name"] for t in tools]
@@ -118,10 +126,18 @@ def plan_chat(
                 banned = ids
         # Keep the response_format constraint: tool_choice="none" only removes the tools.
         return ChatPlan(tools=None, template_kwargs=kwargs, constraint=constraint, banned_token_ids=banned)
+    open_call, start_id = None, None
+    if constrain_calls and tools and constraint is None and fmt.tool_format == "json_tools" \
+            and fmt.tool_call_start and fmt.tool_call_end:
+        ids = encode(fmt.tool_call_start)
+        if len(ids) == 1:
+            open_call, start_id = open_call_constraint(fmt, tools, marker=marker), ids[0]
     return ChatPlan(
         tools=tools or None,
         template_kwargs=kwargs,
         constraint=constraint,
         parse_tool_calls=bool(tools),
         forced_json_calls=bool(forced) and fmt.tool_format != "json_tools",
+        open_call=open_call,
+        call_start_id=start_id,
     )

@@ -130,6 +130,25 @@ def tool_call_constraint(fmt: ChatFormat, tools: Sequence[dict], names: Sequence
     if not (fmt.tool_call_start and fmt.tool_call_end):
         raise ConstraintError(
             "this model's chat template has no tool-call markers, so a tool call cannot be forced")
+    call = f'{marker(fmt.tool_call_start)} "\\n" body "\\n" {marker(fmt.tool_call_end)}'
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    grammar = f"{start}\ncall: {call}\nbody: %json {json.dumps(_call_body_schema(tools, names))}\n"
+    return Constraint("lark", grammar, f"tool_call({', '.join(names)})")
+
+
+def open_call_constraint(fmt: ChatFormat, tools: Sequence[dict], *, marker: Callable[[str], str]) -> Constraint:
+    """The rest of one call of any listed tool, once its start marker has been emitted.
+
+    What a lazy grammar (tool_call_grammar.py) applies after the model opens a call itself.
+    """
+    names = tool_names(tools)
+    grammar = (f'start: "\\n" body "\\n" {marker(fmt.tool_call_end)}\n'
+               f"body: %json {json.dumps(_call_body_schema(tools, names))}\n")
+    return Constraint("lark", grammar, f"open_tool_call({', '.join(names)})")
+
+
+def _call_body_schema(tools: Sequence[dict], names: Sequence[str]) -> dict:
+    """``{"name": <one of names>, "arguments": <that tool's parameters>}`` as one JSON schema."""
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     variants = []
     defs: dict[str, Any] = {}
@@ -152,10 +171,7 @@ def tool_call_constraint(fmt: ChatFormat, tools: Sequence[dict], names: Sequence
     body = {**body, "x-guidance": JSON_STYLE}
     if defs:
         body["$defs"] = defs
-    call = f'{marker(fmt.tool_call_start)} "\\n" body "\\n" {marker(fmt.tool_call_end)}'
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    grammar = f"{start}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
-    return Constraint("lark", grammar, f"tool_call({', '.join(names)})")
+    return body
 
 
 def _has_local_ref(schema: Any) -> bool:
@@ -327,12 +343,19 @@ class GrammarProcessor:
         self.closed_early = False
 
     def __call__(self, tokens, logits):
+        if self._calls > 0:
+            self.consume(int(tokens[-1].item()))
+        return self.mask(logits)
+
+    def consume(self, tok: int) -> None:
+        """Advance the matcher by a token the row emitted."""
+        if not self.matcher.consume_token(tok):
+            raise ConstraintError(f"grammar rejected token {tok}: {self.matcher.get_error()}")
+
+    def mask(self, logits):
+        """The logits for the next token, masked to the grammar (one call per token)."""
         import mlx.core as mx
 
-        if self._calls > 0:
-            tok = int(tokens[-1].item())
-            if not self.matcher.consume_token(tok):
-                raise ConstraintError(f"grammar rejected token {tok}: {self.matcher.get_error()}")
         self._calls += 1
         remaining = self._max_tokens - self._calls + 1  # tokens left, this one included
         # Simulate at the start (the smallest answer's length) and whenever the budget left

@@ -22,6 +22,7 @@ from .chat_format import ChatFormat
 from .chat_output import ChatOutputParser
 from .chat_plan import plan_chat
 from .constraints import GrammarCompiler, GrammarProcessor, TokenBan, response_format_constraint
+from .tool_call_grammar import LazyToolCallGrammar
 from .core import EngineCore
 from .default_model import DEFAULT_MODEL_NAME
 from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, UnsupportedContentError
@@ -234,7 +235,8 @@ class Engine:
                 self._format, tools=spec.tools, tool_choice=spec.tool_choice,
                 response_format=spec.response_format, reasoning=spec.reasoning,
                 parallel_tool_calls=spec.parallel_tool_calls, template_kwargs=spec.template_kwargs,
-                marker=self._grammar.marker, encode=renderer.encode)
+                marker=self._grammar.marker, encode=renderer.encode,
+                constrain_calls=self.options.constrain_tool_calls)
             text, prompt_ids = renderer.render_with_text(
                 messages, tools=plan.tools, template_kwargs=plan.template_kwargs)
             if media is not None:
@@ -250,9 +252,10 @@ class Engine:
             if plan.banned_token_ids:
                 processors.append(TokenBan(plan.banned_token_ids))
             constraint = plan.constraint
+            open_call = plan.open_call
         else:
             prompt = spec.prompt
-            constraint = None
+            constraint = open_call = None
             if spec.response_format is not None:
                 constraint = response_format_constraint(spec.response_format)
             if isinstance(prompt, str):
@@ -296,6 +299,14 @@ class Engine:
                 grammar.compile(constraint), tiers=grammar.tiers(), eos_token_ids=grammar.eos_token_ids,
                 max_tokens=req.max_tokens, vocab_size=grammar.vocab_size))
             req.extra["constrained"] = constraint.description
+        if open_call is not None:
+            grammar = self._grammar
+            # Compiled here, so a bad tool schema fails this call; each call it opens gets a copy.
+            pristine = grammar.compile(open_call)
+            processors.append(LazyToolCallGrammar(
+                pristine.deep_copy, start_id=plan.call_start_id, tiers=grammar.tiers(),
+                eos_token_ids=grammar.eos_token_ids, max_tokens=req.max_tokens,
+                vocab_size=grammar.vocab_size))
         req.processors = processors
         return req, parser
 

@@ -29,6 +29,9 @@ class EngineOptions:
     coalesce_ms: float = 5.0
     #: Show a progress bar while loading.
     show_progress: bool = True
+    #: Under tool_choice="auto", hold a call the model opens to the request's tools and their
+    #: JSON schemas (a lazy grammar; see tool_call_grammar.py). Off: calls are free text.
+    constrain_tool_calls: bool = True
     #: Speculative decoding with the checkpoint's MTP head: "auto" (speculate when the
     #: measured cost says it pays), "on", or "off". Requests can override it.
     mtp: str = "auto"
@@ -73,6 +76,9 @@ class EngineOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 0")
+        if not isinstance(self.constrain_tool_calls, bool):
+            raise InvalidRequestError(
+                f"engine option constrain_tool_calls={self.constrain_tool_calls!r}: must be True or False")
         if not isinstance(self.coalesce_ms, (int, float)) or not 0 <= self.coalesce_ms <= 1000:
             raise InvalidRequestError(f"engine option coalesce_ms={self.coalesce_ms!r}: must be in [0, 1000]")
         from .spec.policy import normalize_mode

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..prefix_cache import PrefixCache
 from ..request import Request
 from ..samplers import SeededSampler, make_request_processors, make_request_sampler
+from ..tool_call_grammar import LazyToolCallGrammar
 from ..spec.batch import MTPTextModel, RowSpec, SpecBatchGenerator, SpecConfig
 from ..specprefill import SpecPrefillConfig, SpecPrefillStats
 from ..specprefill.job import SparsePrefill
@@ -115,8 +116,14 @@ class TextLane:
         # Auto keeps a seeded sampled request on plain steps: whether a step speculates
         # depends on timing, and a seeded request's output must depend only on its seed.
         seeded_sampling = isinstance(sampler, SeededSampler)
-        drafts = not processors and (mode == "on" or (mode == "auto" and not seeded_sampling))
-        return RowSpec(params=request.params, sampler=sampler, drafts=drafts, forces=mode == "on")
+        # A lazy tool-call grammar alone does not stop drafting: the batch drafts while no
+        # call is open (spec/batch.py). Any other processor needs every position's logits.
+        lazy = request.processors[0] if (
+            len(processors) == 1 and len(request.processors) == 1
+            and isinstance(request.processors[0], LazyToolCallGrammar)) else None
+        drafts = (not processors or lazy is not None) and (
+            mode == "on" or (mode == "auto" and not seeded_sampling))
+        return RowSpec(params=request.params, sampler=sampler, drafts=drafts, forces=mode == "on", lazy=lazy)
 
     def mtp_stats(self) -> dict | None:
         return self.spec.stats.snapshot() if self.spec is not None else None

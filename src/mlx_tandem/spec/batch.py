@@ -113,8 +113,10 @@ class RowSpec:
 
     params: SamplingParams
     sampler: Any  # the row's own sampler (None: greedy), as given to the generator
-    drafts: bool  # may this row draft? (no logits processors, mode allows it)
+    drafts: bool  # may this row draft? (no logits processors, or only a lazy grammar; mode allows it)
     forces: bool  # mode "on": speculate even when "auto" would not
+    # A lazy tool-call grammar (tool_call_grammar.py): the row drafts while no call is open.
+    lazy: Any = None
 
 
 @dataclass
@@ -161,11 +163,24 @@ class MTPGenerationBatch(GenerationBatch):
             return True
         return self.spec.policy.speculate(len(rows))
 
+    def _drafting_now(self, rows: list[RowSpec]) -> list[bool]:
+        """Which rows draft this step: a row with a lazy grammar decodes plainly while its
+        call is open, or when the token it feeds now opens one."""
+        out = [r.drafts for r in rows]
+        lazy = [i for i, r in enumerate(rows) if r.drafts and r.lazy is not None]
+        if lazy:
+            pending = self._next_tokens.tolist()
+            for i in lazy:
+                out[i] = not rows[i].lazy.blocks_drafting(pending[i])
+        return out
+
     def next(self):
         if not self.uids:
             return []
         rows = [self.spec.rows[uid] for uid in self.uids]
         spec = self._wants_spec(rows)
+        drafting = self._drafting_now(rows) if spec else None
+        spec = spec and any(drafting)
         tic = time.perf_counter()
         if not spec:
             # A plain step evaluates the previous step's pipelined forward: right after a
@@ -178,13 +193,13 @@ class MTPGenerationBatch(GenerationBatch):
                 self.spec.policy.record(len(rows), speculative=False, seconds=time.perf_counter() - tic)
             return out
         self._last_plain = False
-        out, gain = self._speculative_next(rows)
+        out, gain = self._speculative_next(rows, drafting)
         self.spec.stats.spec_steps += 1
         self.spec.policy.record(len(rows), speculative=True, seconds=time.perf_counter() - tic, gain=gain)
         return out
 
     # ------------------------------------------------------------------ one speculative step
-    def _speculative_next(self, rows: list[RowSpec]):
+    def _speculative_next(self, rows: list[RowSpec], drafting: list[bool]):
         spec = self.spec
         lm = self.model.lm
         embed = lm.model.embed_tokens
@@ -193,7 +208,6 @@ class MTPGenerationBatch(GenerationBatch):
         k = spec.depth
         B = len(self.uids)
         x = self._next_tokens
-        drafting = [r.drafts for r in rows]
         drafter = Drafter([r.params for r in rows], [r.sampler for r in rows], drafting, k,
                           lm.args.vocab_size)
 
@@ -212,9 +226,12 @@ class MTPGenerationBatch(GenerationBatch):
         hidden, records = verify_hidden(lm, inputs, backbone)
         logits = _logits(lm, hidden)
         accepted, nxt = drafter.accept(logits, drafts)
-        nxt = self._plain_rows_next(rows, logits[:, 0], x, nxt)
+        nxt = self._plain_rows_next(drafting, logits[:, 0], x, nxt)
         mx.eval(accepted, nxt, inputs)
         acc = accepted.tolist()
+        if any(r.lazy is not None and d for r, d in zip(rows, drafting)):
+            blocks = inputs.tolist()
+            accepted, nxt = self._stop_at_call_start(rows, drafting, blocks, acc, logits, nxt)
 
         # Roll back: backbone keeps x + accepted drafts; the head drops its chained entries
         # and gets exact ones for the accepted drafts; pending = hidden at the last kept token.
@@ -234,27 +251,55 @@ class MTPGenerationBatch(GenerationBatch):
         self._next_logprobs = [None] * B
         return self._emit(inputs.tolist(), acc), 1.0 + sum(acc) / B
 
-    def _plain_rows_next(self, rows, logits0: mx.array, x: mx.array, nxt: mx.array) -> mx.array:
+    def _plain_rows_next(self, drafting: list[bool], logits0: mx.array, x: mx.array, nxt: mx.array) -> mx.array:
         """Rows that do not draft take their next token exactly as a plain step would:
         their processors on position-0 logits, then their own sampler."""
-        plain = [i for i, r in enumerate(rows) if not r.drafts]
+        plain = [i for i, d in enumerate(drafting) if not d]
         if not plain:
             return nxt
-        picks = []
-        for i in plain:
-            lg = logits0[i: i + 1]
-            processors = self.logits_processors[i] or ()
-            if processors:
-                context = self._token_context[i].update_and_fetch(x[i: i + 1])
-                for proc in processors:
-                    lg = proc(context, lg)
-            lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
-            sampler = self.samplers[i] if self.samplers and self.samplers[i] is not None else self.fallback_sampler
-            picks.append(sampler(lp).reshape(1))
+        picks = [self._sample_processed(i, logits0[i: i + 1], x[i: i + 1]) for i in plain]
         idx = mx.array(plain)
         nxt = mx.array(nxt)
         nxt[idx] = mx.concatenate(picks).astype(nxt.dtype)
         return nxt
+
+    def _sample_processed(self, i: int, lg: mx.array, fed: mx.array) -> mx.array:
+        """Row i's next token from logits (1, V) after feeding ``fed``: processors, then sampler."""
+        processors = self.logits_processors[i] or ()
+        if processors:
+            context = self._token_context[i].update_and_fetch(fed)
+            for proc in processors:
+                lg = proc(context, lg)
+        lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+        sampler = self.samplers[i] if self.samplers and self.samplers[i] is not None else self.fallback_sampler
+        return sampler(lp).reshape(1)
+
+    def _stop_at_call_start(self, rows, drafting, blocks, acc: list[int], logits: mx.array, nxt: mx.array):
+        """Drafting rows with a lazy tool-call grammar: keep their token context whole, and
+        accept nothing after a drafted call-start token.
+
+        The start token itself is accepted as speculative sampling decided (lossless); the
+        token after it is drawn from the verify logits at that position through the row's
+        processors, which open the call and mask it, as a plain step would.
+        """
+        changed = False
+        nxt = mx.array(nxt)
+        for i, (r, d) in enumerate(zip(rows, drafting)):
+            if r.lazy is None or not d:
+                continue
+            kept = blocks[i][: acc[i] + 1]  # x and the accepted drafts
+            r.lazy.start_at(self._token_context[i]._size)  # mlx-lm 0.32 TokenBuffer's length
+            start = next((j for j in range(1, len(kept)) if kept[j] == r.lazy.start_id), None)
+            if start is None:
+                self._token_context[i].update_and_fetch(mx.array(kept, dtype=mx.int32))
+                continue
+            acc[i] = start  # drafts 1..start; the last of them is the start token
+            fed = mx.array(blocks[i][: start + 1], dtype=mx.int32)
+            nxt[i] = self._sample_processed(i, logits[i: i + 1, start], fed).astype(nxt.dtype)[0]
+            changed = True
+        if changed:
+            mx.eval(nxt)
+        return mx.array(acc), nxt
 
     def _emit(self, blocks: list[list[int]], accepted: list[int]):
         responses, keep = [], []

@@ -1,0 +1,217 @@
+"""The lazy tool-call grammar under tool_choice="auto" (src/mlx_tandem/tool_call_grammar.py).
+
+A call the model opens on its own must name a listed tool with arguments its schema accepts;
+text outside calls is untouched; and speculative decoding stays lossless around it.
+Random-weight factory models give the structural checks (with the grammar off, the same
+requests do produce invalid calls, so the checks can fail); the trained demo model opens
+calls by itself, which the MTP checks need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from mlx_tandem import Engine, SamplingParams
+from mlx_tandem.chat_format import ChatFormat
+from mlx_tandem.chat_plan import plan_chat
+from mlx_tandem.default_model import is_packaged
+from mlx_tandem.spec import batch as spec_batch
+from mlx_tandem.tool_call_grammar import LazyToolCallGrammar
+
+from .test_constraints import TOOL_MODELS, TOOLS, USER
+
+JSON_FMT = ChatFormat(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
+                      tool_call_end="</tool_call>", tool_format="json_tools",
+                      tool_parser=lambda t, tools: json.loads(t))
+
+
+def _plan(fmt=JSON_FMT, **kw):
+    args = dict(tools=TOOLS, tool_choice=None, response_format=None, reasoning=None, parallel_tool_calls=None,
+                template_kwargs=None, marker=json.dumps, encode=lambda s: [7])
+    return plan_chat(fmt, **{**args, **kw})
+
+
+def test_auto_plans_a_lazy_grammar_only_where_it_applies():
+    for choice in (None, "auto", {"type": "auto"}):
+        plan = _plan(tool_choice=choice)
+        assert plan.constraint is None and plan.call_start_id == 7
+        assert plan.open_call.description == f"open_tool_call({', '.join(TOOL_MODELS)})"
+    # Not when the user turned it off, a grammar already governs the answer, no tools are
+    # rendered, or the format's native body is not JSON.
+    assert _plan(constrain_calls=False).open_call is None
+    assert _plan(tool_choice="required").open_call is None
+    assert _plan(response_format={"type": "json_object"}).open_call is None
+    assert _plan(tool_choice="none").open_call is None
+    assert _plan(tools=None).open_call is None
+    coder = ChatFormat(tool_call_start="<tool_call>", tool_call_end="</tool_call>", tool_format="qwen3_coder",
+                       tool_parser=lambda t, tools: t)
+    assert _plan(coder).open_call is None
+    assert _plan(encode=lambda s: [7, 8]).open_call is None  # a start marker of several tokens
+
+
+def _opens_a_call(engine):
+    """A user processor that emits the tool-call start token first, then lets the model go."""
+    start = engine.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    assert len(start) == 1
+    step = 0
+
+    def push(tokens, logits):
+        nonlocal step
+        step += 1
+        if step > 1:
+            return logits
+        import mlx.core as mx
+
+        return mx.where(mx.arange(logits.shape[-1]) == start[0], 0.0, -1e9).astype(logits.dtype)[None]
+
+    return push
+
+
+async def _opened_calls(engine, seeds, max_tokens=64):
+    return await asyncio.gather(*[
+        engine.chat(USER, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=s,
+                                         logits_processors=[_opens_a_call(engine)]), tools=TOOLS)
+        for s in seeds])
+
+
+async def test_calls_a_random_model_opens_are_valid(engine, model_path):
+    """Random weights: every call opened under "auto" parses, names a listed tool and
+    validates against its schema; without the grammar the same requests give broken calls."""
+    seeds = range(8)
+    outs = await _opened_calls(engine, seeds)
+    for out in outs:
+        assert out.invalid_tool_calls == [], out.text
+        assert out.tool_calls, out.text  # the pushed start token opened a call, and it closed
+        for c in out.tool_calls:
+            TOOL_MODELS[c.name].model_validate_json(c.arguments_json, strict=True)
+
+    free = Engine(model_path, show_progress=False, constrain_tool_calls=False)
+    await free.start()
+    try:
+        raw = await _opened_calls(free, seeds)
+    finally:
+        await free.close()
+    assert sum(bool(o.invalid_tool_calls) or not o.tool_calls for o in raw) >= len(seeds) // 2
+
+
+async def test_text_before_a_call_is_not_masked(qwen3_5_engine):
+    """Until a call opens, the grammar passes the logits through: greedy text without
+    tools equals greedy text with tools whenever no call is opened."""
+    prompts = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(6)]
+    params = SamplingParams(max_tokens=24)
+    start = qwen3_5_engine.tokenizer.encode("<tool_call>", add_special_tokens=False)[0]
+    on = await asyncio.gather(*[qwen3_5_engine.chat(p, params, tools=TOOLS) for p in prompts])
+    free = Engine(qwen3_5_engine.loaded.path, show_progress=False, constrain_tool_calls=False)
+    await free.start()
+    try:
+        off = await asyncio.gather(*[free.chat(p, params, tools=TOOLS) for p in prompts])
+    finally:
+        await free.close()
+    for a, b in zip(on, off):
+        if start not in b.token_ids:
+            assert a.token_ids == b.token_ids
+
+
+def _demo_tool_requests(n: int, turn: int):
+    """Held-out tool dialogues of the demo model's evaluation split, cut before assistant
+    turn ``turn`` (0: the call; 1: the answer after the tool result)."""
+    module = sys.modules.get("demo_data")
+    if module is None:  # loaded the way tests/test_demo_data.py loads it
+        script = Path(__file__).resolve().parents[1] / "scripts" / "demo_data.py"
+        spec = importlib.util.spec_from_file_location("demo_data", script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["demo_data"] = module
+        spec.loader.exec_module(module)
+    out = []
+    for r in module.held_out_examples(160, seed=3):
+        msgs = r["messages"]
+        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        if r["kind"] == "tool" and len(turns) > turn and len(out) < n:
+            out.append((msgs[:turns[turn]], r["tools"]))
+    return out
+
+
+async def _demo_run(requests, mode, params):
+    engine = Engine(None, show_progress=False, mtp=mode, mtp_depth=2)
+    await engine.start()
+    try:
+        outs = await asyncio.gather(*[engine.chat(m, params, tools=t) for m, t in requests])
+        return outs, engine.stats()["mtp"]
+    finally:
+        await engine.close()
+
+
+needs_demo = pytest.mark.skipif(not is_packaged(), reason="the demo model's weights are not in this tree")
+
+
+@needs_demo
+def test_mtp_stays_lossless_with_calls():
+    """The demo model opens calls by itself (as its first token). With MTP on, rows draft
+    outside calls and decode plainly inside them: the greedy output is exactly the plain
+    output, and sampled rows (which draft under mode "on") make valid calls."""
+    requests = _demo_tool_requests(16, turn=0)
+    greedy = SamplingParams(max_tokens=48)
+    ref, _ = asyncio.run(_demo_run(requests, "off", greedy))
+    got, mtp = asyncio.run(_demo_run(requests, "on", greedy))
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert sum(bool(o.tool_calls) for o in ref) >= len(requests) // 2  # the model does open calls
+    assert mtp["spec_steps"] > 0 and mtp["accepted"] > 0
+
+    sampled, _ = asyncio.run(_demo_run(requests, "on", SamplingParams(max_tokens=96, temperature=0.8, seed=11)))
+    for out, (_, tools) in zip(sampled, requests):
+        assert out.invalid_tool_calls == []
+        assert all(c.name in {t["function"]["name"] for t in tools} for c in out.tool_calls)
+
+
+@needs_demo
+def test_a_drafted_call_start_ends_the_accepted_block(monkeypatch):
+    """The path where a start token arrives as an accepted draft, in mid-answer.
+
+    The demo model only opens calls as its first token, which is never drafted; so here the
+    grammar is armed by a common token of its text answers instead (both runs alike). A
+    speculative step must accept that token, accept nothing after it, and draw the next
+    token through the opened grammar: the greedy output equals plain decoding's.
+    """
+    requests = _demo_tool_requests(16, turn=1)
+    greedy = SamplingParams(max_tokens=40)
+    plain, _ = asyncio.run(_demo_run(requests, "off", greedy))
+    counts = Counter(t for o in plain for t in o.token_ids[2:])
+    trigger = counts.most_common(1)[0][0]
+
+    real_init = LazyToolCallGrammar.__init__
+
+    def armed_by_trigger(self, *args, **kwargs):
+        real_init(self, *args, **{**kwargs, "start_id": trigger})
+
+    monkeypatch.setattr(LazyToolCallGrammar, "__init__", armed_by_trigger)
+    cut = []
+    real_stop = spec_batch.MTPGenerationBatch._stop_at_call_start
+
+    def spy(self, rows, drafting, blocks, acc, logits, nxt):
+        before = list(acc)
+        out = real_stop(self, rows, drafting, blocks, acc, logits, nxt)
+        cut.extend(b != a for b, a in zip(before, acc))
+        return out
+
+    monkeypatch.setattr(spec_batch.MTPGenerationBatch, "_stop_at_call_start", spy)
+    ref, _ = asyncio.run(_demo_run(requests, "off", greedy))
+    got, mtp = asyncio.run(_demo_run(requests, "on", greedy))
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.token_ids for o in ref] != [o.token_ids for o in plain]  # the grammar armed
+    assert any(cut), "no drafted trigger was accepted: the path under test did not run"
+
+
+def test_the_option_must_be_a_bool():
+    from mlx_tandem.errors import InvalidRequestError
+    from mlx_tandem.options import EngineOptions
+
+    assert EngineOptions().constrain_tool_calls is True
+    with pytest.raises(InvalidRequestError, match="constrain_tool_calls"):
+        EngineOptions(constrain_tool_calls="yes")

@@ -1,9 +1,13 @@
-"""langchain-tests standard suites for ChatMLX, offline on random-weight factory models.
+"""langchain-tests standard suites for ChatMLX, offline.
 
-Every test that does not need a model that follows instructions must pass. The ones that
-do are xfailed with the reason below (listed in docs/langchain.md). Constrained decoding
-makes tool calls (with tool_choice) and structured output valid even on random weights,
-so those suites run for real.
+On random-weight factory models, every test that does not need a model that follows
+instructions must pass; the ones that do are xfailed with the reason below (listed in
+docs/langchain.md). Constrained decoding makes tool calls (with tool_choice) and structured
+output valid even on random weights, so those suites run for real.
+
+On the embedded demo model (``ChatMLX()`` with no model), the integration suite runs whole,
+tool calling and the agent loop included: the model decides to call, and the engine's lazy
+tool-call grammar holds its calls to the bound tools. One test stays xfailed, with its reason.
 """
 
 from __future__ import annotations
@@ -83,5 +87,34 @@ class TestChatMLXIntegration(_Common, ChatModelIntegrationTests):
         super().test_agent_loop(model)
 
     @pytest.mark.xfail(reason=NEEDS_INSTRUCTIONS + ": the arguments must copy the user's Chinese text")
+    def test_unicode_tool_call_integration(self, model):
+        super().test_unicode_tool_call_integration(model)
+
+
+class TestChatMLXDemoModelIntegration(ChatModelIntegrationTests):
+    """The integration suite on the embedded demo model, the one users get by default."""
+
+    @property
+    def chat_model_class(self):
+        return ChatMLX
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"engine_options": {"show_progress": False}, "max_tokens": 100}
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @pytest.mark.xfail(reason="the demo model (7M parameters, trained on ASCII dialogues) does not copy "
+                              "the user's Chinese text into the arguments; see docs/demo_model.md")
     def test_unicode_tool_call_integration(self, model):
         super().test_unicode_tool_call_integration(model)

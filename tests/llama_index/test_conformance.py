@@ -1,4 +1,5 @@
-"""The LlamaIndex conformance suite on MLXTandemLLM, offline, on two factory models."""
+"""The LlamaIndex conformance suite on MLXTandemLLM, offline: two factory models and the
+embedded demo model."""
 
 from __future__ import annotations
 
@@ -27,3 +28,14 @@ class TestLlama(_MLXTandem):
     """Plain attention model with the same template family."""
 
     kind = "llama"
+
+
+class TestDemoModel(_MLXTandem):
+    """The embedded demo model (``MLXTandemLLM()`` with no model): it follows simple tool
+    requests, so unforced tool calling is a real test here."""
+
+    def make_llm(self, **kwargs) -> MLXTandemLLM:
+        return MLXTandemLLM(engine_options={"show_progress": False}, **kwargs)
+
+    def test_tool_calling_unforced(self):
+        super().test_tool_calling_unforced()

@@ -5,7 +5,9 @@
 MODEL defaults to the package's embedded model. Greedy decoding through the engine, all
 prompts concurrently (the engine batches them). Reports:
 - tool dialogues: the first call names the right tool (choice) and has exactly the right
-  arguments (args); after the tool result, the answer quotes the result's value;
+  arguments (args), with the engine's default lazy tool-call grammar and with the raw model
+  (``constrain_tool_calls=False``, the ``_raw`` rows); calls made where the dialogue has
+  none (``tool_call_unwanted``); after the tool result, the answer quotes the result's value;
 - stdlib Q&A: the answer starts with the function's docstring summary;
 - arithmetic and unit conversion: the answer contains the right number;
 - MTP: acceptance of the head's drafts on the model's own greedy outputs, depth 1 and 2.
@@ -41,6 +43,18 @@ def _numbers(text: str) -> list[str]:
     return re.findall(r"-?\d+(?:\.\d+)?", text)
 
 
+def _score_call(score: dict, suffix: str, want: dict, out) -> None:
+    calls = want.get("tool_calls") or []
+    if not calls:  # the dialogue answers without a tool here
+        score["tool_call_unwanted" + suffix].append(bool(out.tool_calls))
+        return
+    expect = calls[0]["function"]
+    got = out.tool_calls[0] if out.tool_calls else None
+    score["tool_choice" + suffix].append(got is not None and got.name == expect["name"])
+    score["tool_args" + suffix].append(got is not None and got.name == expect["name"]
+                                       and got.arguments == _args(calls[0]))
+
+
 async def evaluate(model, n: int, seed: int) -> dict:
     records = held_out_examples(n, seed=seed)
     engine = Engine(model, show_progress=False, mtp="off", max_batch_size=32)
@@ -53,23 +67,17 @@ async def evaluate(model, n: int, seed: int) -> dict:
         return r, k, out
 
     results = await asyncio.gather(*(first_turn(r) for r in records))
-    score: dict[str, list] = {"tool_choice": [], "tool_args": [], "tool_answer": [], "stdlib_summary": [],
-                              "arith": [], "units": []}
+    score: dict[str, list] = {"tool_choice": [], "tool_args": [], "tool_choice_raw": [], "tool_args_raw": [],
+                              "tool_call_unwanted": [], "tool_call_unwanted_raw": [], "tool_answer": [],
+                              "stdlib_summary": [], "arith": [], "units": []}
     follow_ups = []
     for r, k, out in results:
         want = r["messages"][k]
         kind = r["kind"]
         if kind == "tool":
-            calls = want.get("tool_calls") or []
-            if not calls:
-                continue
-            expect = calls[0]
-            got = out.tool_calls[0] if out.tool_calls else None
-            score["tool_choice"].append(got is not None and got.name == expect["function"]["name"])
-            score["tool_args"].append(got is not None and got.name == expect["function"]["name"]
-                                      and got.arguments == _args(expect))
+            _score_call(score, "", want, out)
             # Second turn: give the tool result (as the dialogue has it) and check the answer.
-            if len(r["messages"]) > k + 2 and r["messages"][k + 1]["role"] == "tool":
+            if want.get("tool_calls") and len(r["messages"]) > k + 2 and r["messages"][k + 1]["role"] == "tool":
                 follow_ups.append((r, k))
         elif kind == "stdlib_qa":
             summary = want["content"].split(" Signature:")[0].split(" Call it as")[0]
@@ -87,6 +95,16 @@ async def evaluate(model, n: int, seed: int) -> dict:
         return bool(key) and all(x in out.text for x in key[:1])
 
     score["tool_answer"] = list(await asyncio.gather(*(second_turn(r, k) for r, k in follow_ups)))
+    await engine.close()
+
+    # The same first turns of tool dialogues with the raw model: no grammar on calls.
+    engine = Engine(model, show_progress=False, mtp="off", max_batch_size=32, constrain_tool_calls=False)
+    await engine.start()
+    tool_turns = [(r, k) for r, k, _ in results if r["kind"] == "tool"]
+    raw = await asyncio.gather(*(engine.chat(r["messages"][:k], {"max_tokens": 96}, tools=r["tools"])
+                                 for r, k in tool_turns))
+    for (r, k), out in zip(tool_turns, raw):
+        _score_call(score, "_raw", r["messages"][k], out)
     await engine.close()
 
     # MTP acceptance on the model's own greedy outputs.
@@ -115,7 +133,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     res = asyncio.run(evaluate(args.model, args.n, args.seed))
     for k, v in res["rates"].items():
-        print(f"{k:>16}: {'n/a' if v is None else f'{100 * v:5.1f}%'}  (n={res['counts'][k]})")
+        print(f"{k:>22}: {'n/a' if v is None else f'{100 * v:5.1f}%'}  (n={res['counts'][k]})")
     for k, v in res["mtp"].items():
         print(f"MTP {k}: acceptance {100 * v['acceptance_rate']:.1f}%, "
               f"mean accepted per step {v['mean_accepted_per_step']:.2f}")

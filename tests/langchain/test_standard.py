@@ -26,23 +26,10 @@ NEEDS_INSTRUCTIONS = (
 )
 
 
-class _Common:
+class _Capabilities:
     @property
     def chat_model_class(self):
         return ChatMLX
-
-    @property
-    def chat_model_params(self) -> dict:
-        # The standard params add max_tokens=100: enough for the smallest valid structured
-        # answer with the tiny tokenizer.
-        return {"model": PATHS["qwen3_5"], "engine_options": {"show_progress": False}}
-
-    @property
-    def standard_chat_model_params(self) -> dict:
-        # A local model has no API key: drop the "api_key" the unit suite adds.
-        params = dict(super().standard_chat_model_params)
-        params.pop("api_key", None)
-        return params
 
     @property
     def has_tool_choice(self) -> bool:
@@ -55,6 +42,21 @@ class _Common:
     @property
     def supports_json_mode(self) -> bool:
         return True
+
+
+class _Common(_Capabilities):
+    @property
+    def chat_model_params(self) -> dict:
+        # The standard params add max_tokens=100: enough for the smallest valid structured
+        # answer with the tiny tokenizer.
+        return {"model": PATHS["qwen3_5"], "engine_options": {"show_progress": False}}
+
+    @property
+    def standard_chat_model_params(self) -> dict:
+        # A local model has no API key: drop the "api_key" the unit suite adds.
+        params = dict(super().standard_chat_model_params)
+        params.pop("api_key", None)
+        return params
 
     @property
     def model_override_value(self) -> str:
@@ -91,28 +93,12 @@ class TestChatMLXIntegration(_Common, ChatModelIntegrationTests):
         super().test_unicode_tool_call_integration(model)
 
 
-class TestChatMLXDemoModelIntegration(ChatModelIntegrationTests):
+class TestChatMLXDemoModelIntegration(_Capabilities, ChatModelIntegrationTests):
     """The integration suite on the embedded demo model, the one users get by default."""
-
-    @property
-    def chat_model_class(self):
-        return ChatMLX
 
     @property
     def chat_model_params(self) -> dict:
         return {"engine_options": {"show_progress": False}, "max_tokens": 100}
-
-    @property
-    def has_tool_choice(self) -> bool:
-        return True
-
-    @property
-    def has_structured_output(self) -> bool:
-        return True
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
 
     @pytest.mark.xfail(reason="the demo model (7M parameters, trained on ASCII dialogues) does not copy "
                               "the user's Chinese text into the arguments; see docs/demo_model.md")

@@ -47,7 +47,6 @@ class LazyToolCallGrammar:
         self._origin: Optional[int] = None  # context length at the first call
         self._seen = 0
         self._open: Optional[GrammarProcessor] = None
-        self.calls_opened = 0
 
     @property
     def is_open(self) -> bool:
@@ -82,7 +81,6 @@ class LazyToolCallGrammar:
                 left = max(1, self._max_tokens - (n - self._origin))
                 self._open = GrammarProcessor(self._compile(), tiers=self._tiers, eos_token_ids=self._eos,
                                               max_tokens=left, vocab_size=self._vocab)
-                self.calls_opened += 1
             return
         self._open.consume(tok)
         if self._open.matcher.is_accepting():  # the end marker closed the call

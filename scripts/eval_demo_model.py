@@ -6,7 +6,9 @@ MODEL defaults to the package's embedded model. Greedy decoding through the engi
 prompts concurrently (the engine batches them). Reports:
 - tool dialogues: the first call names the right tool (choice) and has exactly the right
   arguments (args), with the engine's default lazy tool-call grammar and with the raw model
-  (``constrain_tool_calls=False``, the ``_raw`` rows); calls made where the dialogue has
+  (``constrain_tool_calls=False``, the ``_raw`` rows); the choice where two or more tools
+  are listed (``tool_choice_multi``, with the rate of a uniform random pick beside it,
+  ``_chance``: with one tool the grammar leaves nothing to choose); calls made where the dialogue has
   none (``tool_call_unwanted``); after the tool result, the answer quotes the result's value;
 - stdlib Q&A: the answer starts with the function's docstring summary;
 - arithmetic and unit conversion: the answer contains the right number;
@@ -43,7 +45,7 @@ def _numbers(text: str) -> list[str]:
     return re.findall(r"-?\d+(?:\.\d+)?", text)
 
 
-def _score_call(score: dict, suffix: str, want: dict, out) -> None:
+def _score_call(score: dict, suffix: str, want: dict, out, n_tools: int) -> None:
     calls = want.get("tool_calls") or []
     if not calls:  # the dialogue answers without a tool here
         score["tool_call_unwanted" + suffix].append(bool(out.tool_calls))
@@ -51,6 +53,10 @@ def _score_call(score: dict, suffix: str, want: dict, out) -> None:
     expect = calls[0]["function"]
     got = out.tool_calls[0] if out.tool_calls else None
     score["tool_choice" + suffix].append(got is not None and got.name == expect["name"])
+    if n_tools > 1 and not suffix:
+        # Selection proper: with one listed tool the grammar leaves no choice to make.
+        score["tool_choice_multi"].append(got is not None and got.name == expect["name"])
+        score["tool_choice_multi_chance"].append(1 / n_tools)
     score["tool_args" + suffix].append(got is not None and got.name == expect["name"]
                                        and got.arguments == _args(calls[0]))
 
@@ -67,7 +73,8 @@ async def evaluate(model, n: int, seed: int) -> dict:
         return r, k, out
 
     results = await asyncio.gather(*(first_turn(r) for r in records))
-    score: dict[str, list] = {"tool_choice": [], "tool_args": [], "tool_choice_raw": [], "tool_args_raw": [],
+    score: dict[str, list] = {"tool_choice": [], "tool_args": [], "tool_choice_multi": [],
+                              "tool_choice_multi_chance": [], "tool_choice_raw": [], "tool_args_raw": [],
                               "tool_call_unwanted": [], "tool_call_unwanted_raw": [], "tool_answer": [],
                               "stdlib_summary": [], "arith": [], "units": []}
     follow_ups = []
@@ -75,7 +82,7 @@ async def evaluate(model, n: int, seed: int) -> dict:
         want = r["messages"][k]
         kind = r["kind"]
         if kind == "tool":
-            _score_call(score, "", want, out)
+            _score_call(score, "", want, out, len(r["tools"]))
             # Second turn: give the tool result (as the dialogue has it) and check the answer.
             if want.get("tool_calls") and len(r["messages"]) > k + 2 and r["messages"][k + 1]["role"] == "tool":
                 follow_ups.append((r, k))
@@ -104,7 +111,7 @@ async def evaluate(model, n: int, seed: int) -> dict:
     raw = await asyncio.gather(*(engine.chat(r["messages"][:k], {"max_tokens": 96}, tools=r["tools"])
                                  for r, k in tool_turns))
     for (r, k), out in zip(tool_turns, raw):
-        _score_call(score, "_raw", r["messages"][k], out)
+        _score_call(score, "_raw", r["messages"][k], out, len(r["tools"]))
     await engine.close()
 
     # MTP acceptance on the model's own greedy outputs.

@@ -901,106 +901,11 @@ def _more_turns(rng: random.Random, listed: list[tuple[ToolSpec, dict]], tools: 
     return msgs
 
 
-# Keyword tools (training only): made-up tools over a large word vocabulary, so no name can
-# be memorized. The request names the tool's subject and attribute words but never its verb
-# or suffix, and the other listed tools share one of the two words: the right call needs the
-# list entry whose words match the request, then its name copied whole. That is the skill
-# that carries to tools the model never saw; memorizing the fixed-domain tools does not.
-# The evaluation tools' words (population, vowel, airport, code, meeting, prime, ...) are not used.
-KEYWORD_SUBJECTS = ["river", "planet", "garden", "bridge", "tower", "forest", "island", "lake", "mountain",
-                    "castle", "library", "museum", "school", "hospital", "factory", "harbor", "station",
-                    "village", "market", "stadium", "theater", "farm", "orchard", "vineyard", "bakery",
-                    "hotel", "train", "ship", "truck", "bicycle", "rocket", "satellite", "robot", "printer",
-                    "server", "sensor", "battery", "engine", "pump", "valve", "router", "camera", "drone",
-                    "lamp", "clock", "piano", "guitar", "violin", "novel", "poem", "song", "album", "podcast",
-                    "recipe", "dish", "cheese", "wine", "tea", "coffee", "cookie", "pizza", "salad", "fruit",
-                    "tree", "flower", "mushroom", "insect", "bird", "whale", "shark", "horse", "dog", "cat",
-                    "rabbit", "dragon", "comet", "star", "galaxy", "volcano", "glacier", "desert", "canyon",
-                    "cave", "reef", "storm", "wind", "tide", "cloud", "package", "order", "invoice", "ticket",
-                    "account", "player", "team", "league", "course", "student", "patient", "employee",
-                    "project", "sprint", "repo", "branch", "commit", "folder", "file", "book", "journal"]
-KEYWORD_ATTRIBUTES = ["depth", "height", "length", "width", "weight", "age", "speed", "score", "rating",
-                      "color", "size", "status", "owner", "price", "cost", "rank", "level", "temperature",
-                      "distance", "volume", "capacity", "density", "brightness", "altitude", "area",
-                      "balance", "count", "duration", "author", "genre", "language", "region", "version",
-                      "priority", "label", "mood", "texture", "flavor", "origin", "voltage", "latency"]
-KEYWORD_KEYS = {"string": ["name", "id", "label", "query", "title", "key", "which"],
-                "integer": ["id", "number", "index", "n", "item", "slot"]}
-KEYWORD_ASKS = ["What is the {attr} of the {subject} {value}?", "Find the {attr} of {subject} {value}.",
-                "How about the {subject} {attr} for {value}?", "{Subject} {value}: what is its {attr}?",
-                "Look up the {attr} of {subject} {value}, please.", "I need the {attr} of the {subject} {value}.",
-                "Tell me the {subject} {attr} of {value}.", "Check the {attr} for {subject} {value}."]
-KEYWORD_DESCRIPTIONS = ["{Attr} of a {subject}.", "Return the {attr} of the given {subject}.",
-                        "Look up a {subject}'s {attr}.", "Get the current {attr} of one {subject}.",
-                        "{Subject} {attr} by {key}."]
-KEYWORD_ANSWERS = ["The {attr} of {subject} {value} is {result}.", "{Subject} {value}: {attr} {result}.",
-                   "Its {attr} is {result}."]
-KEYWORD_RESULTS = ["red", "blue", "green", "open", "closed", "high", "low", "Ana", "Bo", "Kim", "north",
-                   "English", "jazz", "sweet", "smooth", "calm", "active", "v2", "v3.1"]
-
-
-def _keyword_tool(rng: random.Random, subject: str, attr: str) -> dict:
-    """One made-up tool for (subject, attribute): its schema and how to ask for it."""
-    typ = rng.choice(["string", "string", "integer"])
-    key = rng.choice(KEYWORD_KEYS[typ] + ([subject] if typ == "string" else []))
-    verb = rng.choice(RENAME_VERBS + ["", "", ""])
-    words = ([verb] if verb else []) + ([subject, attr] if rng.random() < 0.8 else [attr, "of", subject])
-    name = "_".join(words) + rng.choice(RENAME_SUFFIXES)
-    if rng.random() < 0.2:
-        head, *rest = name.split("_")
-        name = head + "".join(w[:1].upper() + w[1:] for w in rest)
-    fill = dict(subject=subject, attr=attr, key=key, Subject=subject.capitalize(), Attr=attr.capitalize())
-    schema = {"type": "function", "function": {"name": name, "description": rng.choice(KEYWORD_DESCRIPTIONS).format(**fill),
-                                               "parameters": {"type": "object", "properties": {key: {"type": typ}},
-                                                              "required": [key]}}}
-    return {"schema": schema, "key": key, "type": typ, "fill": fill}
-
-
-def _keyword_turn(rng: random.Random, tool: dict, call_id: str) -> list[dict]:
-    if tool["type"] == "integer":
-        value = rng.randint(1, 999)
-    else:
-        value = rng.choice([rng.choice(WORDS).capitalize(), rng.choice(CITIES), rng.choice(MOVIES),
-                            f"{rng.choice(['A', 'B', 'K', 'X', 'Z'])}-{rng.randint(10, 99)}"])
-    result = rng.choice([str(rng.randint(0, 5000)), f"{rng.uniform(0, 99):.1f}", rng.choice(KEYWORD_RESULTS)])
-    fill = dict(tool["fill"], value=value, result=result)
-    content = result if rng.random() < 0.5 else _json(**{tool["fill"]["attr"]: result})
-    name = tool["schema"]["function"]["name"]
-    return _call_dialogue([], rng.choice(KEYWORD_ASKS).format(**fill), name, {tool["key"]: value}, content,
-                          rng.choice(KEYWORD_ANSWERS).format(**fill), call_id)
-
-
-def keyword_tools_record(rng: random.Random) -> tuple[list[dict], list[dict]]:
-    """Training only: 1-3 keyword tools, hard negatives sharing a word, 1-3 requests against them."""
-    n = rng.choices([1, 2, 3], [0.15, 0.5, 0.35])[0]
-    subjects = rng.sample(KEYWORD_SUBJECTS, n)
-    attrs = rng.sample(KEYWORD_ATTRIBUTES, n)
-    pairs = {(subjects[0], attrs[0])}
-    while len(pairs) < n:  # the others share the subject or the attribute of some listed tool
-        s, a = rng.choice(sorted(pairs))
-        pairs.add((s, rng.choice(attrs)) if rng.random() < 0.5 else (rng.choice(subjects), a))
-    tools = [_keyword_tool(rng, s, a) for s, a in sorted(pairs)]
-    names = [t["schema"]["function"]["name"] for t in tools]
-    if len(set(names)) < len(names) or any(x in EVAL_NAMES for x in names):
-        return keyword_tools_record(rng)
-    msgs = []
-    for turn in range(rng.choices([1, 2, 3], [0.5, 0.35, 0.15])[0]):
-        msgs += _keyword_turn(rng, rng.choice(tools), f"call_{turn + 1}")
-    schemas = [t["schema"] for t in tools]
-    rng.shuffle(schemas)
-    return schemas, msgs
-
-
 def tool_record(rng: random.Random, split: str) -> dict:
     pool = TOOL_POOL if split == "train" else EVAL_TOOL_POOL
     system = _system(rng, split, p=0.25)
-    modes = {"domain": 0.55, "generic": 0.25, "none": 0.20}
-    if split == "train":
-        modes = {"domain": 0.35, "keyword": 0.30, "generic": 0.20, "none": 0.15}
-    mode = rng.choices(list(modes), list(modes.values()))[0]
-    if mode == "keyword":
-        tools, msgs = keyword_tools_record(rng)
-    elif mode == "none":  # tools are offered but the question needs none of them
+    mode = rng.choices(["domain", "generic", "none"], [0.55, 0.25, 0.20])[0]
+    if mode == "none":  # tools are offered but the question needs none of them
         tools = _distractors(rng, pool, "", split) or [_renamed(rng.choice(pool).schema(), rng, split)]
         ask, answer = rng.choice([arith_pair, units_pair, chat_pair, _stdlib_pair])(rng, split)
         msgs = [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]

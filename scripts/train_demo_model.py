@@ -99,13 +99,11 @@ def load_examples(tokenizer, data_path: Path, n: int, seed: int, max_len: int):
     examples, skipped = [], 0
     for line in data_path.read_text().splitlines():
         enc = encode_dialogue(tokenizer, json.loads(line))
-        if enc is not None and len(enc[0]) > max_len:  # keep the turns that fit: a causal model
-            enc = enc[0][:max_len], enc[1][:max_len]   # never sees what comes after them
-        if enc is None or sum(enc[1]) == 0:
+        if enc is None or len(enc[0]) > max_len or sum(enc[1]) == 0:
             skipped += 1
             continue
         examples.append(enc)
-    logger.info("%d training dialogues (%d skipped: template mismatch or no assistant token in the first %d)",
+    logger.info("%d training dialogues (%d skipped: template mismatch or longer than %d)",
                 len(examples), skipped, max_len)
     return examples
 

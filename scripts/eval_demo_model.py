@@ -52,13 +52,13 @@ def _score_call(score: dict, suffix: str, want: dict, out, n_tools: int) -> None
         return
     expect = calls[0]["function"]
     got = out.tool_calls[0] if out.tool_calls else None
-    score["tool_choice" + suffix].append(got is not None and got.name == expect["name"])
+    right = got is not None and got.name == expect["name"]
+    score["tool_choice" + suffix].append(right)
     if n_tools > 1 and not suffix:
         # Selection proper: with one listed tool the grammar leaves no choice to make.
-        score["tool_choice_multi"].append(got is not None and got.name == expect["name"])
+        score["tool_choice_multi"].append(right)
         score["tool_choice_multi_chance"].append(1 / n_tools)
-    score["tool_args" + suffix].append(got is not None and got.name == expect["name"]
-                                       and got.arguments == _args(calls[0]))
+    score["tool_args" + suffix].append(right and got.arguments == _args(calls[0]))
 
 
 async def evaluate(model, n: int, seed: int) -> dict:

@@ -14,7 +14,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .. import _platform  # noqa: F401  - before mlx
 from .tokenizer import write_tokenizer
@@ -41,10 +41,14 @@ _QWEN_ZERO_CENTRED_NORMS = (
 
 def make_tiny_model(kind: str, path: str | Path, *, seed: int = 0, mtp_layers: int = 1,
                     vocab_size: int = 2048, max_position_embeddings: int = 4096,
-                    dtype: str = "float32", **sizes: Any) -> Path:
+                    dtype: str = "float32", tokenizer_texts: Sequence[str] = (),
+                    word_consistent_tokenizer: bool = False, **sizes: Any) -> Path:
     """Write a complete checkpoint directory for ``kind`` at ``path`` and return it.
 
     ``sizes`` override the architecture's dimensions (hidden_size, num_hidden_layers, ...).
+    ``tokenizer_texts`` are trained on beside the stdlib corpus, and
+    ``word_consistent_tokenizer`` learns merges within words only (the demo-model trainer's
+    ``--word-consistent-tokenizer``; see ``tokenizer.WORD_CONSISTENT_TRAIN_REGEX``).
     The directory is written to a temporary sibling and renamed, so a reader never sees a
     half-written checkpoint.
     """
@@ -54,7 +58,8 @@ def make_tiny_model(kind: str, path: str | Path, *, seed: int = 0, mtp_layers: i
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        ids = write_tokenizer(tmp, vocab_size=vocab_size, model_max_length=max_position_embeddings)
+        ids = write_tokenizer(tmp, vocab_size=vocab_size, model_max_length=max_position_embeddings,
+                              extra_texts=tokenizer_texts, word_consistent=word_consistent_tokenizer)
         writer = _WRITERS[kind]
         writer(tmp, ids, seed=seed, mtp_layers=mtp_layers, dtype=dtype,
                max_position_embeddings=max_position_embeddings, sizes=sizes)

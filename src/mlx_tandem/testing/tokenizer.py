@@ -1,7 +1,8 @@
 """A byte-level BPE tokenizer trained offline on local text (the Python standard library).
 
 Deterministic for a given Python installation: the corpus is a fixed, sorted list of
-stdlib sources plus a fixed multilingual sample, and the BPE trainer is deterministic.
+stdlib sources plus a fixed multilingual sample (plus any extra texts the caller gives, such
+as the demo model's training dialogues), and the BPE trainer is deterministic.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import sysconfig
 from pathlib import Path
+from typing import Sequence
 
 from .chat_template import CHAT_TEMPLATE
 
@@ -28,6 +30,16 @@ QWEN3_5_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
     r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+# Word-consistent merges (an option of the demo-model trainer): while training, letter runs, single
+# digits, "-" and other character runs are split apart, so no merge ever joins a letter to
+# the space, quote or underscore before it. Served with the regex above, which glues one such
+# character to the word after it, a word then ends in the same pieces wherever it stands:
+# " vowels", "_vowels" and '"vowels' all end in the tokens of "vowels", and "-" before a digit
+# is always its own token. Copying a word or number from a request into a tool call (or
+# matching it against a tool list) is then copying the same token ids, with no need to learn
+# that " st"+"e" pairs with "ste". What it did for the demo model is in docs/demo_model.md
+# (run 9). The test models keep the plain Qwen split.
+WORD_CONSISTENT_TRAIN_REGEX = r"[\p{L}\p{M}]+|\p{N}|-|[^\p{L}\p{M}\p{N}-]+"
 MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 _STDLIB_FILES = [
@@ -57,15 +69,20 @@ def corpus(max_chars: int = 1_200_000) -> list[str]:
     return texts
 
 
-def train_tokenizer(vocab_size: int = 2048):
+def train_tokenizer(vocab_size: int = 2048, extra_texts: Sequence[str] = (), word_consistent: bool = False):
+    """The BPE tokenizer, trained on ``corpus()`` plus ``extra_texts``; ``word_consistent``
+    learns merges within words only (see ``WORD_CONSISTENT_TRAIN_REGEX``)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    def pre_tokenizer(regex: str):
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN3_5_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizer(WORD_CONSISTENT_TRAIN_REGEX if word_consistent else QWEN3_5_PRETOKENIZE_REGEX)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(MARKUP_TOKENS),
@@ -73,15 +90,18 @@ def train_tokenizer(vocab_size: int = 2048):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus() + list(extra_texts), trainer=trainer)
+    # Served with Qwen3.5's split, whatever the merges were learned with (see the regex above).
+    tok.pre_tokenizer = pre_tokenizer(QWEN3_5_PRETOKENIZE_REGEX)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     return tok
 
 
-def write_tokenizer(path: Path, vocab_size: int = 2048, model_max_length: int = 4096) -> dict[str, int]:
+def write_tokenizer(path: Path, vocab_size: int = 2048, model_max_length: int = 4096,
+                    extra_texts: Sequence[str] = (), word_consistent: bool = False) -> dict[str, int]:
     """Write tokenizer.json and tokenizer_config.json; return the ids of the named tokens."""
-    tok = train_tokenizer(vocab_size)
+    tok = train_tokenizer(vocab_size, extra_texts, word_consistent)
     tok.save(str(path / "tokenizer.json"))
     added = {}
     for t in SPECIAL_TOKENS + MARKUP_TOKENS:

@@ -88,17 +88,30 @@ def encode_dialogue(tokenizer, record: dict) -> tuple[list[int], list[int]] | No
     return ids, mask
 
 
-def load_examples(tokenizer, data_path: Path, n: int, seed: int, max_len: int):
+def load_records(data_path: Path, n: int, seed: int) -> list[dict]:
+    """The training dialogues, generated into ``data_path`` on the first run."""
     if not data_path.exists():
-        from demo_data import generate
+        from demo_data import generate, write_jsonl
 
         data_path.parent.mkdir(parents=True, exist_ok=True)
-        with data_path.open("w") as f:
-            for r in generate(n, seed=seed):
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(generate(n, seed=seed), data_path)
+    return [json.loads(line) for line in data_path.read_text().splitlines()]
+
+
+def rendered_texts(records: list[dict]) -> list[str]:
+    """The dialogues as the factory's chat template renders them: the tokenizer's corpus."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from mlx_tandem.testing.chat_template import CHAT_TEMPLATE
+
+    return [render_jinja_template(conversations=[r["messages"]], tools=r.get("tools"),
+                                  chat_template=CHAT_TEMPLATE)[0][0] for r in records]
+
+
+def load_examples(tokenizer, records: list[dict], max_len: int):
     examples, skipped = [], 0
-    for line in data_path.read_text().splitlines():
-        enc = encode_dialogue(tokenizer, json.loads(line))
+    for record in records:
+        enc = encode_dialogue(tokenizer, record)
         if enc is None or len(enc[0]) > max_len or sum(enc[1]) == 0:
             skipped += 1
             continue
@@ -198,15 +211,22 @@ class Trainee(nn.Module):
         return out
 
 
-def build(init_dir: Path, seed: int) -> Trainee:
-    """The factory's initial checkpoint (written once into ``init_dir``), as a float32 Trainee."""
+def build(init_dir: Path, seed: int, records: list[dict], word_consistent: bool = False) -> Trainee:
+    """The factory's initial checkpoint (written once into ``init_dir``), as a float32 Trainee.
+
+    ``word_consistent`` trains the factory's tokenizer with word-consistent merges on the
+    stdlib corpus plus the training dialogues (``mlx_tandem.testing.tokenizer``): a word or
+    number copied from a request into a call is then the same tokens in both places. Run 9
+    (docs/demo_model.md) measured it; the shipped model keeps the plain factory tokenizer.
+    """
     if not (init_dir / "config.json").exists():
         # After torch: the OpenBLAS that mlx_tandem loads globally slows a torch imported later.
         import mlx_tandem  # noqa: F401  - OpenBLAS before mlx
         from mlx_tandem.testing.factory import make_tiny_model
 
         make_tiny_model("qwen3_5", init_dir, seed=seed, mtp_layers=1, max_position_embeddings=MAX_POSITIONS,
-                        **DEMO_SIZES)
+                        tokenizer_texts=rendered_texts(records) if word_consistent else (),
+                        word_consistent_tokenizer=word_consistent, **DEMO_SIZES)
     config = json.loads((init_dir / "config.json").read_text())
     trainee = Trainee(Qwen3_5TextConfig(**config["text_config"])).float()
     trainee.load_hf(load_file(str(init_dir / "model.safetensors")))
@@ -264,6 +284,8 @@ def main(argv=None) -> int:
     p.add_argument("--mtp-weight", type=float, default=0.5)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--word-consistent-tokenizer", action="store_true",
+                   help="train the tokenizer on the dialogues with merges inside words only (run 9)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from tqdm.auto import tqdm
@@ -271,9 +293,10 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)
     init_dir, ckpt, final = args.out / "init", args.out / "checkpoint", args.out / "final"
-    trainee = build(init_dir, args.seed)
+    records = load_records(args.out / "data.jsonl", args.n_dialogues, args.seed)
+    trainee = build(init_dir, args.seed, records, args.word_consistent_tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
-    examples = load_examples(tokenizer, args.out / "data.jsonl", args.n_dialogues, args.seed, args.max_len)
+    examples = load_examples(tokenizer, records, args.max_len)
     n_params = sum(p.numel() for p in trainee.parameters())
     logger.info("%.2fM parameters (%.1f MB in fp16)", n_params / 1e6, n_params * 2 / 2**20)
 

@@ -16,9 +16,9 @@ import numpy as np
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_demo_model.py"
 
 
-def _run(out: Path, steps: int) -> str:
+def _run(out: Path, steps: int, *extra: str) -> str:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--steps", str(steps), "--batch", "4",
-                           "--n-dialogues", "24", "--save-every", "1", "--max-len", "832"],
+                           "--n-dialogues", "24", "--save-every", "1", "--max-len", "832", *extra],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
@@ -101,3 +101,22 @@ def test_train_resume_export(tmp_path):
         assert out.usage.completion_tokens == 4 or out.finish_reason == "stop"
     finally:
         engine.close_sync()
+
+
+def test_word_consistent_tokenizer_option(tmp_path):
+    """--word-consistent-tokenizer trains the tokenizer on the run's own dialogues, with merges
+    inside words only: a word splits the same after a space as alone."""
+    from transformers import AutoTokenizer
+
+    from mlx_tandem.default_model import packaged_model_path
+
+    _run(tmp_path, 1, "--word-consistent-tokenizer")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "init")
+    records = [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()]
+    word = max((w for r in records for m in r["messages"] for w in (m.get("content") or "").split()
+                if w.isalpha()), key=len)
+    assert tok.encode(" " + word) == tok.encode(" ") + tok.encode(word)
+    plain = AutoTokenizer.from_pretrained(packaged_model_path())  # the plain factory tokenizer
+    # The dialogues are in its corpus: the run's own text takes fewer tokens than with the plain tokenizer.
+    text = "\n".join(_trainer_module().rendered_texts(records))
+    assert len(tok.encode(text)) < len(plain.encode(text))

@@ -1,0 +1,132 @@
+"""Tool selection and argument copying of a demo model, teacher-forced in PyTorch.
+
+    python scripts/probe_tool_selection.py build/demo_model                  # a run's latest checkpoint
+    python scripts/probe_tool_selection.py src/mlx_tandem/models/<name> --split train
+
+Fast enough (about 30 s) to run on a checkpoint while training goes on, which the engine-based
+``eval_demo_model.py`` is not. ``--split train`` draws fresh dialogues from the *training*
+distribution (its tools and phrasings, new values: a seed the run did not use); the default
+draws the held-out ones. The two side by side tell a skill from memorized tools.
+
+- selection: on requests that list two or more tools, the name that greedy decoding takes when
+  held to the listed names, as the engine's lazy tool-call grammar holds it (at each token,
+  the likeliest among the names still possible), with the rate of a random pick beside it;
+  split into requests that spell the function's name out ("generic") and the rest ("domain");
+- arguments: every token of the right call's arguments is the model's argmax, given the
+  dialogue up to it (teacher-forced, so a stricter measure than the engine's free decoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402  - before mlx_tandem (see train_demo_model.py)
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+import train_demo_model as T  # noqa: E402
+from demo_data import generate, held_out_examples  # noqa: E402
+
+FRESH_TRAIN_SEED = 12345  # not a seed a training run uses
+
+
+def load(path: Path):
+    """(tokenizer, Trainee, label) from a training run's directory or an exported checkpoint."""
+    ckpt = path / "checkpoint" / "state.pt"
+    model_dir = path / "init" if ckpt.exists() else path
+    config = json.loads((model_dir / "config.json").read_text())
+    trainee = T.Trainee(T.Qwen3_5TextConfig(**config["text_config"])).float().eval()
+    if ckpt.exists():
+        trainee.load_state_dict(torch.load(ckpt, weights_only=False)["model"])
+        label = f"step {json.loads((path / 'checkpoint' / 'state.json').read_text())['step']}"
+    else:
+        trainee.load_hf({k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()})
+        label = path.name
+    return AutoTokenizer.from_pretrained(model_dir), trainee, label
+
+
+def probe(tok, trainee, records: list[dict]) -> dict:
+    def encode(msgs, tools, gen=False):
+        text = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
+        return tok.encode(text, add_special_tokens=False)
+
+    def logits(ids):
+        return trainee.lm(input_ids=torch.tensor([ids])).logits[0]
+
+    picks, chance, args_ok = defaultdict(list), [], []
+    for r in records:
+        msgs, tools = r["messages"], r["tools"]
+        k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        calls = msgs[k].get("tool_calls")
+        if not calls:
+            continue
+        prompt = encode(msgs[:k], tools, gen=True)
+
+        def with_name(name):
+            call = json.loads(json.dumps(msgs[k]))
+            call["tool_calls"][0]["function"]["name"] = name
+            return encode(msgs[:k] + [call], tools)
+
+        want = calls[0]["function"]["name"]
+        ids = with_name(want)
+        text = tok.decode(ids)
+        a0 = text.index('"arguments"', len(tok.decode(prompt)))
+        a1 = text.index("</tool_call>", a0)
+        span = [i for i in range(len(prompt), len(ids)) if a0 <= len(tok.decode(ids[:i])) < a1]
+        pred = logits(ids).argmax(-1)
+        args_ok.append(all(pred[i - 1].item() == ids[i] for i in span))
+        if len(tools) < 2:
+            continue
+        names = {}
+        for t in tools:
+            name = t["function"]["name"]
+            full = with_name(name)
+            end = next(i for i in range(len(prompt), len(full)) if name in tok.decode(full[len(prompt): i + 1]))
+            names[name] = full[len(prompt): end + 1]
+        alive, prefix, pos = names, list(prompt), 0
+        while len(alive) > 1:  # greedy, held to the names still possible
+            last = logits(prefix)[-1]
+            best = max({v[pos] for v in alive.values() if len(v) > pos}, key=lambda t: last[t].item())
+            alive = {n: v for n, v in alive.items() if len(v) > pos and v[pos] == best}
+            prefix.append(best)
+            pos += 1
+        kind = "generic" if want.casefold() in msgs[k - 1]["content"].casefold() else "domain"
+        picks[kind].append(next(iter(alive)) == want)
+        chance.append(1 / len(tools))
+    every = picks["generic"] + picks["domain"]
+    rate = lambda v: sum(v) / len(v) if v else None  # noqa: E731
+    return {"selection": rate(every), "selection_chance": rate(chance), "n_selection": len(every),
+            "selection_generic": rate(picks["generic"]), "selection_domain": rate(picks["domain"]),
+            "args_exact": rate(args_ok), "n_args": len(args_ok)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path", type=Path, help="a training run's --out directory, or a checkpoint directory")
+    ap.add_argument("--split", choices=("held_out", "train"), default="held_out")
+    ap.add_argument("--n", type=int, default=300, help="dialogues drawn (tool dialogues are about a third)")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # leave the other core to a training run
+    tok, trainee, label = load(args.path)
+    if args.split == "train":
+        records = generate(args.n, seed=FRESH_TRAIN_SEED + args.seed, kinds=["tool"])
+    else:
+        records = [r for r in held_out_examples(args.n, seed=args.seed) if r["kind"] == "tool"]
+    with torch.no_grad():
+        res = probe(tok, trainee, records)
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    print(f"{label} ({args.split}): selection {pct(res['selection'])} of {res['n_selection']} "
+          f"(random pick {pct(res['selection_chance'])}; generic {pct(res['selection_generic'])}, "
+          f"domain {pct(res['selection_domain'])}); arguments exact {pct(res['args_exact'])} of {res['n_args']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

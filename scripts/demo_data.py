@@ -48,12 +48,13 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import synthetic_tools  # noqa: E402  - a sibling script module
+
 # Shares of each kind in a generated set; tool use gets the most because it is the skill the
 # adapters' tests exercise and the one with the most surface (names, schemas, phrasings).
 # The evaluation split keeps these shares, so every training run is measured on the same set.
 KIND_WEIGHTS = {"stdlib_qa": 0.22, "arith": 0.16, "units": 0.16, "tool": 0.36, "chat": 0.10}
-# Training leans on tool use: its dialogues carry the skills a small model learns last.
-TRAIN_KIND_WEIGHTS = {"stdlib_qa": 0.18, "arith": 0.12, "units": 0.12, "tool": 0.48, "chat": 0.10}
 KINDS = tuple(KIND_WEIGHTS)
 
 # ----------------------------------------------------------------------------- held out
@@ -901,14 +902,66 @@ def _more_turns(rng: random.Random, listed: list[tuple[ToolSpec, dict]], tools: 
     return msgs
 
 
-def tool_record(rng: random.Random, split: str) -> dict:
+def _no_tool_turn(rng: random.Random, split: str) -> list[dict]:
+    ask, answer = rng.choice([arith_pair, units_pair, chat_pair, _stdlib_pair])(rng, split)
+    return [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]
+
+
+def made_up_dialogue(rng: random.Random) -> tuple[list[dict], list[dict]]:
+    """Training only: (tools, messages) over 1-4 never-seen tools (``synthetic_tools``): a
+    request for one of them, then up to three more requests against the same list, each for
+    whichever tool it needs, and now and then a question that needs none."""
+    listed = synthetic_tools.tool_set(rng, rng.choices([1, 2, 3, 4], [0.2, 0.4, 0.3, 0.1])[0])
+    tools = [t.schema() for t in listed]
+    msgs: list[dict] = []
+    for turn in range(1 + rng.choices([0, 1, 2, 3], [0.35, 0.35, 0.2, 0.1])[0]):
+        if turn and rng.random() < 0.15:
+            msgs += _no_tool_turn(rng, "train")
+            continue
+        tool = rng.choice(listed)
+        req = synthetic_tools.unambiguous_request(tool, listed, rng)
+        msgs += _call_dialogue(tools, req.ask, tool.name, req.arguments, req.content, req.answer,
+                               f"call_{turn + 1}")
+    return tools, msgs
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The shares of a generated set: of each kind, of each kind of tool dialogue, and of the
+    no-tool dialogues that list made-up tools instead of pool tools."""
+    kinds: dict
+    tool_modes: dict
+    made_up_none: float = 0.0
+
+
+# Training mixes (``generate(mix=...)``). Both lean on tool use: its dialogues carry the skills a
+# small model learns last. "v2" is what the shipped model was trained on (run 7). "made_up"
+# (runs 10-12 in docs/demo_model.md) puts most tool dialogues on made-up tools, the part that
+# cannot be recalled, only read (runs 3-9 learned the hand-written pool as concepts); it
+# taught argument copying but not selection, so it is not the default.
+TRAIN_MIXES = {
+    "v2": Mix({"stdlib_qa": 0.18, "arith": 0.12, "units": 0.12, "tool": 0.48, "chat": 0.10},
+              {"domain": 0.55, "generic": 0.25, "none": 0.20}),
+    "made_up": Mix({"stdlib_qa": 0.16, "arith": 0.11, "units": 0.11, "tool": 0.52, "chat": 0.10},
+                   {"made_up": 0.45, "domain": 0.25, "generic": 0.15, "none": 0.15}, made_up_none=0.5),
+}
+DEFAULT_MIX = "v2"
+TRAIN_KIND_WEIGHTS = TRAIN_MIXES[DEFAULT_MIX].kinds
+EVAL_MIX = Mix(KIND_WEIGHTS, {"domain": 0.55, "generic": 0.25, "none": 0.20})
+
+
+def tool_record(rng: random.Random, split: str, mix: Mix = EVAL_MIX) -> dict:
     pool = TOOL_POOL if split == "train" else EVAL_TOOL_POOL
     system = _system(rng, split, p=0.25)
-    mode = rng.choices(["domain", "generic", "none"], [0.55, 0.25, 0.20])[0]
-    if mode == "none":  # tools are offered but the question needs none of them
-        tools = _distractors(rng, pool, "", split) or [_renamed(rng.choice(pool).schema(), rng, split)]
-        ask, answer = rng.choice([arith_pair, units_pair, chat_pair, _stdlib_pair])(rng, split)
-        msgs = [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]
+    mode = rng.choices(list(mix.tool_modes), list(mix.tool_modes.values()))[0]
+    if mode == "made_up":
+        tools, msgs = made_up_dialogue(rng)
+    elif mode == "none":  # tools are offered but the question needs none of them
+        if mix.made_up_none and rng.random() < mix.made_up_none:
+            tools = [t.schema() for t in synthetic_tools.tool_set(rng, rng.randint(1, 3))]
+        else:
+            tools = _distractors(rng, pool, "", split) or [_renamed(rng.choice(pool).schema(), rng, split)]
+        msgs = _no_tool_turn(rng, split)
     elif mode == "generic":
         tool, ask, args, content, answer = generic_tool(rng, split)
         listed = _distractor_specs(rng, pool, "", split)
@@ -941,10 +994,10 @@ def _stdlib_pair(rng: random.Random, split: str) -> tuple[str, str]:
 _MAKERS = {"stdlib_qa": stdlib_qa, "arith": arith, "units": units, "chat": chat}
 
 
-def _record(kind: str, rng: random.Random, split: str) -> dict:
+def _record(kind: str, rng: random.Random, split: str, mix: Mix) -> dict:
     # Redraw until clean: a few arithmetic phrasings can coincide with a held-out prompt.
     for _ in range(100):
-        record = tool_record(rng, split) if kind == "tool" else {
+        record = tool_record(rng, split, mix) if kind == "tool" else {
             "kind": kind, "messages": _MAKERS[kind](rng, split), "tools": None}
         if not held_out_violations(record):
             return record
@@ -967,15 +1020,16 @@ def _kind_plan(n: int, kinds, rng: random.Random, weights: dict = KIND_WEIGHTS) 
     return plan
 
 
-def _build(n: int, seed: int, kinds, split: str) -> list[dict]:
+def _build(n: int, seed: int, kinds, split: str, mix: Mix) -> list[dict]:
     rng = random.Random(seed)
-    weights = TRAIN_KIND_WEIGHTS if split == "train" else KIND_WEIGHTS
-    return [_record(kind, rng, split) for kind in _kind_plan(n, kinds, rng, weights)]
+    return [_record(kind, rng, split, mix) for kind in _kind_plan(n, kinds, rng, mix.kinds)]
 
 
-def generate(n: int, seed: int = 0, kinds=None) -> list[dict]:
-    """``n`` training records; the same (n, seed, kinds) always gives the same list."""
-    records = _build(n, seed, kinds, "train")
+def generate(n: int, seed: int = 0, kinds=None, mix: str = DEFAULT_MIX) -> list[dict]:
+    """``n`` training records; the same (n, seed, kinds, mix) always gives the same list."""
+    if mix not in TRAIN_MIXES:
+        raise ValueError(f"unknown mix {mix!r}; expected one of {sorted(TRAIN_MIXES)}")
+    records = _build(n, seed, kinds, "train", TRAIN_MIXES[mix])
     bad = [(i, v) for i, r in enumerate(records) for v in held_out_violations(r)]
     assert not bad, f"held-out material in training data: {bad[:5]}"
     return records
@@ -983,7 +1037,7 @@ def generate(n: int, seed: int = 0, kinds=None) -> list[dict]:
 
 def held_out_examples(n: int, seed: int = 0) -> list[dict]:
     """``n`` evaluation records from phrasings and tool names that ``generate`` never uses."""
-    return _build(n, seed, None, "eval")
+    return _build(n, seed, None, "eval", EVAL_MIX)
 
 
 def held_out_test_cases() -> list[dict]:

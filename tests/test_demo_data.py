@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import random
 import re
 import subprocess
 import sys
@@ -186,6 +187,72 @@ def test_generic_requests_name_the_function_and_its_arguments(big):
         ask = texts(r, "user")[0]
         assert fn["name"] in ask and all(str(v) in ask for v in fn["arguments"].values()), ask
     assert any("Use the tool." in texts(r, "user")[0] for r in generic)
+
+
+# ----------------------------------------------------------------------------- made-up tools
+st = sys.modules["synthetic_tools"]  # imported by demo_data from beside it
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z]+", text.lower()))
+
+
+def test_made_up_tools_share_no_concept_with_the_evaluation_tools():
+    # The held-out tools must stay concepts training never saw: of their names' words only the
+    # generic verbs every kind of tool uses may occur in a made-up tool.
+    eval_words = {w for t in dd.EVAL_TOOL_POOL for w in t.name.split("_")}
+    assert st.vocabulary() & eval_words <= {"get", "lookup", "count"}
+    assert not st.vocabulary() & st.EVAL_CONCEPT_WORDS
+    assert eval_words - {"get", "lookup", "count", "code", "next"} <= st.EVAL_CONCEPT_WORDS | {"schedule"}
+
+
+def test_made_up_requests_spell_out_their_arguments_and_match_only_their_tool():
+    rng = random.Random(7)
+    kinds = Counter()
+    for _ in range(1500):
+        listed = st.tool_set(rng, rng.randint(1, 4))
+        assert len({t.name for t in listed}) == len(listed)
+        tool = rng.choice(listed)
+        req = st.unambiguous_request(tool, listed, rng)
+        kinds[tool.kind] += 1
+        # Selection: the request carries all of the tool's words, and no other tool's all.
+        assert tool.words <= _words(req.ask) and tool.words <= _words(tool.name + " " + tool.description)
+        assert not [t.name for t in listed if t is not tool and t.words <= _words(req.ask)], req.ask
+        # Arguments: every value is in the request (a flag only when the request says it),
+        # and the call validates against the tool's schema.
+        _validator(json.dumps(tool.schema()["function"]["parameters"], sort_keys=True)).validate(req.arguments)
+        for key, value in req.arguments.items():
+            if isinstance(value, bool):
+                flag = next(f for f in st.FLAGS if f[0] == key)
+                assert flag[1 if value else 2] in req.ask
+            else:
+                assert str(value) in req.ask, (key, value, req.ask)
+        assert req.answer and any(leaf in req.answer for leaf in _leaves(req.content))
+    assert min(kinds.values()) > 150
+
+
+def test_the_made_up_mix_leans_on_made_up_tools_and_keeps_the_held_out_split():
+    def made_up_share(records):  # of tool dialogues whose every tool is named in made-up words
+        listed = [r for r in records if r["kind"] == "tool"]
+        return sum(all(set(t["function"]["name"].lower().split("_")) <= st.vocabulary() for t in r["tools"])
+                   for r in listed) / len(listed)
+
+    records = dd.generate(600, seed=2, mix="made_up")
+    assert Counter(r["kind"] for r in records)["tool"] == 312  # 52%
+    assert made_up_share(records) > 0.3 and made_up_share(dd.generate(600, seed=2)) < 0.05
+    assert max(len(r["tools"]) for r in records if r["tools"]) == 4
+    assert not [v for r in records for v in dd.held_out_violations(r)]
+    with pytest.raises(ValueError, match="unknown mix"):
+        dd.generate(2, mix="nope")
+
+
+def test_made_up_tools_are_too_many_to_memorize():
+    rng = random.Random(3)
+    calls = [c["function"]["name"] for _ in range(2000) for m in dd.made_up_dialogue(rng)[1]
+             for c in m.get("tool_calls") or []]
+    assert len(calls) > 3000
+    assert len(set(calls)) > 0.6 * len(calls)  # most names are called once, none often
+    assert Counter(calls).most_common(1)[0][1] < 10
 
 
 # ----------------------------------------------------------------------------- rendering

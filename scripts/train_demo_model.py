@@ -4,6 +4,12 @@ with an MTP head, on the dialogues of ``scripts/demo_data.py``.
     python scripts/train_demo_model.py --out build/demo_model            # train (resumes if interrupted)
     python scripts/train_demo_model.py --out build/demo_model --steps 5  # smoke run
 
+The defaults reproduce the shipped model (run 7). Run 12, the experiment that taught argument
+copying but not tool selection (docs/demo_model.md), was::
+
+    python scripts/train_demo_model.py --out build/run12 --mix made_up --word-consistent-tokenizer \
+        --init hf --lr 1e-3 --rope-theta 10000 --copy-warmup-steps 400 --steps 3000
+
 Why PyTorch: this is the one place the project trains, and training on CPU is bound by
 elementwise transcendental functions (exp, sigmoid) that MLX's CPU backend runs scalar and
 single-threaded (about 40 M/s, against 200 GFLOP/s for its matmuls). PyTorch's CPU kernels
@@ -29,6 +35,8 @@ backbone's hidden state detached: it is a drafter and must not change what the b
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import json
 import logging
 import math
@@ -88,13 +96,13 @@ def encode_dialogue(tokenizer, record: dict) -> tuple[list[int], list[int]] | No
     return ids, mask
 
 
-def load_records(data_path: Path, n: int, seed: int) -> list[dict]:
+def load_records(data_path: Path, n: int, seed: int, mix: str = "v2") -> list[dict]:
     """The training dialogues, generated into ``data_path`` on the first run."""
     if not data_path.exists():
         from demo_data import generate, write_jsonl
 
         data_path.parent.mkdir(parents=True, exist_ok=True)
-        write_jsonl(generate(n, seed=seed), data_path)
+        write_jsonl(generate(n, seed=seed, mix=mix), data_path)
     return [json.loads(line) for line in data_path.read_text().splitlines()]
 
 
@@ -108,9 +116,19 @@ def rendered_texts(records: list[dict]) -> list[str]:
                                   chat_template=CHAT_TEMPLATE)[0][0] for r in records]
 
 
-def load_examples(tokenizer, records: list[dict], max_len: int):
+def load_examples(tokenizer, records: list[dict], max_len: int, cache: Path | None = None):
+    """The encoded dialogues that fit ``max_len``. Encoding renders every conversation prefix
+    (minutes for 40,000 dialogues), so the result is kept in ``cache``, valid for the same
+    records, tokenizer and length."""
+    from tqdm.auto import tqdm
+
+    key = hashlib.sha256(json.dumps([records, tokenizer.backend_tokenizer.to_str(), max_len]).encode()).hexdigest()
+    if cache is not None and cache.exists():
+        saved = json.loads(cache.read_text())
+        if saved["key"] == key:
+            return [tuple(e) for e in saved["examples"]]
     examples, skipped = [], 0
-    for record in records:
+    for record in tqdm(records, desc="encoding dialogues", unit="dialogue", mininterval=2):
         enc = encode_dialogue(tokenizer, record)
         if enc is None or len(enc[0]) > max_len or sum(enc[1]) == 0:
             skipped += 1
@@ -118,6 +136,8 @@ def load_examples(tokenizer, records: list[dict], max_len: int):
         examples.append(enc)
     logger.info("%d training dialogues (%d skipped: template mismatch or longer than %d)",
                 len(examples), skipped, max_len)
+    if cache is not None:
+        cache.write_text(json.dumps({"key": key, "examples": examples}))
     return examples
 
 
@@ -141,6 +161,18 @@ def batches(examples, batch_size: int, seed: int, pad_id: int):
                     tok[r, : len(ids)] = ids
                     msk[r, : len(mask)] = mask
                 yield torch.from_numpy(tok), torch.from_numpy(msk)
+
+
+def copy_warmup_batches(steps: int, batch_size: int, seed: int, vocab: int, length: int = 128):
+    """``steps`` batches of a random span followed by itself (``copy_drills.py``): dense copying
+    first, so an induction head forms before the dialogues, which carry little copying. Half a
+    sequence, then its repeat: the setting in which one was measured to form (run 12); with
+    shorter spans of 16-32 tokens none had formed by step 300 (run 11)."""
+    from copy_drills import repeat_batch
+
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield repeat_batch(generator, 2 * batch_size, length, 0, vocab, span=(length // 2, length // 2))
 
 
 # ---------------------------------------------------------------------- model
@@ -211,8 +243,21 @@ class Trainee(nn.Module):
         return out
 
 
-def build(init_dir: Path, seed: int, records: list[dict], word_consistent: bool = False) -> Trainee:
-    """The factory's initial checkpoint (written once into ``init_dir``), as a float32 Trainee.
+def build(init_dir: Path, seed: int, records: list[dict], word_consistent: bool = False,
+          init: str = "factory", rope_theta: float | None = None) -> Trainee:
+    """A float32 Trainee of the factory's model (config, tokenizer and template written once
+    into ``init_dir``), starting from the factory's random weights (``init="factory"``) or from
+    transformers' own initialization of the architecture (``init="hf"``).
+
+    Why "hf": the factory's weights are mlx's default init, made for engine tests (uniform
+    matrices of scale 1/sqrt(fan_in), embeddings of std 1/sqrt(d), jittered norms). From
+    them the demo architecture did not learn to copy a repeated random sequence in 300 steps
+    at a peak lr of 1e-3; from transformers' init (std 0.02, norms at 1) it did in about 250
+    (docs/demo_model.md, run 10).
+
+    ``rope_theta`` replaces the factory's (Qwen3.5's 1e7): with 16 rotary dimensions per head
+    a base of 1e7 leaves attention almost blind to position, and a head that looks at the
+    previous token (half of an induction head) forms later (docs/demo_model.md, run 11).
 
     ``word_consistent`` trains the factory's tokenizer with word-consistent merges on the
     stdlib corpus plus the training dialogues (``mlx_tandem.testing.tokenizer``): a word or
@@ -227,9 +272,16 @@ def build(init_dir: Path, seed: int, records: list[dict], word_consistent: bool 
         make_tiny_model("qwen3_5", init_dir, seed=seed, mtp_layers=1, max_position_embeddings=MAX_POSITIONS,
                         tokenizer_texts=rendered_texts(records) if word_consistent else (),
                         word_consistent_tokenizer=word_consistent, **DEMO_SIZES)
+        if rope_theta:
+            full = json.loads((init_dir / "config.json").read_text())
+            full["text_config"]["rope_parameters"]["rope_theta"] = rope_theta
+            (init_dir / "config.json").write_text(json.dumps(full, indent=2))
     config = json.loads((init_dir / "config.json").read_text())
     trainee = Trainee(Qwen3_5TextConfig(**config["text_config"])).float()
-    trainee.load_hf(load_file(str(init_dir / "model.safetensors")))
+    if init == "factory":
+        trainee.load_hf(load_file(str(init_dir / "model.safetensors")))
+    else:  # the backbone is initialized by transformers already; the MTP head the same way
+        trainee.mtp.apply(trainee.lm._init_weights)
     return trainee
 
 
@@ -263,11 +315,14 @@ def export(final: Path, init_dir: Path, trainee: Trainee) -> None:
               str(final / "model.safetensors"), metadata={"format": "pt"})
 
 
-def learning_rate(step: int, *, peak: float, steps: int) -> float:
-    """Linear warmup, then cosine decay to a tenth of the peak."""
-    warmup = min(100, steps // 10 + 1)
-    if step < warmup:
-        return 1e-5 + (peak - 1e-5) * step / warmup
+def learning_rate(step: int, *, peak: float, steps: int, constant: int = 0) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak. With ``constant`` (the copy
+    warm-up's steps) the peak holds from the first step to there instead of the warmup: an
+    induction head was measured to form at a constant 1e-3, and later behind a ramp."""
+    warmup = 0 if constant else min(100, steps // 10 + 1)
+    if step < max(warmup, constant):
+        return peak if constant else 1e-5 + (peak - 1e-5) * step / warmup
+    warmup = max(warmup, constant)
     t = min(1.0, (step - warmup) / max(1, steps - warmup))
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
@@ -280,8 +335,16 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-len", type=int, default=640)  # tool dialogues: ~130 tokens of template instructions + ~100 per tool
     p.add_argument("--n-dialogues", type=int, default=40000)
+    p.add_argument("--mix", choices=("v2", "made_up"), default="v2",
+                   help="training mix of demo_data.py (made_up: most tool dialogues on made-up tools, run 12)")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--rope-theta", type=float, default=None, help="RoPE base (default: the factory's, 1e7)")
+    p.add_argument("--copy-warmup-length", type=int, default=64, help="tokens per copy warm-up sequence")
+    p.add_argument("--init", choices=("factory", "hf"), default="factory",
+                   help="initial weights: the factory's (mlx default init) or transformers' own")
     p.add_argument("--mtp-weight", type=float, default=0.5)
+    p.add_argument("--copy-warmup-steps", type=int, default=0,
+                   help="first steps on copied random spans (scripts/copy_drills.py) instead of dialogues")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--word-consistent-tokenizer", action="store_true",
@@ -293,10 +356,10 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)
     init_dir, ckpt, final = args.out / "init", args.out / "checkpoint", args.out / "final"
-    records = load_records(args.out / "data.jsonl", args.n_dialogues, args.seed)
-    trainee = build(init_dir, args.seed, records, args.word_consistent_tokenizer)
+    records = load_records(args.out / "data.jsonl", args.n_dialogues, args.seed, args.mix)
+    trainee = build(init_dir, args.seed, records, args.word_consistent_tokenizer, args.init, args.rope_theta)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
-    examples = load_examples(tokenizer, records, args.max_len)
+    examples = load_examples(tokenizer, records, args.max_len, args.out / "examples.json")
     n_params = sum(p.numel() for p in trainee.parameters())
     logger.info("%.2fM parameters (%.1f MB in fp16)", n_params / 1e6, n_params * 2 / 2**20)
 
@@ -304,7 +367,10 @@ def main(argv=None) -> int:
     step = load_checkpoint(ckpt, trainee, opt)
     if step:
         logger.info("resumed at step %d", step)
-    data = batches(examples, args.batch, args.seed, tokenizer.pad_token_id or 0)
+    vocab = len(tokenizer) - len(tokenizer.added_tokens_decoder)  # plain tokens, no markup
+    data = itertools.chain(copy_warmup_batches(args.copy_warmup_steps, args.batch, args.seed, vocab,
+                                               args.copy_warmup_length),
+                           batches(examples, args.batch, args.seed, tokenizer.pad_token_id or 0))
     for _ in range(step):  # the same batch sequence as an uninterrupted run
         next(data)
     bar = tqdm(total=args.steps, initial=step, desc="training", unit="step")
@@ -313,7 +379,7 @@ def main(argv=None) -> int:
     while step < args.steps:
         tokens, mask = next(data)
         for group in opt.param_groups:
-            group["lr"] = learning_rate(step, peak=args.lr, steps=args.steps)
+            group["lr"] = learning_rate(step, peak=args.lr, steps=args.steps, constant=args.copy_warmup_steps)
         t0 = time.perf_counter()
         main_loss, mtp_loss = trainee.losses(tokens, mask)
         loss = main_loss + args.mtp_weight * mtp_loss

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_demo_model.py"
 
@@ -66,15 +67,20 @@ def _mlx_logits(final: Path, ids: np.ndarray):
     return np.array(lm.lm_head(h)[0]), np.array(lm.lm_head(mtp)[0])
 
 
-def test_train_resume_export(tmp_path):
+# The second run resumes inside the copy warm-up (steps 0-1) and ends in the dialogues.
+WARMUP = ("--copy-warmup-steps", "2", "--copy-warmup-length", "48", "--init", "hf", "--rope-theta", "10000")
+
+
+@pytest.mark.parametrize("options", [(), WARMUP], ids=["defaults", "copy-warmup-hf-init-theta"])
+def test_train_resume_export(tmp_path, options):
     from mlx_tandem import Engine
 
     resumed, straight = tmp_path / "resumed", tmp_path / "straight"
-    _run(resumed, 1)
+    _run(resumed, 1, *options)
     assert json.loads((resumed / "checkpoint" / "state.json").read_text()) == {"step": 1}
-    log = _run(resumed, 3)
+    log = _run(resumed, 3, *options)
     assert "resumed at step 1" in log
-    _run(straight, 3)
+    _run(straight, 3, *options)
 
     # A resumed run ends with exactly the weights of an uninterrupted one.
     final = resumed / "final"
@@ -86,6 +92,8 @@ def test_train_resume_export(tmp_path):
     assert any(k.startswith("mtp.") for k in weights)
     assert all(v.dtype == mx.float16 for v in weights.values())
     assert (final / "model.safetensors").stat().st_size < 25 * 2**20
+    theta = json.loads((final / "config.json").read_text())["text_config"]["rope_parameters"]["rope_theta"]
+    assert theta == (10000 if options else 1e7)
 
     # MLX computes what PyTorch trained: backbone and MTP head, over a sequence long enough
     # for several GatedDeltaNet chunks.
@@ -108,7 +116,7 @@ def test_word_consistent_tokenizer_option(tmp_path):
     inside words only: a word splits the same after a space as alone."""
     from transformers import AutoTokenizer
 
-    from mlx_tandem.default_model import packaged_model_path
+    from mlx_tandem.testing.factory import make_tiny_model
 
     _run(tmp_path, 1, "--word-consistent-tokenizer")
     tok = AutoTokenizer.from_pretrained(tmp_path / "init")
@@ -116,7 +124,8 @@ def test_word_consistent_tokenizer_option(tmp_path):
     word = max((w for r in records for m in r["messages"] for w in (m.get("content") or "").split()
                 if w.isalpha()), key=len)
     assert tok.encode(" " + word) == tok.encode(" ") + tok.encode(word)
-    plain = AutoTokenizer.from_pretrained(packaged_model_path())  # the plain factory tokenizer
+    make_tiny_model("qwen3_5", tmp_path / "plain", seed=0)
+    plain = AutoTokenizer.from_pretrained(tmp_path / "plain")  # the plain factory tokenizer
     # The dialogues are in its corpus: the run's own text takes fewer tokens than with the plain tokenizer.
     text = "\n".join(_trainer_module().rendered_texts(records))
     assert len(tok.encode(text)) < len(plain.encode(text))

@@ -13,7 +13,11 @@ draws the held-out ones. The two side by side tell a skill from memorized tools.
   the likeliest among the names still possible), with the rate of a random pick beside it;
   split into requests that spell the function's name out ("generic") and the rest ("domain");
 - arguments: every token of the right call's arguments is the model's argmax, given the
-  dialogue up to it (teacher-forced, so a stricter measure than the engine's free decoding).
+  dialogue up to it (teacher-forced, so a stricter measure than the engine's free decoding);
+- copying: 20 random words, " | ", the same 20 words again; the share of the repeat's tokens
+  (after its first two) that are the model's argmax. It needs an induction head, and tells
+  whether one formed and survived (docs/demo_model.md, runs 10-12). The two tokenizers split
+  the words differently, so compare models of the same tokenizer first.
 """
 
 from __future__ import annotations
@@ -106,6 +110,22 @@ def probe(tok, trainee, records: list[dict]) -> dict:
             "args_exact": rate(args_ok), "n_args": len(args_ok)}
 
 
+def repeat_accuracy(tok, trainee, sequences: int = 8, words: int = 20, seed: int = 5) -> float:
+    import random
+
+    from synthetic_tools import vocabulary
+
+    rng, pool = random.Random(seed), sorted(vocabulary())
+    hits = []
+    for _ in range(sequences):
+        text = " ".join(rng.choice(pool) for _ in range(words))
+        ids = tok.encode(text + " | " + text, add_special_tokens=False)
+        start = len(tok.encode(text + " |", add_special_tokens=False)) + 2
+        pred = trainee.lm(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
+        hits += [pred[i - 1].item() == ids[i] for i in range(start, len(ids))]
+    return sum(hits) / len(hits)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", type=Path, help="a training run's --out directory, or a checkpoint directory")
@@ -121,10 +141,12 @@ def main(argv=None) -> int:
         records = [r for r in held_out_examples(args.n, seed=args.seed) if r["kind"] == "tool"]
     with torch.no_grad():
         res = probe(tok, trainee, records)
+        res["copying"] = repeat_accuracy(tok, trainee)
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     print(f"{label} ({args.split}): selection {pct(res['selection'])} of {res['n_selection']} "
           f"(random pick {pct(res['selection_chance'])}; generic {pct(res['selection_generic'])}, "
-          f"domain {pct(res['selection_domain'])}); arguments exact {pct(res['args_exact'])} of {res['n_args']}")
+          f"domain {pct(res['selection_domain'])}); arguments exact {pct(res['args_exact'])} of {res['n_args']}; "
+          f"copying {pct(res['copying'])}")
     return 0
 
 

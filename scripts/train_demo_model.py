@@ -163,7 +163,7 @@ def batches(examples, batch_size: int, seed: int, pad_id: int):
                 yield torch.from_numpy(tok), torch.from_numpy(msk)
 
 
-def copy_warmup_batches(steps: int, batch_size: int, seed: int, vocab: int, length: int = 128):
+def copy_warmup_batches(steps: int, batch_size: int, seed: int, vocab: int, length: int = 64):
     """``steps`` batches of a random span followed by itself (``copy_drills.py``): dense copying
     first, so an induction head forms before the dialogues, which carry little copying. Half a
     sequence, then its repeat: the setting in which one was measured to form (run 12); with
@@ -253,11 +253,11 @@ def build(init_dir: Path, seed: int, records: list[dict], word_consistent: bool 
     matrices of scale 1/sqrt(fan_in), embeddings of std 1/sqrt(d), jittered norms). From
     them the demo architecture did not learn to copy a repeated random sequence in 300 steps
     at a peak lr of 1e-3; from transformers' init (std 0.02, norms at 1) it did in about 250
-    (docs/demo_model.md, run 10).
+    (the table in docs/demo_model.md, run 12's entry).
 
     ``rope_theta`` replaces the factory's (Qwen3.5's 1e7): with 16 rotary dimensions per head
     a base of 1e7 leaves attention almost blind to position, and a head that looks at the
-    previous token (half of an induction head) forms later (docs/demo_model.md, run 11).
+    previous token (half of an induction head) forms later (the same table).
 
     ``word_consistent`` trains the factory's tokenizer with word-consistent merges on the
     stdlib corpus plus the training dialogues (``mlx_tandem.testing.tokenizer``): a word or

@@ -152,10 +152,6 @@ def _iso_date(rng: random.Random) -> str:
     return (date(2023, 1, 1) + timedelta(days=rng.randint(0, 1500))).isoformat()
 
 
-def _int(rng: random.Random, lo: int, hi: int) -> int:
-    return rng.randint(lo, hi)
-
-
 def _money(rng: random.Random) -> float | int:
     value = round(rng.uniform(1, 2000), rng.choice([0, 1, 2]))
     return int(value) if float(value).is_integer() else value
@@ -357,7 +353,7 @@ class MadeUpTool:
         drawn = [(p, *p.draw(rng, self.noun)) for p in self.params]
         has_ref = self.kind != "search"
         ref = drawn[0][2] if has_ref else ""
-        rest = [d for d in drawn[1:]] if has_ref else list(drawn)
+        rest = drawn[1:] if has_ref else list(drawn)
         if rng.random() < 0.3:
             rng.shuffle(rest)  # not always in the schema's order
         tail = "".join(" " + said for _, _, said, _ in rest if said)

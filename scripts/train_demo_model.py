@@ -4,11 +4,14 @@ with an MTP head, on the dialogues of ``scripts/demo_data.py``.
     python scripts/train_demo_model.py --out build/demo_model            # train (resumes if interrupted)
     python scripts/train_demo_model.py --out build/demo_model --steps 5  # smoke run
 
-The defaults reproduce the shipped model (run 7). Run 12, the experiment that taught argument
-copying but not tool selection (docs/demo_model.md), was::
+The defaults reproduce the shipped model (run 7). Run 13, the experiment with the best tool
+arguments so far, and selection still at chance (docs/demo_model.md), was::
 
-    python scripts/train_demo_model.py --out build/run12 --mix made_up --word-consistent-tokenizer \
-        --init hf --lr 1e-3 --rope-theta 10000 --copy-warmup-steps 400 --steps 3000
+    python scripts/train_demo_model.py --out build/run13 --mix made_up --word-consistent-tokenizer \
+        --init hf --lr 1e-3 --rope-theta 10000 --copy-warmup-steps 400 --lookup-steps 600 \
+        --drill-every 6 --steps 3400
+
+(run 12 was the same without the last three options and with ``--steps 3000``).
 
 Why PyTorch: this is the one place the project trains, and training on CPU is bound by
 elementwise transcendental functions (exp, sigmoid) that MLX's CPU backend runs scalar and
@@ -163,16 +166,46 @@ def batches(examples, batch_size: int, seed: int, pad_id: int):
                 yield torch.from_numpy(tok), torch.from_numpy(msk)
 
 
-def copy_warmup_batches(steps: int, batch_size: int, seed: int, vocab: int, length: int = 64):
-    """``steps`` batches of a random span followed by itself (``copy_drills.py``): dense copying
+LOOKUP_LENGTH = 48  # the longest lookup row is 44 tokens (copy_drills.lookup_batch)
+
+
+def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id: int, copy_steps: int = 0,
+                     copy_length: int = 64, lookup_steps: int = 0, drill_every: int = 0):
+    """Every step's (tokens, mask), in order: ``copy_steps`` of copy drills, ``lookup_steps`` of
+    lookup drills, then the dialogues, every ``drill_every``-th of them replaced by a drill
+    (copy and lookup in turn). All drawn from ``seed``, so a resumed run replays the same.
+
+    Copy drills (``copy_drills.repeat_batch``): a random span, then itself. Dense copying
     first, so an induction head forms before the dialogues, which carry little copying. Half a
     sequence, then its repeat: the setting in which one was measured to form (run 12); with
-    shorter spans of 16-32 tokens none had formed by step 300 (run 11)."""
-    from copy_drills import repeat_batch
+    shorter spans of 16-32 tokens none had formed by step 300 (run 11).
+
+    Lookup drills (``copy_drills.lookup_batch``): pick the listed entry that a query quotes
+    part of, and write it out; tool selection on random ids, so it can only be learned as
+    matching, never as recall of known tools (runs 3-12 learned recall). The drills in the
+    dialogue phase keep both skills trained while the dialogues teach the format.
+    """
+    from copy_drills import lookup_batch, repeat_batch
 
     generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        yield repeat_batch(generator, 2 * batch_size, length, 0, vocab, span=(length // 2, length // 2))
+    marks = (vocab - 4, vocab - 3, vocab - 2, vocab - 1)
+
+    def copy():
+        return repeat_batch(generator, 2 * batch_size, copy_length, 0, vocab, span=(copy_length // 2,) * 2)
+
+    def lookup():
+        return lookup_batch(generator, 4 * batch_size, LOOKUP_LENGTH, 0, vocab - 4, marks)[:2]
+
+    for _ in range(copy_steps):
+        yield copy()
+    for _ in range(lookup_steps):
+        yield lookup()
+    dialogues = batches(examples, batch_size, seed, pad_id)
+    for i in itertools.count():
+        if drill_every and i % drill_every == drill_every - 1:
+            yield copy() if (i // drill_every) % 2 == 0 else lookup()
+        else:
+            yield next(dialogues)
 
 
 # ---------------------------------------------------------------------- model
@@ -316,9 +349,10 @@ def export(final: Path, init_dir: Path, trainee: Trainee) -> None:
 
 
 def learning_rate(step: int, *, peak: float, steps: int, constant: int = 0) -> float:
-    """Linear warmup, then cosine decay to a tenth of the peak. With ``constant`` (the copy
-    warm-up's steps) the peak holds from the first step to there instead of the warmup: an
-    induction head was measured to form at a constant 1e-3, and later behind a ramp."""
+    """Linear warmup, then cosine decay to a tenth of the peak. With ``constant`` (the drill
+    warm-up's steps, copy and lookup) the peak holds from the first step to there instead of
+    the warmup: an induction head was measured to form at a constant 1e-3, and later behind a
+    ramp."""
     warmup = 0 if constant else min(100, steps // 10 + 1)
     if step < max(warmup, constant):
         return peak if constant else 1e-5 + (peak - 1e-5) * step / warmup
@@ -345,6 +379,10 @@ def main(argv=None) -> int:
     p.add_argument("--mtp-weight", type=float, default=0.5)
     p.add_argument("--copy-warmup-steps", type=int, default=0,
                    help="first steps on copied random spans (scripts/copy_drills.py) instead of dialogues")
+    p.add_argument("--lookup-steps", type=int, default=0,
+                   help="steps of lookup drills (scripts/copy_drills.py) after the copy warm-up, at its constant lr")
+    p.add_argument("--drill-every", type=int, default=0,
+                   help="in the dialogue phase, make every Nth step a drill (copy and lookup in turn)")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--word-consistent-tokenizer", action="store_true",
@@ -368,9 +406,10 @@ def main(argv=None) -> int:
     if step:
         logger.info("resumed at step %d", step)
     vocab = len(tokenizer) - len(tokenizer.added_tokens_decoder)  # plain tokens, no markup
-    data = itertools.chain(copy_warmup_batches(args.copy_warmup_steps, args.batch, args.seed, vocab,
-                                               args.copy_warmup_length),
-                           batches(examples, args.batch, args.seed, tokenizer.pad_token_id or 0))
+    data = training_batches(examples, batch_size=args.batch, seed=args.seed, vocab=vocab,
+                            pad_id=tokenizer.pad_token_id or 0, copy_steps=args.copy_warmup_steps,
+                            copy_length=args.copy_warmup_length, lookup_steps=args.lookup_steps,
+                            drill_every=args.drill_every)
     for _ in range(step):  # the same batch sequence as an uninterrupted run
         next(data)
     bar = tqdm(total=args.steps, initial=step, desc="training", unit="step")
@@ -379,7 +418,8 @@ def main(argv=None) -> int:
     while step < args.steps:
         tokens, mask = next(data)
         for group in opt.param_groups:
-            group["lr"] = learning_rate(step, peak=args.lr, steps=args.steps, constant=args.copy_warmup_steps)
+            group["lr"] = learning_rate(step, peak=args.lr, steps=args.steps,
+                                        constant=args.copy_warmup_steps + args.lookup_steps)
         t0 = time.perf_counter()
         main_loss, mtp_loss = trainee.losses(tokens, mask)
         loss = main_loss + args.mtp_weight * mtp_loss

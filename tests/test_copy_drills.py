@@ -69,3 +69,55 @@ def test_about_half_the_tokens_are_scored_and_batches_follow_the_seed():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(a[0], c[0])
     assert 0.4 < a[1].mean().item() <= 0.5
+
+
+MARKS = (2000, 2001, 2002, 2003)
+
+
+def _lookup_rows(seed: int, batch: int = 64):
+    tokens, mask, starts = cd.lookup_batch(torch.Generator().manual_seed(seed), batch, 48, 0, 2000, MARKS)
+    e, q, a, end = MARKS
+    for row in range(batch):
+        ids = tokens[row].tolist()
+        s = int(starts[row])
+        scored = [i for i, m in enumerate(mask[row].tolist()) if m]
+        answer = ids[s: scored[-1] + 1]
+        assert scored == list(range(s, s + len(answer))) and answer[-1] == end  # the answer and END only
+        head, query = ids[: ids.index(q)], ids[ids.index(q) + 1: s - 2]
+        assert ids[s - 2: s] == [a, e]  # the call opens with the entry mark, as a tool call with {"name": "
+        entries, cur = [], None
+        for t in head:
+            if t == e:
+                cur = []
+                entries.append(cur)
+            else:
+                cur.append(t)
+        yield entries, query, answer[:-1]
+
+
+def _quotes(query: list[int], entry: list[int]) -> int:
+    """The longest run of the entry's tokens that the query contains."""
+    return max((j - i for i in range(len(entry)) for j in range(i + 1, len(entry) + 1)
+                if any(query[k: k + j - i] == entry[i:j] for k in range(len(query)))), default=0)
+
+
+def test_the_lookup_answer_is_the_listed_entry_the_query_quotes_most_of():
+    decoys = 0
+    for entries, query, answer in _lookup_rows(0, 256):
+        assert 2 <= len(entries) <= 5 and all(2 <= len(x) <= 4 for x in entries)
+        assert answer in entries and all(0 <= t < 2000 for x in entries for t in x)
+        best = _quotes(query, answer)
+        assert best >= 1
+        others = [_quotes(query, x) for x in entries if x is not answer and x != answer]
+        # No other entry is quoted as much, so the answer is never a guess.
+        assert all(o < best for o in others if o), (entries, query, answer)
+        decoys += any(set(x) & set(answer) for x in entries if x != answer)
+    assert 0.3 < decoys / 256 < 0.7  # about half the rows have a decoy sharing a token
+
+
+def test_lookup_batches_follow_the_seed():
+    a = cd.lookup_batch(torch.Generator().manual_seed(1), 8, 48, 0, 2000, MARKS)
+    b = cd.lookup_batch(torch.Generator().manual_seed(1), 8, 48, 0, 2000, MARKS)
+    c = cd.lookup_batch(torch.Generator().manual_seed(2), 8, 48, 0, 2000, MARKS)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0])

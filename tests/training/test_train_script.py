@@ -67,20 +67,23 @@ def _mlx_logits(final: Path, ids: np.ndarray):
     return np.array(lm.lm_head(h)[0]), np.array(lm.lm_head(mtp)[0])
 
 
-# The second run resumes inside the copy warm-up (steps 0-1) and ends in the dialogues.
-WARMUP = ("--copy-warmup-steps", "2", "--copy-warmup-length", "48", "--init", "hf", "--rope-theta", "10000")
+# The second run resumes inside the warm-up (a copy step, then a lookup step) and goes on
+# through a dialogue step and a drill step.
+WARMUP = ("--copy-warmup-steps", "1", "--lookup-steps", "1", "--drill-every", "2", "--copy-warmup-length", "48",
+          "--init", "hf", "--rope-theta", "10000")
 
 
-@pytest.mark.parametrize("options", [(), WARMUP], ids=["defaults", "copy-warmup-hf-init-theta"])
+@pytest.mark.parametrize("options", [(), WARMUP], ids=["defaults", "drills-hf-init-theta"])
 def test_train_resume_export(tmp_path, options):
     from mlx_tandem import Engine
 
     resumed, straight = tmp_path / "resumed", tmp_path / "straight"
+    steps = 4 if options else 3
     _run(resumed, 1, *options)
     assert json.loads((resumed / "checkpoint" / "state.json").read_text()) == {"step": 1}
-    log = _run(resumed, 3, *options)
+    log = _run(resumed, steps, *options)
     assert "resumed at step 1" in log
-    _run(straight, 3, *options)
+    _run(straight, steps, *options)
 
     # A resumed run ends with exactly the weights of an uninterrupted one.
     final = resumed / "final"
@@ -129,3 +132,34 @@ def test_word_consistent_tokenizer_option(tmp_path):
     # The dialogues are in its corpus: the run's own text takes fewer tokens than with the plain tokenizer.
     text = "\n".join(_trainer_module().rendered_texts(records))
     assert len(tok.encode(text)) < len(plain.encode(text))
+
+
+def test_training_batches_schedule():
+    """Copy drills, then lookup drills, then the dialogues with every Nth step a drill (copy
+    and lookup in turn); with no drills asked for, exactly the dialogue batches."""
+    import torch
+
+    T = _trainer_module()
+    rng = np.random.default_rng(0)
+    examples = [(rng.integers(10, 500, n).tolist(), [1] * n) for n in rng.integers(20, 60, 40)]
+
+    def take(n, **kw):
+        data = T.training_batches(examples, batch_size=4, seed=3, vocab=1000, pad_id=0, **kw)
+        return [next(data) for _ in range(n)]
+
+    plain = take(6)
+    dialogues = T.batches(examples, 4, 3, 0)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(plain, dialogues))
+
+    mixed = take(10, copy_steps=2, copy_length=32, lookup_steps=1, drill_every=3)
+    kinds = ["copy" if t.shape == (8, 32) else "lookup" if t.shape == (16, T.LOOKUP_LENGTH) else "dialogue"
+             for t, _ in mixed]
+    assert kinds == ["copy", "copy", "lookup", "dialogue", "dialogue", "copy", "dialogue", "dialogue", "lookup",
+                     "dialogue"]
+    # The dialogues are the same batches, in the same order, as without drills.
+    assert all(torch.equal(t, p[0]) for (t, _), p in zip([b for b, k in zip(mixed, kinds) if k == "dialogue"], plain))
+    # The lookup marks are the last four plain tokens; the drills draw from the seed.
+    lookup = mixed[2][0]
+    assert lookup.max() <= 999 and (lookup == 996).any()
+    again = take(10, copy_steps=2, copy_length=32, lookup_steps=1, drill_every=3)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(mixed, again))

@@ -17,7 +17,11 @@ draws the held-out ones. The two side by side tell a skill from memorized tools.
 - copying: 20 random words, " | ", the same 20 words again; the share of the repeat's tokens
   (after its first two) that are the model's argmax. It needs an induction head, and tells
   whether one formed and survived (docs/demo_model.md, runs 10-12). The two tokenizers split
-  the words differently, so compare models of the same tokenizer first.
+  the words differently, so compare models of the same tokenizer first;
+- lookup: the trainer's lookup drill (``copy_drills.lookup_batch``: pick the listed entry of
+  random ids that a query quotes part of), the share of rows whose answer's first token is the
+  model's argmax, with a random pick among the listed entries beside it. Selection without
+  any word the model could know (run 13).
 """
 
 from __future__ import annotations
@@ -126,6 +130,19 @@ def repeat_accuracy(tok, trainee, sequences: int = 8, words: int = 20, seed: int
     return sum(hits) / len(hits)
 
 
+def lookup_accuracy(tok, trainee, rows: int = 256, seed: int = 5) -> tuple[float, float]:
+    """(first token of the answer right, a random pick among the listed entries) on lookup drills."""
+    from copy_drills import lookup_batch
+
+    vocab = len(tok) - len(tok.added_tokens_decoder)
+    marks = (vocab - 4, vocab - 3, vocab - 2, vocab - 1)  # as train_demo_model.training_batches
+    tokens, _, starts = lookup_batch(torch.Generator().manual_seed(seed), rows, T.LOOKUP_LENGTH, 0, vocab - 4, marks)
+    pred = trainee.lm(input_ids=tokens).logits.argmax(-1)
+    hits = [pred[r, starts[r] - 1].item() == tokens[r, starts[r]].item() for r in range(rows)]
+    listed = [(tokens[r, : starts[r] - 2] == marks[0]).sum().item() for r in range(rows)]
+    return sum(hits) / rows, sum(1 / k for k in listed) / rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", type=Path, help="a training run's --out directory, or a checkpoint directory")
@@ -142,11 +159,12 @@ def main(argv=None) -> int:
     with torch.no_grad():
         res = probe(tok, trainee, records)
         res["copying"] = repeat_accuracy(tok, trainee)
+        res["lookup"], res["lookup_chance"] = lookup_accuracy(tok, trainee)
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     print(f"{label} ({args.split}): selection {pct(res['selection'])} of {res['n_selection']} "
           f"(random pick {pct(res['selection_chance'])}; generic {pct(res['selection_generic'])}, "
           f"domain {pct(res['selection_domain'])}); arguments exact {pct(res['args_exact'])} of {res['n_args']}; "
-          f"copying {pct(res['copying'])}")
+          f"copying {pct(res['copying'])}; lookup {pct(res['lookup'])} (random pick {pct(res['lookup_chance'])})")
     return 0
 
 

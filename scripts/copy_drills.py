@@ -46,9 +46,9 @@ def lookup_batch(generator: torch.Generator, batch: int, length: int, low: int, 
 
     A row is ``E e1 E e2 ... Q query A E answer END``, as a tool list is ``{"name": "n1 ...
     {"name": "n2`` and the call ``<tool_call> {"name": "answer``: 2-5 entries of 2-4 tokens,
-    each after the mark ``E``; a query of unlisted filler tokens around a run of one entry's tokens (any
-    part of it, as "vowels" is part of ``count_vowels``); then ``A E``, that whole entry and
-    ``END`` (the mask: the answer and END). Half of the rows have a decoy entry that shares one
+    each after the mark ``E``; a query of unlisted filler tokens around a run of one entry's
+    tokens (any part of it, as "vowels" is part of ``count_vowels``); then ``A E``, that whole
+    entry and ``END`` (the mask: the answer and END). Half of the rows have a decoy entry that shares one
     token with the target: one of the run's when the run is longer than one (so the entry with
     the whole run in it is the answer), else one outside it. ``marks`` are the ids of E, Q, A
     and END, outside [low, high)."""

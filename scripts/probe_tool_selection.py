@@ -135,7 +135,7 @@ def lookup_accuracy(tok, trainee, rows: int = 256, seed: int = 5) -> tuple[float
     from copy_drills import lookup_batch
 
     vocab = len(tok) - len(tok.added_tokens_decoder)
-    marks = (vocab - 4, vocab - 3, vocab - 2, vocab - 1)  # as train_demo_model.training_batches
+    marks = T.lookup_marks(vocab)
     tokens, _, starts = lookup_batch(torch.Generator().manual_seed(seed), rows, T.LOOKUP_LENGTH, 0, vocab - 4, marks)
     pred = trainee.lm(input_ids=tokens).logits.argmax(-1)
     hits = [pred[r, starts[r] - 1].item() == tokens[r, starts[r]].item() for r in range(rows)]

@@ -169,6 +169,12 @@ def batches(examples, batch_size: int, seed: int, pad_id: int):
 LOOKUP_LENGTH = 48  # the longest lookup row is 44 tokens (copy_drills.lookup_batch)
 
 
+def lookup_marks(vocab: int) -> tuple[int, int, int, int]:
+    """The ids of the lookup drill's marks (E, Q, A, END): the last four plain tokens, so the
+    drill's random ids are drawn below ``vocab - 4``."""
+    return vocab - 4, vocab - 3, vocab - 2, vocab - 1
+
+
 def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id: int, copy_steps: int = 0,
                      copy_length: int = 64, lookup_steps: int = 0, drill_every: int = 0):
     """Every step's (tokens, mask), in order: ``copy_steps`` of copy drills, ``lookup_steps`` of
@@ -188,7 +194,7 @@ def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id
     from copy_drills import lookup_batch, repeat_batch
 
     generator = torch.Generator().manual_seed(seed)
-    marks = (vocab - 4, vocab - 3, vocab - 2, vocab - 1)
+    marks = lookup_marks(vocab)
 
     def copy():
         return repeat_batch(generator, 2 * batch_size, copy_length, 0, vocab, span=(copy_length // 2,) * 2)

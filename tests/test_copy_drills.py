@@ -108,7 +108,7 @@ def test_the_lookup_answer_is_the_listed_entry_the_query_quotes_most_of():
         assert answer in entries and all(0 <= t < 2000 for x in entries for t in x)
         best = _quotes(query, answer)
         assert best >= 1
-        others = [_quotes(query, x) for x in entries if x is not answer and x != answer]
+        others = [_quotes(query, x) for x in entries if x != answer]
         # No other entry is quoted as much, so the answer is never a guess.
         assert all(o < best for o in others if o), (entries, query, answer)
         decoys += any(set(x) & set(answer) for x in entries if x != answer)

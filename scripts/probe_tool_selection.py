@@ -7,6 +7,9 @@ Fast enough (about 30 s) to run on a checkpoint while training goes on, which th
 ``eval_demo_model.py`` is not. ``--split train`` draws fresh dialogues from the *training*
 distribution (its tools and phrasings, new values: a seed the run did not use); the default
 draws the held-out ones. The two side by side tell a skill from memorized tools.
+``--split made_up`` draws fresh dialogues over made-up tools (``synthetic_tools``, the
+``--mix made_up`` training dialogues): tools no run has seen, in the training distribution, so
+selection there is matching the request against the list, in-distribution (run 14).
 
 - selection: on requests that list two or more tools, the name that greedy decoding takes when
   held to the listed names, as the engine's lazy tool-call grammar holds it (at each token,
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -39,7 +43,7 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 import train_demo_model as T  # noqa: E402
-from demo_data import generate, held_out_examples  # noqa: E402
+from demo_data import generate, held_out_examples, made_up_dialogue  # noqa: E402
 
 FRESH_TRAIN_SEED = 12345  # not a seed a training run uses
 
@@ -114,9 +118,17 @@ def probe(tok, trainee, records: list[dict]) -> dict:
             "args_exact": rate(args_ok), "n_args": len(args_ok)}
 
 
-def repeat_accuracy(tok, trainee, sequences: int = 8, words: int = 20, seed: int = 5) -> float:
-    import random
+def made_up_records(n: int, seed: int) -> list[dict]:
+    """``n`` fresh tool dialogues over made-up tools, the right tool anywhere in the list."""
+    rng, records = random.Random(seed), []
+    for _ in range(n):
+        tools, msgs = made_up_dialogue(rng)
+        rng.shuffle(tools)
+        records.append({"kind": "tool", "messages": msgs, "tools": tools})
+    return records
 
+
+def repeat_accuracy(tok, trainee, sequences: int = 8, words: int = 20, seed: int = 5) -> float:
     from synthetic_tools import vocabulary
 
     rng, pool = random.Random(seed), sorted(vocabulary())
@@ -146,7 +158,7 @@ def lookup_accuracy(tok, trainee, rows: int = 256, seed: int = 5) -> tuple[float
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", type=Path, help="a training run's --out directory, or a checkpoint directory")
-    ap.add_argument("--split", choices=("held_out", "train"), default="held_out")
+    ap.add_argument("--split", choices=("held_out", "train", "made_up"), default="held_out")
     ap.add_argument("--n", type=int, default=300, help="dialogues drawn (tool dialogues are about a third)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
@@ -154,6 +166,8 @@ def main(argv=None) -> int:
     tok, trainee, label = load(args.path)
     if args.split == "train":
         records = generate(args.n, seed=FRESH_TRAIN_SEED + args.seed, kinds=["tool"])
+    elif args.split == "made_up":
+        records = made_up_records(args.n // 3, FRESH_TRAIN_SEED + args.seed)
     else:
         records = [r for r in held_out_examples(args.n, seed=args.seed) if r["kind"] == "tool"]
     with torch.no_grad():

@@ -163,3 +163,21 @@ def test_training_batches_schedule():
     assert lookup.max() <= 999 and (lookup == 996).any()
     again = take(10, copy_steps=2, copy_length=32, lookup_steps=1, drill_every=3)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(mixed, again))
+
+
+def test_probe_made_up_split():
+    """The probe's made-up split: fresh dialogues over tools from ``synthetic_tools``, each
+    calling a listed tool, the right one not always listed first, the same for the same seed."""
+    spec = importlib.util.spec_from_file_location("probe_tool_selection", SCRIPT.parent / "probe_tool_selection.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+
+    records = probe.made_up_records(60, seed=7)
+    assert records == probe.made_up_records(60, seed=7) and len(records) == 60
+    firsts = []
+    for r in records:
+        listed = [t["function"]["name"] for t in r["tools"]]
+        calls = [c["function"]["name"] for m in r["messages"] for c in m.get("tool_calls") or []]
+        assert calls and set(calls) <= set(listed)
+        firsts.append(listed.index(calls[0]))
+    assert max(firsts) > 0  # shuffled: a model cannot learn "the first listed"

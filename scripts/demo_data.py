@@ -907,11 +907,12 @@ def _no_tool_turn(rng: random.Random, split: str) -> list[dict]:
     return [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]
 
 
-def made_up_dialogue(rng: random.Random) -> tuple[list[dict], list[dict]]:
+def made_up_dialogue(rng: random.Random, nonce: float = 0.0) -> tuple[list[dict], list[dict]]:
     """Training only: (tools, messages) over 1-4 never-seen tools (``synthetic_tools``): a
     request for one of them, then up to three more requests against the same list, each for
-    whichever tool it needs, and now and then a question that needs none."""
-    listed = synthetic_tools.tool_set(rng, rng.choices([1, 2, 3, 4], [0.2, 0.4, 0.3, 0.1])[0])
+    whichever tool it needs, and now and then a question that needs none. ``nonce``: the share
+    of tools about a made-up thing (``synthetic_tools.nonce_noun``)."""
+    listed = synthetic_tools.tool_set(rng, rng.choices([1, 2, 3, 4], [0.2, 0.4, 0.3, 0.1])[0], nonce)
     tools = [t.schema() for t in listed]
     msgs: list[dict] = []
     for turn in range(1 + rng.choices([0, 1, 2, 3], [0.35, 0.35, 0.2, 0.1])[0]):
@@ -927,11 +928,13 @@ def made_up_dialogue(rng: random.Random) -> tuple[list[dict], list[dict]]:
 
 @dataclass(frozen=True)
 class Mix:
-    """The shares of a generated set: of each kind, of each kind of tool dialogue, and of the
-    no-tool dialogues that list made-up tools instead of pool tools."""
+    """The shares of a generated set: of each kind, of each kind of tool dialogue, of the
+    no-tool dialogues that list made-up tools instead of pool tools, and of made-up tools about
+    a made-up thing."""
     kinds: dict
     tool_modes: dict
     made_up_none: float = 0.0
+    nonce_nouns: float = 0.0
 
 
 # Training mixes (``generate(mix=...)``). Both lean on tool use: its dialogues carry the skills a
@@ -944,6 +947,10 @@ TRAIN_MIXES = {
               {"domain": 0.55, "generic": 0.25, "none": 0.20}),
     "made_up": Mix({"stdlib_qa": 0.16, "arith": 0.11, "units": 0.11, "tool": 0.52, "chat": 0.10},
                    {"made_up": 0.45, "domain": 0.25, "generic": 0.15, "none": 0.15}, made_up_none=0.5),
+    # made_up, with half of the fresh made-up tools about a made-up thing (run 15)
+    "nonce": Mix({"stdlib_qa": 0.16, "arith": 0.11, "units": 0.11, "tool": 0.52, "chat": 0.10},
+                 {"made_up": 0.45, "domain": 0.25, "generic": 0.15, "none": 0.15}, made_up_none=0.5,
+                 nonce_nouns=0.5),
 }
 DEFAULT_MIX = "v2"
 TRAIN_KIND_WEIGHTS = TRAIN_MIXES[DEFAULT_MIX].kinds
@@ -955,10 +962,10 @@ def tool_record(rng: random.Random, split: str, mix: Mix = EVAL_MIX) -> dict:
     system = _system(rng, split, p=0.25)
     mode = rng.choices(list(mix.tool_modes), list(mix.tool_modes.values()))[0]
     if mode == "made_up":
-        tools, msgs = made_up_dialogue(rng)
+        tools, msgs = made_up_dialogue(rng, mix.nonce_nouns)
     elif mode == "none":  # tools are offered but the question needs none of them
         if mix.made_up_none and rng.random() < mix.made_up_none:
-            tools = [t.schema() for t in synthetic_tools.tool_set(rng, rng.randint(1, 3))]
+            tools = [t.schema() for t in synthetic_tools.tool_set(rng, rng.randint(1, 3), mix.nonce_nouns)]
         else:
             tools = _distractors(rng, pool, "", split) or [_renamed(rng.choice(pool).schema(), rng, split)]
         msgs = _no_tool_turn(rng, split)

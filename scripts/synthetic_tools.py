@@ -432,11 +432,28 @@ _PLURAL = dict(NOUNS)
 def _noun(noun: str | None, rng: random.Random) -> tuple[str, str]:
     if noun is None:
         return rng.choice(NOUNS)
-    return noun, _PLURAL[noun]
+    return noun, _PLURAL.get(noun) or _plural(noun)
 
 
-def random_tool(rng: random.Random) -> MadeUpTool:
-    return rng.choices([lookup_tool, action_tool, search_tool], [0.5, 0.35, 0.15])[0](rng)
+def _plural(noun: str) -> str:
+    return noun + ("es" if noun.endswith(("s", "x")) else "s")
+
+
+def nonce_noun(rng: random.Random) -> str:
+    """A made-up thing ("kazori"): a word no tool, request or evaluation dialogue has used.
+
+    The nouns above are few enough (about 150) that a model can learn each one's tools as
+    associations of that word; a thing never seen before can only be matched, the request's
+    word against the listed names, whatever the word (docs/demo_model.md, run 15)."""
+    taken = vocabulary() | EVAL_CONCEPT_WORDS
+    while True:
+        word = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
+        if word not in taken and _plural(word) not in taken:
+            return word
+
+
+def random_tool(rng: random.Random, noun: str | None = None) -> MadeUpTool:
+    return rng.choices([lookup_tool, action_tool, search_tool], [0.5, 0.35, 0.15])[0](rng, noun)
 
 
 def _neighbour(tool: MadeUpTool, rng: random.Random) -> MadeUpTool:
@@ -460,12 +477,16 @@ def unambiguous_request(tool: MadeUpTool, listed: list[MadeUpTool], rng: random.
             return req
 
 
-def tool_set(rng: random.Random, k: int) -> list[MadeUpTool]:
+def tool_set(rng: random.Random, k: int, nonce: float = 0.0) -> list[MadeUpTool]:
     """``k`` tools with distinct names, no two matched by the same words; about half of them
-    share a word with another tool of the set."""
+    share a word with another tool of the set. A share ``nonce`` of the tools not drawn as
+    neighbours are about a made-up thing (``nonce_noun``) instead of a listed noun."""
     tools: list[MadeUpTool] = []
     while len(tools) < k:
-        cand = _neighbour(rng.choice(tools), rng) if tools and rng.random() < 0.5 else random_tool(rng)
+        if tools and rng.random() < 0.5:
+            cand = _neighbour(rng.choice(tools), rng)
+        else:
+            cand = random_tool(rng, nonce_noun(rng) if nonce and rng.random() < nonce else None)
         if any(cand.name == t.name or cand.words == t.words for t in tools):
             continue
         tools.append(cand)

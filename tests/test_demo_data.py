@@ -206,11 +206,12 @@ def test_made_up_tools_share_no_concept_with_the_evaluation_tools():
     assert eval_words - {"get", "lookup", "count", "code", "next"} <= st.EVAL_CONCEPT_WORDS | {"schedule"}
 
 
-def test_made_up_requests_spell_out_their_arguments_and_match_only_their_tool():
+@pytest.mark.parametrize("nonce", [0.0, 0.7])
+def test_made_up_requests_spell_out_their_arguments_and_match_only_their_tool(nonce):
     rng = random.Random(7)
     kinds = Counter()
     for _ in range(1500):
-        listed = st.tool_set(rng, rng.randint(1, 4))
+        listed = st.tool_set(rng, rng.randint(1, 4), nonce)
         assert len({t.name for t in listed}) == len(listed)
         tool = rng.choice(listed)
         req = st.unambiguous_request(tool, listed, rng)
@@ -244,6 +245,25 @@ def test_the_made_up_mix_leans_on_made_up_tools_and_keeps_the_held_out_split():
     assert not [v for r in records for v in dd.held_out_violations(r)]
     with pytest.raises(ValueError, match="unknown mix"):
         dd.generate(2, mix="nope")
+
+
+def test_nonce_mix_puts_made_up_things_in_made_up_tools():
+    rng, known = random.Random(4), st.vocabulary()
+    # A share of the tools is about a new thing (and so are neighbours that share its noun),
+    # hardly ever the same one twice.
+    tools = [t for _ in range(400) for t in st.tool_set(rng, 3, nonce=0.6)]
+    fresh = [t.noun for t in tools if t.noun not in known]
+    assert 0.3 < len(fresh) / len(tools) < 0.7 and len(set(fresh)) > 300
+    assert not set(fresh) & (known | st.EVAL_CONCEPT_WORDS)
+    assert all(t.noun in known for _ in range(100) for t in st.tool_set(rng, 3))  # off by default
+
+    def unknown_words(records):  # the words of made-up and pool tool names no word list holds
+        names = [t["function"]["name"] for r in records if r["kind"] == "tool" for t in r["tools"]]
+        return {w.lower() for n in names for w in re.split(r"_|(?=[A-Z])", n) if w} - known
+
+    nonce, made_up = dd.generate(600, seed=2, mix="nonce"), dd.generate(600, seed=2, mix="made_up")
+    assert len(unknown_words(nonce)) > len(unknown_words(made_up)) + 50
+    assert not [v for r in nonce for v in dd.held_out_violations(r)]
 
 
 def test_made_up_tools_are_too_many_to_memorize():

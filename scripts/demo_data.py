@@ -42,7 +42,7 @@ import random
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -942,15 +942,13 @@ class Mix:
 # (runs 10-12 in docs/demo_model.md) puts most tool dialogues on made-up tools, the part that
 # cannot be recalled, only read (runs 3-9 learned the hand-written pool as concepts); it
 # taught argument copying but not selection, so it is not the default.
+_MADE_UP = Mix({"stdlib_qa": 0.16, "arith": 0.11, "units": 0.11, "tool": 0.52, "chat": 0.10},
+               {"made_up": 0.45, "domain": 0.25, "generic": 0.15, "none": 0.15}, made_up_none=0.5)
 TRAIN_MIXES = {
     "v2": Mix({"stdlib_qa": 0.18, "arith": 0.12, "units": 0.12, "tool": 0.48, "chat": 0.10},
               {"domain": 0.55, "generic": 0.25, "none": 0.20}),
-    "made_up": Mix({"stdlib_qa": 0.16, "arith": 0.11, "units": 0.11, "tool": 0.52, "chat": 0.10},
-                   {"made_up": 0.45, "domain": 0.25, "generic": 0.15, "none": 0.15}, made_up_none=0.5),
-    # made_up, with half of the fresh made-up tools about a made-up thing (run 15)
-    "nonce": Mix({"stdlib_qa": 0.16, "arith": 0.11, "units": 0.11, "tool": 0.52, "chat": 0.10},
-                 {"made_up": 0.45, "domain": 0.25, "generic": 0.15, "none": 0.15}, made_up_none=0.5,
-                 nonce_nouns=0.5),
+    "made_up": _MADE_UP,
+    "nonce": replace(_MADE_UP, nonce_nouns=0.5),  # half of the fresh made-up tools about a made-up thing
 }
 DEFAULT_MIX = "v2"
 TRAIN_KIND_WEIGHTS = TRAIN_MIXES[DEFAULT_MIX].kinds

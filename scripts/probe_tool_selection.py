@@ -9,7 +9,7 @@ distribution (its tools and phrasings, new values: a seed the run did not use); 
 draws the held-out ones. The two side by side tell a skill from memorized tools.
 ``--split made_up`` draws fresh dialogues over made-up tools (``synthetic_tools``, the
 ``--mix made_up`` training dialogues): tools no run has seen, in the training distribution, so
-selection there is matching the request against the list, in-distribution (run 14).
+selection there is matching the request against the list, in-distribution.
 
 - selection: on requests that list two or more tools, the name that greedy decoding takes when
   held to the listed names, as the engine's lazy tool-call grammar holds it (at each token,

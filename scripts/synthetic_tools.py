@@ -19,6 +19,7 @@ tools stay unseen concepts. Everything is drawn from the caller's ``random.Rando
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -444,8 +445,8 @@ def nonce_noun(rng: random.Random) -> str:
 
     The nouns above are few enough (about 150) that a model can learn each one's tools as
     associations of that word; a thing never seen before can only be matched, the request's
-    word against the listed names, whatever the word (docs/demo_model.md, run 15)."""
-    taken = vocabulary() | EVAL_CONCEPT_WORDS
+    word against the listed names, whatever the word (docs/demo_model.md, ``--mix nonce``)."""
+    taken = _taken_words()
     while True:
         word = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
         if word not in taken and _plural(word) not in taken:
@@ -491,6 +492,11 @@ def tool_set(rng: random.Random, k: int, nonce: float = 0.0) -> list[MadeUpTool]
             continue
         tools.append(cand)
     return tools
+
+
+@functools.cache
+def _taken_words() -> frozenset[str]:
+    return frozenset(vocabulary() | EVAL_CONCEPT_WORDS)
 
 
 def vocabulary() -> set[str]:

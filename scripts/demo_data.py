@@ -49,13 +49,17 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import synthetic_tools  # noqa: E402  - a sibling script module
+import structured_answers  # noqa: E402  - sibling script modules
+import synthetic_tools  # noqa: E402
 
 # Shares of each kind in a generated set; tool use gets the most because it is the skill the
 # adapters' tests exercise and the one with the most surface (names, schemas, phrasings).
 # The evaluation split keeps these shares, so every training run is measured on the same set.
 KIND_WEIGHTS = {"stdlib_qa": 0.22, "arith": 0.16, "units": 0.16, "tool": 0.36, "chat": 0.10}
-KINDS = tuple(KIND_WEIGHTS)
+# "structured" (JSON answers, structured_answers.py) is drawn by the "nonce_json" training
+# mix only; its evaluation set is separate (held_out_structured), so the split above stays
+# byte-identical for every run.
+KINDS = (*KIND_WEIGHTS, structured_answers.KIND)
 
 # ----------------------------------------------------------------------------- held out
 HELD_OUT_TOOL_NAMES = frozenset({
@@ -102,7 +106,7 @@ HELD_OUT_PROMPTS = frozenset({
     "Explain recursion in one sentence.", "Write a haiku about CPUs.",
     "Why is the sky blue? Answer briefly please.", "What is 12 * 7?",
     "Which towns have boats?", "Tell me a long story", "go on for a long time",
-    "still serving", "Use tools.", "Say hi",
+    "still serving", "Use tools.", "Say hi", "Describe a pirate.",
 })
 
 
@@ -950,6 +954,9 @@ TRAIN_MIXES = {
     "made_up": _MADE_UP,
     "nonce": replace(_MADE_UP, nonce_nouns=0.5),  # half of the fresh made-up tools about a made-up thing
 }
+# "nonce" with 8% JSON answers (structured_answers.py), the other kinds scaled to make room.
+TRAIN_MIXES["nonce_json"] = replace(TRAIN_MIXES["nonce"], kinds={
+    **{k: round(w * 0.92, 4) for k, w in TRAIN_MIXES["nonce"].kinds.items()}, structured_answers.KIND: 0.08})
 DEFAULT_MIX = "v2"
 TRAIN_KIND_WEIGHTS = TRAIN_MIXES[DEFAULT_MIX].kinds
 EVAL_MIX = Mix(KIND_WEIGHTS, {"domain": 0.55, "generic": 0.25, "none": 0.20})
@@ -1002,8 +1009,12 @@ _MAKERS = {"stdlib_qa": stdlib_qa, "arith": arith, "units": units, "chat": chat}
 def _record(kind: str, rng: random.Random, split: str, mix: Mix) -> dict:
     # Redraw until clean: a few arithmetic phrasings can coincide with a held-out prompt.
     for _ in range(100):
-        record = tool_record(rng, split, mix) if kind == "tool" else {
-            "kind": kind, "messages": _MAKERS[kind](rng, split), "tools": None}
+        if kind == "tool":
+            record = tool_record(rng, split, mix)
+        elif kind == structured_answers.KIND:
+            record = structured_answers.record(rng, split)
+        else:
+            record = {"kind": kind, "messages": _MAKERS[kind](rng, split), "tools": None}
         if not held_out_violations(record):
             return record
     raise RuntimeError(f"could not draw a clean {kind} record")
@@ -1043,6 +1054,12 @@ def generate(n: int, seed: int = 0, kinds=None, mix: str = DEFAULT_MIX) -> list[
 def held_out_examples(n: int, seed: int = 0) -> list[dict]:
     """``n`` evaluation records from phrasings and tool names that ``generate`` never uses."""
     return _build(n, seed, None, "eval", EVAL_MIX)
+
+
+def held_out_structured(n: int, seed: int = 0) -> list[dict]:
+    """``n`` evaluation JSON-answer records (phrasings and key spellings training never uses),
+    each with the ``schema`` to hold the answer to and the ``scored`` keys."""
+    return _build(n, seed, [structured_answers.KIND], "eval", replace(EVAL_MIX, kinds={structured_answers.KIND: 1.0}))
 
 
 def held_out_test_cases() -> list[dict]:

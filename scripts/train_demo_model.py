@@ -51,6 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
+import structured_answers  # noqa: E402  - a sibling script module
 
 try:
     import torch  # noqa: E402
@@ -96,6 +97,8 @@ def encode_dialogue(tokenizer, record: dict) -> tuple[list[int], list[int]] | No
             return None
         for t in range(len(start), len(end)):
             mask[t] = 1
+        if record.get("kind") == structured_answers.KIND and structured_answers.LOSS_FREE_FIRST_TOKEN:
+            mask[len(start)] = 0  # the engine's grammar opens a JSON answer; the model never should unasked
     return ids, mask
 
 
@@ -375,9 +378,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-len", type=int, default=640)  # tool dialogues: ~130 tokens of template instructions + ~100 per tool
     p.add_argument("--n-dialogues", type=int, default=40000)
-    p.add_argument("--mix", choices=("v2", "made_up", "nonce"), default="v2",
+    p.add_argument("--mix", choices=("v2", "made_up", "nonce", "nonce_json"), default="v2",
                    help="training mix of demo_data.py (made_up: most tool dialogues on made-up tools, run 12; "
-                        "nonce: half of those about made-up things, run 15)")
+                        "nonce: half of those about made-up things, run 15; nonce_json: nonce with 8%% "
+                        "JSON answers, run 16)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--rope-theta", type=float, default=None, help="RoPE base (default: the factory's, 1e7)")
     p.add_argument("--copy-warmup-length", type=int, default=64, help="tokens per copy warm-up sequence")

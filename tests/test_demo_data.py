@@ -68,7 +68,7 @@ def test_cli_writes_the_same_records_in_a_fresh_process(tmp_path):
 # ----------------------------------------------------------------------------- shape
 def test_every_kind_in_its_share(big):
     counts = Counter(r["kind"] for r in big)
-    assert set(counts) == set(dd.KINDS)
+    assert set(counts) == set(dd.KIND_WEIGHTS)
     for kind, weight in dd.TRAIN_KIND_WEIGHTS.items():
         assert abs(counts[kind] - weight * len(big)) <= 1, (kind, counts)
     held = Counter(r["kind"] for r in dd.held_out_examples(1000, seed=0))
@@ -348,10 +348,66 @@ def test_no_held_out_name_or_prompt_in_a_large_training_set(big):
 
 def test_held_out_examples_are_disjoint_from_training(big):
     held = dd.held_out_examples(2000, seed=0)
-    assert {r["kind"] for r in held} == set(dd.KINDS)
+    assert {r["kind"] for r in held} == set(dd.KIND_WEIGHTS)
     train_prompts = {t for r in big for t in texts(r, "user")}
     held_prompts = {t for r in held for t in texts(r, "user")}
     assert not train_prompts & held_prompts
     train_tools = {t["function"]["name"] for r in big for t in r["tools"] or []}
     held_tools = {t["function"]["name"] for r in held for t in r["tools"] or []}
     assert held_tools and not train_tools & held_tools
+
+
+def test_json_answers_fit_their_schema_and_copy_the_request():
+    """The JSON-answer dialogues of the "nonce_json" mix: the answer is one JSON object that
+    its schema accepts, in the schema's key order; every scored value comes from the request
+    (computed for sums and letter counts); training and evaluation share no phrasing."""
+    train = dd.generate(2000, seed=6, mix="nonce_json")
+    structured = [r for r in train if r["kind"] == "structured"]
+    assert len(structured) == 160  # 8%
+    assert Counter(r["kind"] for r in dd.generate(2000, seed=6, mix="nonce"))["tool"] == \
+        pytest.approx(Counter(r["kind"] for r in train)["tool"] / 0.92, abs=2)
+    held = dd.held_out_structured(300, seed=1)
+    for r in structured + held:
+        ask, answer = r["messages"][0]["content"], json.loads(r["messages"][1]["content"])
+        jsonschema.validate(answer, r["schema"])
+        assert list(answer) == list(r["schema"]["properties"])  # the grammar's key order
+        expression = re.search(r"(\d+) ([-+*]) (\d+)", ask)
+        for key in r["scored"]:
+            value = answer[key]
+            if isinstance(value, bool):
+                assert ("sold out" in ask) != value, ask
+            elif isinstance(value, int) and expression:
+                a, op, b = expression.groups()
+                assert value == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+            elif isinstance(value, int) and str(value) not in ask:  # a letter count
+                assert value == len(answer[r["scored"][0]]), (ask, answer)
+            else:
+                assert str(value) in ask, (key, value, ask)
+    train_asks = {r["messages"][0]["content"] for r in structured}
+    held_asks = {r["messages"][0]["content"] for r in held}
+    assert not train_asks & held_asks
+    train_keys = {k for r in structured for k in r["schema"]["properties"]}
+    held_keys = {k for r in held for k in r["schema"]["properties"]}
+    assert held_keys - train_keys  # some key spellings only the evaluation uses
+    assert not [v for r in train for v in dd.held_out_violations(r)]
+    assert "Describe a pirate." not in train_asks
+
+
+def test_the_trainer_puts_no_loss_on_a_json_answers_first_token(tmp_path):
+    """The engine's grammar opens a JSON answer; the model must not learn to open one unasked."""
+    import importlib.util
+
+    from mlx_tandem.testing.factory import make_tiny_model
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.spec_from_file_location("train_demo_model", SCRIPT.parent / "train_demo_model.py")
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    path = make_tiny_model("qwen3_5", tmp_path / "m", seed=0)
+    tok = AutoTokenizer.from_pretrained(path)
+    record = dd.held_out_structured(1, seed=0)[0]
+    ids, mask = trainer.encode_dialogue(tok, record)
+    plain_ids, plain_mask = trainer.encode_dialogue(tok, {**record, "kind": "chat"})
+    assert ids == plain_ids
+    first = plain_mask.index(1)
+    assert mask[first] == 0 and mask[first + 1:] == plain_mask[first + 1:] and sum(mask) == sum(plain_mask) - 1

@@ -12,6 +12,10 @@ prompts concurrently (the engine batches them). Reports:
   none (``tool_call_unwanted``); after the tool result, the answer quotes the result's value;
 - stdlib Q&A: the answer starts with the function's docstring summary;
 - arithmetic and unit conversion: the answer contains the right number;
+- structured output (``response_format`` with a JSON schema, 120 tokens, as the adapters'
+  tests ask): the answer is complete, valid JSON, on held-out JSON-answer requests
+  (``structured_valid``; ``structured_values``: every value the request determines is
+  right) and on common schemas over everyday requests (``structured_valid_common``);
 - MTP: acceptance of the head's drafts on the model's own greedy outputs, depth 1 and 2.
 """
 
@@ -29,7 +33,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx_tandem  # noqa: E402,F401  - OpenBLAS before mlx
 from mlx_tandem import Engine  # noqa: E402
 
-from demo_data import held_out_examples  # noqa: E402
+from demo_data import held_out_examples, held_out_structured  # noqa: E402
+
+# Structured output as users ask for it: schemas like the adapters' tests' (LlamaIndex's
+# Person, langchain-tests' Joke) and a few common ones, over everyday requests.
+_NULLABLE = {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None}
+COMMON_SCHEMAS = {
+    "Person": {"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": "string", "description": "the person's name"}, "age": {"type": "integer"},
+        "nickname": _NULLABLE}},
+    "Joke": {"type": "object", "required": ["setup", "punchline"], "properties": {
+        "setup": {"type": "string"}, "punchline": {"type": "string"}}},
+    "City": {"type": "object", "required": ["city", "country", "population"], "properties": {
+        "city": {"type": "string"}, "country": {"type": "string"}, "population": {"type": "integer"}}},
+    "Answer": {"type": "object", "required": ["answer", "confidence"], "properties": {
+        "answer": {"type": "string"}, "confidence": {"type": "number"}}},
+    "Item": {"type": "object", "required": ["name", "price"], "properties": {
+        "name": {"type": "string"}, "price": {"type": "number"}}},
+}
+COMMON_PROMPTS = ["Describe a pirate.", "Tell me a joke about cats.", "Tell me about Paris.", "What is 2 + 2?",
+                  "Describe Ada Lovelace, aged 36.", "Describe a cheap pencil.", "Give me an example.",
+                  "Who are you?"]
 
 
 def _args(call) -> dict:
@@ -76,7 +100,8 @@ async def evaluate(model, n: int, seed: int) -> dict:
     score: dict[str, list] = {"tool_choice": [], "tool_args": [], "tool_choice_multi": [],
                               "tool_choice_multi_chance": [], "tool_choice_raw": [], "tool_args_raw": [],
                               "tool_call_unwanted": [], "tool_call_unwanted_raw": [], "tool_answer": [],
-                              "stdlib_summary": [], "arith": [], "units": []}
+                              "stdlib_summary": [], "arith": [], "units": [], "structured_valid": [],
+                              "structured_values": [], "structured_valid_common": []}
     follow_ups = []
     for r, k, out in results:
         want = r["messages"][k]
@@ -102,6 +127,25 @@ async def evaluate(model, n: int, seed: int) -> dict:
         return bool(key) and all(x in out.text for x in key[:1])
 
     score["tool_answer"] = list(await asyncio.gather(*(second_turn(r, k) for r, k in follow_ups)))
+
+    async def json_answer(messages, schema):
+        out = await engine.chat(messages, {"max_tokens": 120}, response_format={
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+        try:  # the grammar makes a complete answer valid; an unfinished one is cut mid-value
+            return json.loads(out.text)
+        except ValueError:
+            return None
+
+    structured = held_out_structured(max(n // 5, 20), seed=seed)
+    answers = await asyncio.gather(*(json_answer(r["messages"][:1], r["schema"]) for r in structured))
+    for r, got in zip(structured, answers):
+        want = json.loads(r["messages"][1]["content"])
+        score["structured_valid"].append(got is not None)
+        if r["scored"]:
+            score["structured_values"].append(got is not None and all(got.get(k) == want[k] for k in r["scored"]))
+    common = [([{"role": "user", "content": p}], s) for s in COMMON_SCHEMAS.values() for p in COMMON_PROMPTS]
+    score["structured_valid_common"] = [a is not None for a in
+                                        await asyncio.gather(*(json_answer(m, s) for m, s in common))]
     await engine.close()
 
     # The same first turns of tool dialogues with the raw model: no grammar on calls.

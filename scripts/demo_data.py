@@ -107,6 +107,8 @@ HELD_OUT_PROMPTS = frozenset({
     "Why is the sky blue? Answer briefly please.", "What is 12 * 7?",
     "Which towns have boats?", "Tell me a long story", "go on for a long time",
     "still serving", "Use tools.", "Say hi", "Describe a pirate.",
+    # langchain-tests: JSON mode
+    "Return the result as a JSON with 'setup' and 'punchline' keys.",
 })
 
 
@@ -939,6 +941,7 @@ class Mix:
     tool_modes: dict
     made_up_none: float = 0.0
     nonce_nouns: float = 0.0
+    json_keys_named: float = 0.0  # of JSON answers, the share whose request asks for JSON and names the keys
 
 
 # Training mixes (``generate(mix=...)``). Both lean on tool use: its dialogues carry the skills a
@@ -957,6 +960,11 @@ TRAIN_MIXES = {
 # "nonce" with 8% JSON answers (structured_answers.py), the other kinds scaled to make room.
 TRAIN_MIXES["nonce_json"] = replace(TRAIN_MIXES["nonce"], kinds={
     **{k: round(w * 0.92, 4) for k, w in TRAIN_MIXES["nonce"].kinds.items()}, structured_answers.KIND: 0.08})
+# "nonce_json" with half of the JSON answers asked for by name (JSON mode), and unit
+# conversions back to about v2's count of examples (run 16 had a third fewer: 44% right, v2
+# 66%), taken from the tool dialogues.
+TRAIN_MIXES["nonce_json2"] = replace(TRAIN_MIXES["nonce_json"], json_keys_named=0.5, kinds={
+    **TRAIN_MIXES["nonce_json"].kinds, "units": 0.14, "tool": 0.4396})
 DEFAULT_MIX = "v2"
 TRAIN_KIND_WEIGHTS = TRAIN_MIXES[DEFAULT_MIX].kinds
 EVAL_MIX = Mix(KIND_WEIGHTS, {"domain": 0.55, "generic": 0.25, "none": 0.20})
@@ -1012,7 +1020,7 @@ def _record(kind: str, rng: random.Random, split: str, mix: Mix) -> dict:
         if kind == "tool":
             record = tool_record(rng, split, mix)
         elif kind == structured_answers.KIND:
-            record = structured_answers.record(rng, split)
+            record = structured_answers.record(rng, split, mix.json_keys_named)
         else:
             record = {"kind": kind, "messages": _MAKERS[kind](rng, split), "tools": None}
         if not held_out_violations(record):

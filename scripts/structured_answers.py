@@ -8,12 +8,15 @@ repeats itself inside a string or a number until the budget runs out (``{"name":
 "get_get_get_...``, docs/demo_model.md). These dialogues show short values that fit their
 key, copied from the request or computed from it, then closed.
 
-The request never names the format, as the engine does not show the schema to the model
-either. So the trainer puts no loss on an answer's first token (``LOSS_FREE_FIRST_TOKEN``):
-the model learns to continue a JSON answer, never to start one unasked.
+Most requests never name the format, as the engine does not show the schema to the model
+either. For those the trainer puts no loss on the answer's first token (``LOSS_FREE_FIRST_TOKEN``):
+the model learns to continue a JSON answer, never to start one unasked. With ``keys_named``
+(the "nonce_json2" mix) some requests ask for JSON and name its keys, as JSON mode is used
+(``response_format={"type": "json_object"}``: the grammar holds the answer to JSON, the keys
+are the model's to write); there the whole answer is learned.
 
-``record(rng, split)`` gives ``{"kind": "structured", "messages", "tools": None, "schema",
-"scored"}``: the schema to hold the answer to, and the keys whose values are determined by
+``record(rng, split, keys_named)`` gives ``{"kind": "structured", "messages", "tools": None,
+"schema", "scored", "asks_json"}``: the schema to hold the answer to, and the keys whose values are determined by
 the request (the others, such as a made-up name for "a sailor", are not scored). The
 evaluation split uses other phrasings and other key spellings.
 """
@@ -69,6 +72,13 @@ ASKS = {
         "word": ["Give the letter count of {word}.", "{word}: how long is it?"],
         "joke": ["Got a {animal} joke?", "Joke time: the {animal}."],
     },
+}
+# JSON-mode instructions: the request names the keys (never langchain-tests' own phrasing,
+# "Return the result as a JSON with ... keys", which is held out).
+FORMAT_ASKS = {
+    "train": [" Reply in JSON with the keys {keys}.", " Answer as a JSON object: {keys}.",
+              " Give JSON only, keys {keys}.", " Output JSON with {keys} fields."],
+    "eval": [" Respond with JSON having keys {keys}.", " JSON please, with {keys}."],
 }
 JOKES = [("Why did the {x} cross the road?", "To see the other {x}."),
          ("What do you call a sleepy {x}?", "A {x} nap."),
@@ -128,7 +138,12 @@ def _schema_type(value) -> dict:
     return {"type": "string"}
 
 
-def record(rng: random.Random, split: str) -> dict:
+def _key_list(rng: random.Random, keys: list[str]) -> str:
+    quoted = [rng.choice(["'{}'", '"{}"', "{}"]).format(k) for k in keys]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def record(rng: random.Random, split: str, keys_named: float = 0.0) -> dict:
     template = rng.choice(list(ASKS[split]))
     ask, fields = _fill(rng, split, template)
     obj, scored, used = {}, [], set()
@@ -145,6 +160,13 @@ def record(rng: random.Random, split: str) -> dict:
         props["note" if split == "train" else "comment"] = {"anyOf": [{"type": "string"}, {"type": "null"}]}
         obj["note" if split == "train" else "comment"] = None
     schema = {"type": "object", "properties": props, "required": [k for k in props if obj[k] is not None]}
+    asks_json = rng.random() < keys_named
+    if asks_json:  # exactly the keys asked for
+        obj = {k: v for k, v in obj.items() if v is not None}
+        props = {k: props[k] for k in obj}
+        schema = {"type": "object", "properties": props, "required": list(obj)}
+        ask += rng.choice(FORMAT_ASKS[split]).format(keys=_key_list(rng, list(obj)))
     messages = [{"role": "user", "content": ask},
                 {"role": "assistant", "content": json.dumps(obj, ensure_ascii=False)}]
-    return {"kind": KIND, "messages": messages, "tools": None, "schema": schema, "scored": scored}
+    return {"kind": KIND, "messages": messages, "tools": None, "schema": schema, "scored": scored,
+            "asks_json": asks_json}

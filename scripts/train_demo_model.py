@@ -97,7 +97,8 @@ def encode_dialogue(tokenizer, record: dict) -> tuple[list[int], list[int]] | No
             return None
         for t in range(len(start), len(end)):
             mask[t] = 1
-        if record.get("kind") == structured_answers.KIND and structured_answers.LOSS_FREE_FIRST_TOKEN:
+        if (record.get("kind") == structured_answers.KIND and structured_answers.LOSS_FREE_FIRST_TOKEN
+                and not record.get("asks_json")):
             mask[len(start)] = 0  # the engine's grammar opens a JSON answer; the model never should unasked
     return ids, mask
 
@@ -378,10 +379,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-len", type=int, default=640)  # tool dialogues: ~130 tokens of template instructions + ~100 per tool
     p.add_argument("--n-dialogues", type=int, default=40000)
-    p.add_argument("--mix", choices=("v2", "made_up", "nonce", "nonce_json"), default="v2",
+    p.add_argument("--mix", choices=("v2", "made_up", "nonce", "nonce_json", "nonce_json2"), default="v2",
                    help="training mix of demo_data.py (made_up: most tool dialogues on made-up tools, run 12; "
                         "nonce: half of those about made-up things, run 15; nonce_json: nonce with 8%% "
-                        "JSON answers, run 16)")
+                        "JSON answers, run 16; nonce_json2: half of those asked for by name, more units, run 17)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--rope-theta", type=float, default=None, help="RoPE base (default: the factory's, 1e7)")
     p.add_argument("--copy-warmup-length", type=int, default=64, help="tokens per copy warm-up sequence")

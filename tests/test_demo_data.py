@@ -411,3 +411,32 @@ def test_the_trainer_puts_no_loss_on_a_json_answers_first_token(tmp_path):
     assert ids == plain_ids
     first = plain_mask.index(1)
     assert mask[first] == 0 and mask[first + 1:] == plain_mask[first + 1:] and sum(mask) == sum(plain_mask) - 1
+
+
+def test_json_mode_answers_name_their_keys_and_are_learned_whole(tmp_path):
+    """The "nonce_json2" mix: about half of the JSON answers are asked for as JSON mode asks,
+    naming exactly the answer's keys; the trainer learns those answers from the first token."""
+    import importlib.util
+
+    from mlx_tandem.testing.factory import make_tiny_model
+    from transformers import AutoTokenizer
+
+    sa = dd.structured_answers
+    records = [r for r in dd.generate(3000, seed=8, mix="nonce_json2") if r["kind"] == "structured"]
+    named = [r for r in records if r["asks_json"]]
+    assert 0.4 < len(named) / len(records) < 0.6
+    assert Counter(r["kind"] for r in dd.generate(3000, seed=8, mix="nonce_json2"))["units"] == 420  # 14%
+    for r in named:
+        ask, answer = r["messages"][0]["content"], json.loads(r["messages"][1]["content"])
+        lead = next(f.split("{")[0].strip() for f in sa.FORMAT_ASKS["train"] if f.split("{")[0].strip() in ask)
+        instruction = ask[ask.index(lead):]
+        assert all(k in instruction for k in answer), ask
+        assert None not in answer.values() and list(answer) == r["schema"]["required"]
+    assert not any(r["asks_json"] for r in dd.generate(600, seed=8, mix="nonce_json") if r["kind"] == "structured")
+
+    spec = importlib.util.spec_from_file_location("train_demo_model", SCRIPT.parent / "train_demo_model.py")
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    tok = AutoTokenizer.from_pretrained(make_tiny_model("qwen3_5", tmp_path / "m", seed=0))
+    ids, mask = trainer.encode_dialogue(tok, named[0])
+    assert mask == trainer.encode_dialogue(tok, {**named[0], "kind": "chat"})[1]

@@ -287,7 +287,7 @@ class Trainee(nn.Module):
 
 
 def build(init_dir: Path, seed: int, records: list[dict], word_consistent: bool = False,
-          init: str = "factory", rope_theta: float | None = None) -> Trainee:
+          init: str = "factory", rope_theta: float | None = None, **sizes: int) -> Trainee:
     """A float32 Trainee of the factory's model (config, tokenizer and template written once
     into ``init_dir``), starting from the factory's random weights (``init="factory"``) or from
     transformers' own initialization of the architecture (``init="hf"``).
@@ -306,6 +306,8 @@ def build(init_dir: Path, seed: int, records: list[dict], word_consistent: bool 
     stdlib corpus plus the training dialogues (``mlx_tandem.testing.tokenizer``): a word or
     number copied from a request into a call is then the same tokens in both places. Run 9
     (docs/demo_model.md) measured it; the shipped model keeps the plain factory tokenizer.
+
+    ``sizes`` override ``DEMO_SIZES`` (e.g. ``intermediate_size``).
     """
     if not (init_dir / "config.json").exists():
         # After torch: the OpenBLAS that mlx_tandem loads globally slows a torch imported later.
@@ -314,7 +316,7 @@ def build(init_dir: Path, seed: int, records: list[dict], word_consistent: bool 
 
         make_tiny_model("qwen3_5", init_dir, seed=seed, mtp_layers=1, max_position_embeddings=MAX_POSITIONS,
                         tokenizer_texts=rendered_texts(records) if word_consistent else (),
-                        word_consistent_tokenizer=word_consistent, **DEMO_SIZES)
+                        word_consistent_tokenizer=word_consistent, **{**DEMO_SIZES, **sizes})
         if rope_theta:
             full = json.loads((init_dir / "config.json").read_text())
             full["text_config"]["rope_parameters"]["rope_theta"] = rope_theta
@@ -397,6 +399,8 @@ def main(argv=None) -> int:
                    help="in the dialogue phase, make every Nth step a drill (copy and lookup in turn)")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--intermediate-size", type=int, default=DEMO_SIZES["intermediate_size"],
+                   help="MLP width (run 18: 1280, about 10M parameters, 19 MB in fp16)")
     p.add_argument("--word-consistent-tokenizer", action="store_true",
                    help="train the tokenizer on the dialogues with merges inside words only (run 9)")
     args = p.parse_args(argv)
@@ -407,7 +411,8 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     init_dir, ckpt, final = args.out / "init", args.out / "checkpoint", args.out / "final"
     records = load_records(args.out / "data.jsonl", args.n_dialogues, args.seed, args.mix)
-    trainee = build(init_dir, args.seed, records, args.word_consistent_tokenizer, args.init, args.rope_theta)
+    trainee = build(init_dir, args.seed, records, args.word_consistent_tokenizer, args.init, args.rope_theta,
+                    intermediate_size=args.intermediate_size)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     examples = load_examples(tokenizer, records, args.max_len, args.out / "examples.json")
     n_params = sum(p.numel() for p in trainee.parameters())

@@ -68,9 +68,9 @@ def _mlx_logits(final: Path, ids: np.ndarray):
 
 
 # The second run resumes inside the warm-up (a copy step, then a lookup step) and goes on
-# through a dialogue step and a drill step.
+# through a dialogue step and a drill step, on a wider MLP.
 WARMUP = ("--copy-warmup-steps", "1", "--lookup-steps", "1", "--drill-every", "2", "--copy-warmup-length", "48",
-          "--init", "hf", "--rope-theta", "10000")
+          "--init", "hf", "--rope-theta", "10000", "--intermediate-size", "896")
 
 
 @pytest.mark.parametrize("options", [(), WARMUP], ids=["defaults", "drills-hf-init-theta"])
@@ -95,8 +95,9 @@ def test_train_resume_export(tmp_path, options):
     assert any(k.startswith("mtp.") for k in weights)
     assert all(v.dtype == mx.float16 for v in weights.values())
     assert (final / "model.safetensors").stat().st_size < 25 * 2**20
-    theta = json.loads((final / "config.json").read_text())["text_config"]["rope_parameters"]["rope_theta"]
-    assert theta == (10000 if options else 1e7)
+    text_config = json.loads((final / "config.json").read_text())["text_config"]
+    assert text_config["rope_parameters"]["rope_theta"] == (10000 if options else 1e7)
+    assert text_config["intermediate_size"] == (896 if options else 768)
 
     # MLX computes what PyTorch trained: backbone and MTP head, over a sequence long enough
     # for several GatedDeltaNet chunks.

@@ -15,7 +15,12 @@ the model learns to continue a JSON answer, never to start one unasked. With ``k
 (``response_format={"type": "json_object"}``: the grammar holds the answer to JSON, the keys
 are the model's to write); there the whole answer is learned.
 
-``record(rng, split, keys_named)`` gives ``{"kind": "structured", "messages", "tools": None,
+With ``off_topic`` (the "nonce_json3" mix) some requests give the schema nothing to fill
+("Show me one." held to a schema of a title and a year), as users of
+``with_structured_output`` often send: the values are made up, short, and the answer closes.
+Run 18 wrote on inside the first string of such answers until the budget ran out.
+
+``record(rng, split, keys_named, off_topic)`` gives ``{"kind": "structured", "messages", "tools": None,
 "schema", "scored", "asks_json"}``: the schema to hold the answer to, and the keys whose values are determined by
 the request (the others, such as a made-up name for "a sailor", are not scored). The
 evaluation split uses other phrasings and other key spellings.
@@ -85,6 +90,65 @@ JOKES = [("Why did the {x} cross the road?", "To see the other {x}."),
          ("Why was the {x} late?", "It took the long way.")]
 
 
+# Off-topic requests (training only). Not the evaluation's common prompts ("Give me an
+# example.", "Who are you?", ...): those measure this skill on requests never seen.
+VAGUE_ASKS = ["Show me one.", "Make something up.", "Surprise me.", "Fill this in.", "Give me a sample.",
+              "Any will do.", "Write one.", "Go ahead.", "Something, please.", "An instance, please.",
+              "Invent one.", "Just pick one.", "Do it.", "Continue.", "Fill in the form.", "Try again.",
+              "Make one for me.", "Another one.", "Okay.", "Whatever you like."]
+# key -> the kind of value it holds; none of the common schemas' own keys beyond those above
+COLORS = ["red", "blue", "green", "black", "white", "orange", "gray", "yellow"]
+FREE_KEYS = {"title": "thing", "label": "thing", "kind": "thing", "color": "color", "size": "size",
+             "tag": "thing", "status": "status", "text": "phrase", "topic": "animal", "owner": "person",
+             "author": "person", "place": "city", "town": "city", "job": "role", "pet": "animal",
+             "year": "year", "count": "small", "level": "small", "id": "small", "amount": "small",
+             "score": "number", "rating": "number", "weight": "number", "value": "number",
+             "done": "bool", "active": "bool", "ok": "bool"}
+
+
+def _free_value(rng: random.Random, kind: str):
+    if kind == "person":
+        return rng.choice(FIRST_NAMES)
+    if kind == "city":
+        return rng.choice(CITY_NAMES)
+    if kind == "thing":
+        return rng.choice(THINGS)
+    if kind == "animal":
+        return rng.choice(ANIMALS)
+    if kind == "role":
+        return rng.choice(ROLES)
+    if kind == "color":
+        return rng.choice(COLORS)
+    if kind == "size":
+        return rng.choice(["small", "medium", "large"])
+    if kind == "status":
+        return rng.choice(["open", "closed", "new", "done"])
+    if kind == "phrase":
+        return f"A {rng.choice(COLORS)} {rng.choice(THINGS)}."
+    if kind == "year":
+        return rng.randint(1900, 2030)
+    if kind == "small":
+        return rng.randint(0, 99)
+    if kind == "number":
+        return round(rng.uniform(0, 10), 1)
+    return rng.random() < 0.5
+
+
+def off_topic_record(rng: random.Random) -> dict:
+    """A request that says nothing the schema asks for, and a short made-up answer (unscored)."""
+    if rng.random() < 0.6:
+        ask = rng.choice(VAGUE_ASKS)
+    else:  # a request of another kind, answered in the schema's terms
+        ask, _ = _fill(rng, "train", rng.choice(list(ASKS["train"])))
+    keys = rng.sample(sorted(FREE_KEYS), rng.randint(1, 3))
+    obj = {k: _free_value(rng, FREE_KEYS[k]) for k in keys}
+    schema = {"type": "object", "properties": {k: _schema_type(v) for k, v in obj.items()}, "required": keys}
+    messages = [{"role": "user", "content": ask},
+                {"role": "assistant", "content": json.dumps(obj, ensure_ascii=False)}]
+    return {"kind": KIND, "messages": messages, "tools": None, "schema": schema, "scored": [],
+            "asks_json": False, "off_topic": True}
+
+
 def _key(rng: random.Random, split: str, field: str) -> str:
     return rng.choice(KEYS[split][field])
 
@@ -143,7 +207,9 @@ def _key_list(rng: random.Random, keys: list[str]) -> str:
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
-def record(rng: random.Random, split: str, keys_named: float = 0.0) -> dict:
+def record(rng: random.Random, split: str, keys_named: float = 0.0, off_topic: float = 0.0) -> dict:
+    if off_topic and split == "train" and rng.random() < off_topic:  # no draw at 0: older mixes stay as they were
+        return off_topic_record(rng)
     template = rng.choice(list(ASKS[split]))
     ask, fields = _fill(rng, split, template)
     obj, scored, used = {}, [], set()

@@ -381,10 +381,11 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-len", type=int, default=640)  # tool dialogues: ~130 tokens of template instructions + ~100 per tool
     p.add_argument("--n-dialogues", type=int, default=40000)
-    p.add_argument("--mix", choices=("v2", "made_up", "nonce", "nonce_json", "nonce_json2"), default="v2",
+    p.add_argument("--mix", choices=("v2", "made_up", "nonce", "nonce_json", "nonce_json2", "nonce_json3"), default="v2",
                    help="training mix of demo_data.py (made_up: most tool dialogues on made-up tools, run 12; "
                         "nonce: half of those about made-up things, run 15; nonce_json: nonce with 8%% "
-                        "JSON answers, run 16; nonce_json2: half of those asked for by name, more units, run 17)")
+                        "JSON answers, run 16; nonce_json2: half of those asked for by name, more units, run 17; "
+                        "nonce_json3: 10%% JSON answers, some over requests with nothing for the schema, run 20)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--rope-theta", type=float, default=None, help="RoPE base (default: the factory's, 1e7)")
     p.add_argument("--copy-warmup-length", type=int, default=64, help="tokens per copy warm-up sequence")

@@ -440,3 +440,43 @@ def test_json_mode_answers_name_their_keys_and_are_learned_whole(tmp_path):
     tok = AutoTokenizer.from_pretrained(make_tiny_model("qwen3_5", tmp_path / "m", seed=0))
     ids, mask = trainer.encode_dialogue(tok, named[0])
     assert mask == trainer.encode_dialogue(tok, {**named[0], "kind": "chat"})[1]
+
+
+def test_off_topic_json_answers_are_short_made_up_and_never_opened_unasked(tmp_path):
+    """The "nonce_json3" mix: 10% JSON answers, about 30% of them over requests that give the
+    schema nothing to fill (training only); their values are short and fit the schema, the
+    first token carries no loss, and the evaluation's common prompts never appear."""
+    import importlib.util
+
+    from mlx_tandem.testing.factory import make_tiny_model
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from eval_demo_model import COMMON_PROMPTS, COMMON_SCHEMAS
+
+    train = dd.generate(3000, seed=9, mix="nonce_json3")
+    structured = [r for r in train if r["kind"] == "structured"]
+    off = [r for r in structured if r.get("off_topic")]
+    assert len(structured) == 300 and 0.2 < len(off) / len(structured) < 0.4
+    for r in off:
+        answer = json.loads(r["messages"][1]["content"])
+        jsonschema.validate(answer, r["schema"])
+        assert list(answer) == r["schema"]["required"] and r["scored"] == [] and not r["asks_json"]
+        assert all(len(str(v).split()) <= 3 for v in answer.values()), answer
+    asks = {r["messages"][0]["content"] for r in structured}
+    assert not asks & set(COMMON_PROMPTS)
+    common_only = {k for s in COMMON_SCHEMAS.values() for k in s["properties"]} - set(
+        k for keys in dd.structured_answers.KEYS["train"].values() for k in keys)
+    assert common_only and not common_only & {k for r in structured for k in r["schema"]["properties"]}
+    assert not [v for r in train for v in dd.held_out_violations(r)]
+    assert not any(r.get("off_topic") for r in dd.held_out_structured(300, seed=1))
+    assert not any(r.get("off_topic") for r in dd.generate(1000, seed=9, mix="nonce_json2"))
+
+    spec = importlib.util.spec_from_file_location("train_demo_model", SCRIPT.parent / "train_demo_model.py")
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    tok = AutoTokenizer.from_pretrained(make_tiny_model("qwen3_5", tmp_path / "m", seed=0))
+    ids, mask = trainer.encode_dialogue(tok, off[0])
+    plain = trainer.encode_dialogue(tok, {**off[0], "kind": "chat"})[1]
+    first = plain.index(1)
+    assert mask[first] == 0 and mask[first + 1:] == plain[first + 1:]

@@ -179,11 +179,76 @@ def lookup_marks(vocab: int) -> tuple[int, int, int, int]:
     return vocab - 4, vocab - 3, vocab - 2, vocab - 1
 
 
-def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id: int, copy_steps: int = 0,
+class CopyWarmup:
+    """When the copy warm-up ends: after ``min_steps`` copy steps; with a ``target``, not before
+    the backbone's repeat loss, averaged over the last ``window`` copy steps, is at or under it
+    (an induction head has formed), and at ``max_steps`` at the latest (``failed`` if still above).
+
+    Why: the head forms after a plateau of unpredictable length. With an MLP of 1280, run 18's
+    formed at about step 650 and run 21's not by step 800 (repeat loss flat at 7.62, the
+    entropy of a random token), and a run without one spends the rest of its hour on a model
+    that ignores what it is asked (docs/demo_model.md). With a target, such a run goes on
+    drilling until the head is there, or stops at ``max_steps`` with a clear error instead of
+    exporting a broken model.
+
+    The decision depends only on the run's own losses, which a resumed run replays exactly;
+    ``state()`` goes into the checkpoint so that a resumed run ends the warm-up where an
+    uninterrupted one would.
+    """
+
+    def __init__(self, min_steps: int, target: float | None = None, max_steps: int | None = None,
+                 window: int = 20):
+        self.min_steps, self.target, self.window = min_steps, target, window
+        self.max_steps = max(min_steps, max_steps or 0) if target is not None else min_steps
+        self.end: int | None = None if target is not None else min_steps  # copy steps in all, once decided
+        self.losses: list[float] = []  # the last ``window`` repeat losses, while undecided
+        self.resumed_at = 0
+
+    def restore(self, state: dict | None, step: int) -> None:
+        """Pick up a checkpoint's state at ``step`` (a run without a target keeps none)."""
+        if self.target is None or state is None:
+            return
+        self.end, self.losses, self.resumed_at = state["end"], list(state["losses"]), step
+
+    def state(self) -> dict | None:
+        if self.target is None:
+            return None
+        return {"end": None if self.failed else self.end, "losses": self.losses}
+
+    def record(self, loss: float) -> None:
+        """The repeat loss of a copy step of the warm-up."""
+        if self.end is None:
+            self.losses = (self.losses + [loss])[-self.window:]
+
+    @property
+    def repeat_loss(self) -> float:
+        return sum(self.losses) / len(self.losses) if self.losses else math.inf
+
+    @property
+    def failed(self) -> bool:
+        """The warm-up was cut at ``max_steps`` with no head formed."""
+        return self.target is not None and self.end is not None and self.repeat_loss > self.target
+
+    def done(self, copied: int) -> bool:
+        """Whether the warm-up ends after ``copied`` copy steps (asked before each next one)."""
+        if self.end is not None:
+            return copied >= self.end
+        if copied < max(self.min_steps, self.resumed_at):  # replaying steps a checkpoint already took
+            return False
+        if copied >= self.max_steps or self.repeat_loss <= self.target:
+            self.end = copied
+            return True
+        return False
+
+
+def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id: int,
+                     copy_steps: int | CopyWarmup = 0,
                      copy_length: int = 64, lookup_steps: int = 0, drill_every: int = 0):
     """Every step's (tokens, mask), in order: ``copy_steps`` of copy drills, ``lookup_steps`` of
     lookup drills, then the dialogues, every ``drill_every``-th of them replaced by a drill
     (copy and lookup in turn). All drawn from ``seed``, so a resumed run replays the same.
+    ``copy_steps`` is a count, or a ``CopyWarmup`` that decides as the losses come in (the
+    generator is lazy: it asks before each step, after the previous one's loss is recorded).
 
     Copy drills (``copy_drills.repeat_batch``): a random span, then itself. Dense copying
     first, so an induction head forms before the dialogues, which carry little copying. Half a
@@ -206,8 +271,11 @@ def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id
     def lookup():
         return lookup_batch(generator, 4 * batch_size, LOOKUP_LENGTH, 0, vocab - 4, marks)[:2]
 
-    for _ in range(copy_steps):
+    warmup = CopyWarmup(copy_steps) if isinstance(copy_steps, int) else copy_steps
+    copied = 0
+    while not warmup.done(copied):
         yield copy()
+        copied += 1
     for _ in range(lookup_steps):
         yield lookup()
     dialogues = batches(examples, batch_size, seed, pad_id)
@@ -331,25 +399,27 @@ def build(init_dir: Path, seed: int, records: list[dict], word_consistent: bool 
 
 
 # ---------------------------------------------------------------------- checkpoints
-def save_checkpoint(ckpt: Path, trainee: Trainee, opt, step: int) -> None:
+def save_checkpoint(ckpt: Path, trainee: Trainee, opt, step: int, warmup: dict | None = None) -> None:
     tmp = ckpt.with_suffix(".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     torch.save({"model": trainee.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state()},
                tmp / "state.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step}))
+    (tmp / "state.json").write_text(json.dumps({"step": step} if warmup is None else
+                                               {"step": step, "copy_warmup": warmup}))
     shutil.rmtree(ckpt, ignore_errors=True)
     tmp.rename(ckpt)  # atomic: a crash leaves the previous checkpoint intact
 
 
-def load_checkpoint(ckpt: Path, trainee: Trainee, opt) -> int:
+def load_checkpoint(ckpt: Path, trainee: Trainee, opt) -> dict:
+    """The checkpoint's state.json (``{"step": 0}`` when there is none), weights and optimizer loaded."""
     if not (ckpt / "state.json").exists():
-        return 0
+        return {"step": 0}
     state = torch.load(ckpt / "state.pt", weights_only=False)
     trainee.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     torch.set_rng_state(state["rng"])
-    return json.loads((ckpt / "state.json").read_text())["step"]
+    return json.loads((ckpt / "state.json").read_text())
 
 
 def export(final: Path, init_dir: Path, trainee: Trainee) -> None:
@@ -394,6 +464,12 @@ def main(argv=None) -> int:
     p.add_argument("--mtp-weight", type=float, default=0.5)
     p.add_argument("--copy-warmup-steps", type=int, default=0,
                    help="first steps on copied random spans (scripts/copy_drills.py) instead of dialogues")
+    p.add_argument("--copy-warmup-until", type=float, default=None, metavar="LOSS",
+                   help="go on with the copy warm-up past --copy-warmup-steps until the backbone's repeat loss "
+                        "(mean of the last 20 copy steps) is at or under LOSS: an induction head has formed "
+                        "(a random token costs 7.6, a formed head about 0.01)")
+    p.add_argument("--copy-warmup-max-steps", type=int, default=2000,
+                   help="with --copy-warmup-until: stop with an error if no head has formed by then")
     p.add_argument("--lookup-steps", type=int, default=0,
                    help="steps of lookup drills (scripts/copy_drills.py) after the copy warm-up, at its constant lr")
     p.add_argument("--drill-every", type=int, default=0,
@@ -420,12 +496,15 @@ def main(argv=None) -> int:
     logger.info("%.2fM parameters (%.1f MB in fp16)", n_params / 1e6, n_params * 2 / 2**20)
 
     opt = torch.optim.AdamW(trainee.parameters(), lr=args.lr, weight_decay=0.01)
-    step = load_checkpoint(ckpt, trainee, opt)
+    state = load_checkpoint(ckpt, trainee, opt)
+    step = state["step"]
     if step:
         logger.info("resumed at step %d", step)
+    warmup = CopyWarmup(args.copy_warmup_steps, args.copy_warmup_until, args.copy_warmup_max_steps)
+    warmup.restore(state.get("copy_warmup"), step)
     vocab = len(tokenizer) - len(tokenizer.added_tokens_decoder)  # plain tokens, no markup
     data = training_batches(examples, batch_size=args.batch, seed=args.seed, vocab=vocab,
-                            pad_id=tokenizer.pad_token_id or 0, copy_steps=args.copy_warmup_steps,
+                            pad_id=tokenizer.pad_token_id or 0, copy_steps=warmup,
                             copy_length=args.copy_warmup_length, lookup_steps=args.lookup_steps,
                             drill_every=args.drill_every)
     for _ in range(step):  # the same batch sequence as an uninterrupted run
@@ -434,10 +513,21 @@ def main(argv=None) -> int:
     trainee.train()
     loss = None  # stays None when resuming a finished run: export only
     while step < args.steps:
+        in_warmup = warmup.end is None  # undecided before the draw: still warming up
         tokens, mask = next(data)
+        in_warmup = in_warmup and warmup.end is None
+        if warmup.failed:
+            logger.error("no induction head after %d copy steps (repeat loss %.2f, target %.2f): this run would "
+                         "train a model that ignores its requests. Try another --seed, or a larger "
+                         "--copy-warmup-max-steps (the run resumes from its checkpoint)",
+                         warmup.end, warmup.repeat_loss, warmup.target)
+            save_checkpoint(ckpt, trainee, opt, step, warmup.state())
+            return 1
+        if warmup.target is not None and warmup.end == step and not in_warmup:
+            logger.info("copy warm-up done after %d steps: repeat loss %.3f", step, warmup.repeat_loss)
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, peak=args.lr, steps=args.steps,
-                                        constant=args.copy_warmup_steps + args.lookup_steps)
+                                        constant=(step + 1 if in_warmup else warmup.end) + args.lookup_steps)
         t0 = time.perf_counter()
         main_loss, mtp_loss = trainee.losses(tokens, mask)
         loss = main_loss + args.mtp_weight * mtp_loss
@@ -445,12 +535,14 @@ def main(argv=None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainee.parameters(), 1.0)
         opt.step()
+        if in_warmup:
+            warmup.record(main_loss.item())
         step += 1
         bar.set_postfix(loss=f"{main_loss.item():.3f}", mtp=f"{mtp_loss.item():.3f}",
                         tok_s=f"{tokens.numel() / (time.perf_counter() - t0):.0f}")
         bar.update()
         if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(ckpt, trainee, opt, step)
+            save_checkpoint(ckpt, trainee, opt, step, warmup.state())
     bar.close()
     if loss is not None and not math.isfinite(loss.item()):
         logger.error("loss is not finite; not exporting")

@@ -182,3 +182,80 @@ def test_probe_made_up_split():
         assert calls and set(calls) <= set(listed)
         firsts.append(listed.index(calls[0]))
     assert max(firsts) > 0  # shuffled: a model cannot learn "the first listed"
+
+
+def _drive(warmup, losses, n, *, replay=0):
+    """Draw ``n`` steps from ``training_batches`` with ``warmup`` deciding the copy warm-up,
+    feeding it ``losses[i]`` after each warm-up step i, as the trainer does; the first ``replay``
+    draws are a resumed run's replay (no losses). Returns the batches and their kinds."""
+    T = _trainer_module()
+    rng = np.random.default_rng(0)
+    examples = [(rng.integers(10, 500, k).tolist(), [1] * k) for k in rng.integers(20, 60, 40)]
+    data = T.training_batches(examples, batch_size=4, seed=3, vocab=1000, pad_id=0, copy_steps=warmup,
+                              copy_length=32, lookup_steps=1)
+    out = []
+    for i in range(n):
+        undecided = warmup.end is None
+        tokens, _ = next(data)
+        if i >= replay and undecided and warmup.end is None:
+            warmup.record(losses[i])
+        out.append(tokens)
+    kinds = ["copy" if t.shape == (8, 32) else "lookup" if t.shape == (16, T.LOOKUP_LENGTH) else "dialogue"
+             for t in out]
+    return out, kinds
+
+
+def test_copy_warmup_goes_on_until_the_head_forms_and_resumes_where_it_would_end():
+    """With a target, the copy warm-up outlasts its minimum until the mean repeat loss of its
+    last steps is at or under the target; a run resumed inside it ends it at the same step."""
+    import torch
+
+    T = _trainer_module()
+    losses = [7.6, 7.6, 7.5, 0.5, 0.1, 0.1, 0.1]
+    warmup = T.CopyWarmup(2, target=1.0, max_steps=10, window=2)
+    batches, kinds = _drive(warmup, losses, 7)
+    # Means over two steps: 7.6, 7.55, 4.0, then 0.3 after step 5.
+    assert kinds == ["copy"] * 5 + ["lookup", "dialogue"]
+    assert warmup.end == 5 and not warmup.failed
+
+    # Without a target the count alone decides, as before.
+    _, plain = _drive(T.CopyWarmup(2), losses, 4)
+    assert plain == ["copy", "copy", "lookup", "dialogue"]
+
+    # A checkpoint after step 3 (state saved then), resumed: the same batches, the same end.
+    at3 = T.CopyWarmup(2, target=1.0, max_steps=10, window=2)
+    _drive(at3, losses, 3)
+    resumed = T.CopyWarmup(2, target=1.0, max_steps=10, window=2)
+    resumed.restore(json.loads(json.dumps(at3.state())), 3)
+    again, kinds_again = _drive(resumed, losses, 7, replay=3)
+    assert kinds_again == kinds and resumed.end == 5
+    assert all(torch.equal(a, b) for a, b in zip(batches, again))
+
+
+def test_copy_warmup_gives_up_at_its_cap():
+    T = _trainer_module()
+    warmup = T.CopyWarmup(2, target=1.0, max_steps=4)
+    _, kinds = _drive(warmup, [7.6] * 10, 5)
+    assert kinds == ["copy"] * 4 + ["lookup"]
+    assert warmup.failed and warmup.state()["end"] is None  # undecided on disk: a larger cap resumes it
+
+
+def test_trainer_stops_without_a_head_and_resumes_with_a_larger_cap(tmp_path):
+    """No head by --copy-warmup-max-steps: exit 1 with the reason and nothing exported, the
+    checkpoint kept; rerun with a looser target, it resumes and finishes."""
+    common = ["--out", str(tmp_path), "--steps", "4", "--batch", "4", "--n-dialogues", "24", "--save-every", "1",
+              "--max-len", "832", "--copy-warmup-steps", "1", "--copy-warmup-length", "48", "--init", "hf"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--copy-warmup-until", "0.001",
+                           "--copy-warmup-max-steps", "2"], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 1
+    assert "no induction head after 2 copy steps" in proc.stderr
+    assert not (tmp_path / "final").exists()
+    state = json.loads((tmp_path / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 2 and state["copy_warmup"]["end"] is None and len(state["copy_warmup"]["losses"]) == 2
+
+    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--copy-warmup-until", "100"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed at step 2" in proc.stderr and "copy warm-up done after 2 steps" in proc.stderr
+    assert (tmp_path / "final" / "model.safetensors").exists()

@@ -455,7 +455,7 @@ def main(argv=None) -> int:
                    help="training mix of demo_data.py (made_up: most tool dialogues on made-up tools, run 12; "
                         "nonce: half of those about made-up things, run 15; nonce_json: nonce with 8%% "
                         "JSON answers, run 16; nonce_json2: half of those asked for by name, more units, run 17; "
-                        "nonce_json3: 10%% JSON answers, some over requests with nothing for the schema, run 20)")
+                        "nonce_json3: 10%% JSON answers, some over requests with nothing for the schema, runs 20-22)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--rope-theta", type=float, default=None, help="RoPE base (default: the factory's, 1e7)")
     p.add_argument("--copy-warmup-length", type=int, default=64, help="tokens per copy warm-up sequence")

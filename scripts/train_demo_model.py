@@ -513,9 +513,8 @@ def main(argv=None) -> int:
     trainee.train()
     loss = None  # stays None when resuming a finished run: export only
     while step < args.steps:
-        in_warmup = warmup.end is None  # undecided before the draw: still warming up
         tokens, mask = next(data)
-        in_warmup = in_warmup and warmup.end is None
+        in_warmup = warmup.end is None  # still undecided after the draw: this batch is a warm-up copy step
         if warmup.failed:
             logger.error("no induction head after %d copy steps (repeat loss %.2f, target %.2f): this run would "
                          "train a model that ignores its requests. Try another --seed, or a larger "
@@ -523,7 +522,7 @@ def main(argv=None) -> int:
                          warmup.end, warmup.repeat_loss, warmup.target)
             save_checkpoint(ckpt, trainee, opt, step, warmup.state())
             return 1
-        if warmup.target is not None and warmup.end == step and not in_warmup:
+        if warmup.target is not None and warmup.end == step:
             logger.info("copy warm-up done after %d steps: repeat loss %.3f", step, warmup.repeat_loss)
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, peak=args.lr, steps=args.steps,

@@ -195,9 +195,8 @@ def _drive(warmup, losses, n, *, replay=0):
                               copy_length=32, lookup_steps=1)
     out = []
     for i in range(n):
-        undecided = warmup.end is None
         tokens, _ = next(data)
-        if i >= replay and undecided and warmup.end is None:
+        if i >= replay and warmup.end is None:
             warmup.record(losses[i])
         out.append(tokens)
     kinds = ["copy" if t.shape == (8, 32) else "lookup" if t.shape == (16, T.LOOKUP_LENGTH) else "dialogue"

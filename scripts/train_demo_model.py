@@ -179,20 +179,22 @@ def lookup_marks(vocab: int) -> tuple[int, int, int, int]:
     return vocab - 4, vocab - 3, vocab - 2, vocab - 1
 
 
-class CopyWarmup:
-    """When the copy warm-up ends: after ``min_steps`` copy steps; with a ``target``, not before
-    the backbone's repeat loss, averaged over the last ``window`` copy steps, is at or under it
-    (an induction head has formed), and at ``max_steps`` at the latest (``failed`` if still above).
+class DrillPhase:
+    """When a drill phase (the copy warm-up, then the lookup drills) ends: after ``min_steps``
+    of its steps; with a ``target``, not before its loss, averaged over its last ``window``
+    steps, is at or under it (the skill has formed), and at ``max_steps`` at the latest
+    (``failed`` if still above).
 
-    Why: the head forms after a plateau of unpredictable length. With an MLP of 1280, run 18's
-    formed at about step 650 and run 21's not by step 800 (repeat loss flat at 7.62, the
-    entropy of a random token), and a run without one spends the rest of its hour on a model
-    that ignores what it is asked (docs/demo_model.md). With a target, such a run goes on
-    drilling until the head is there, or stops at ``max_steps`` with a clear error instead of
-    exporting a broken model.
+    Why: each skill forms after a plateau of unpredictable length, and a run without it spends
+    the rest of its hour on a model that ignores what it is asked (docs/demo_model.md). With an
+    MLP of 1280, run 18's induction head formed at about copy step 650 and run 21's not by 800
+    (repeat loss flat at 7.62, the entropy of a random token); run 24's lookup loss stayed at
+    6.0 through its 400 lookup steps (runs 22-23, the same recipe: 1.7). With a target, such a
+    run goes on drilling until the skill is there, or stops at ``max_steps`` with a clear error
+    instead of exporting a broken model.
 
     The decision depends only on the run's own losses, which a resumed run replays exactly;
-    ``state()`` goes into the checkpoint so that a resumed run ends the warm-up where an
+    ``state()`` goes into the checkpoint so that a resumed run ends the phase where an
     uninterrupted one would.
     """
 
@@ -200,15 +202,16 @@ class CopyWarmup:
                  window: int = 20):
         self.min_steps, self.target, self.window = min_steps, target, window
         self.max_steps = max(min_steps, max_steps or 0) if target is not None else min_steps
-        self.end: int | None = None if target is not None else min_steps  # copy steps in all, once decided
-        self.losses: list[float] = []  # the last ``window`` repeat losses, while undecided
+        self.end: int | None = None if target is not None else min_steps  # the phase's steps in all, once decided
+        self.losses: list[float] = []  # the last ``window`` losses, while undecided
         self.resumed_at = 0
 
-    def restore(self, state: dict | None, step: int) -> None:
-        """Pick up a checkpoint's state at ``step`` (a run without a target keeps none)."""
+    def restore(self, state: dict | None, taken: int) -> None:
+        """Pick up a checkpoint's state, saved after ``taken`` steps of this phase (a run
+        without a target keeps none)."""
         if self.target is None or state is None:
             return
-        self.end, self.losses, self.resumed_at = state["end"], list(state["losses"]), step
+        self.end, self.losses, self.resumed_at = state["end"], list(state["losses"]), taken
 
     def state(self) -> dict | None:
         if self.target is None:
@@ -216,39 +219,60 @@ class CopyWarmup:
         return {"end": None if self.failed else self.end, "losses": self.losses}
 
     def record(self, loss: float) -> None:
-        """The repeat loss of a copy step of the warm-up."""
+        """The loss of one of the phase's steps."""
         if self.end is None:
             self.losses = (self.losses + [loss])[-self.window:]
 
     @property
-    def repeat_loss(self) -> float:
+    def recent_loss(self) -> float:
         return sum(self.losses) / len(self.losses) if self.losses else math.inf
 
     @property
     def failed(self) -> bool:
-        """The warm-up was cut at ``max_steps`` with no head formed."""
-        return self.target is not None and self.end is not None and self.repeat_loss > self.target
+        """The phase was cut at ``max_steps`` with its skill not formed."""
+        return self.target is not None and self.end is not None and self.recent_loss > self.target
 
-    def done(self, copied: int) -> bool:
-        """Whether the warm-up ends after ``copied`` copy steps (asked before each next one)."""
+    def done(self, taken: int) -> bool:
+        """Whether the phase ends after ``taken`` of its steps (asked before each next one)."""
         if self.end is not None:
-            return copied >= self.end
-        if copied < max(self.min_steps, self.resumed_at):  # replaying steps a checkpoint already took
+            return taken >= self.end
+        if taken < max(self.min_steps, self.resumed_at):  # replaying steps a checkpoint already took
             return False
-        if copied >= self.max_steps or self.repeat_loss <= self.target:
-            self.end = copied
+        if taken >= self.max_steps or self.recent_loss <= self.target:
+            self.end = taken
             return True
         return False
 
 
+def drill_phase_of(step: int, copy: DrillPhase, lookup: DrillPhase) -> str:
+    """Which phase ``step``'s batch belongs to, once it has been drawn: "copy", "lookup" or
+    "dialogue" (a phase still undecided after the draw is still going on)."""
+    if copy.end is None or step < copy.end:
+        return "copy"
+    if lookup.end is None or step < copy.end + lookup.end:
+        return "lookup"
+    return "dialogue"
+
+
+def constant_lr_steps(step: int, copy: DrillPhase, lookup: DrillPhase) -> int:
+    """Steps at the peak learning rate: through both drill phases, as far as they are decided
+    when ``step``'s batch has been drawn."""
+    if copy.end is None:
+        return step + 1 + lookup.min_steps
+    if lookup.end is None:
+        return max(copy.end + lookup.min_steps, step + 1)
+    return copy.end + lookup.end
+
+
 def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id: int,
-                     copy_steps: int | CopyWarmup = 0,
-                     copy_length: int = 64, lookup_steps: int = 0, drill_every: int = 0):
+                     copy_steps: int | DrillPhase = 0, copy_length: int = 64,
+                     lookup_steps: int | DrillPhase = 0, drill_every: int = 0):
     """Every step's (tokens, mask), in order: ``copy_steps`` of copy drills, ``lookup_steps`` of
     lookup drills, then the dialogues, every ``drill_every``-th of them replaced by a drill
     (copy and lookup in turn). All drawn from ``seed``, so a resumed run replays the same.
-    ``copy_steps`` is a count, or a ``CopyWarmup`` that decides as the losses come in (the
-    generator is lazy: it asks before each step, after the previous one's loss is recorded).
+    ``copy_steps`` and ``lookup_steps`` are counts, or ``DrillPhase``s that decide as the losses
+    come in (the generator is lazy: it asks before each step, after the previous one's loss is
+    recorded).
 
     Copy drills (``copy_drills.repeat_batch``): a random span, then itself. Dense copying
     first, so an induction head forms before the dialogues, which carry little copying. Half a
@@ -271,13 +295,12 @@ def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id
     def lookup():
         return lookup_batch(generator, 4 * batch_size, LOOKUP_LENGTH, 0, vocab - 4, marks)[:2]
 
-    warmup = CopyWarmup(copy_steps) if isinstance(copy_steps, int) else copy_steps
-    copied = 0
-    while not warmup.done(copied):
-        yield copy()
-        copied += 1
-    for _ in range(lookup_steps):
-        yield lookup()
+    for phase, drill in ((copy_steps, copy), (lookup_steps, lookup)):
+        phase = DrillPhase(phase) if isinstance(phase, int) else phase
+        taken = 0
+        while not phase.done(taken):
+            yield drill()
+            taken += 1
     dialogues = batches(examples, batch_size, seed, pad_id)
     for i in itertools.count():
         if drill_every and i % drill_every == drill_every - 1:
@@ -399,14 +422,15 @@ def build(init_dir: Path, seed: int, records: list[dict], word_consistent: bool 
 
 
 # ---------------------------------------------------------------------- checkpoints
-def save_checkpoint(ckpt: Path, trainee: Trainee, opt, step: int, warmup: dict | None = None) -> None:
+def save_checkpoint(ckpt: Path, trainee: Trainee, opt, step: int, phases: dict | None = None) -> None:
+    """``phases``: the drill phases' states by name (``DrillPhase.state()``; those without one are left out)."""
     tmp = ckpt.with_suffix(".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     torch.save({"model": trainee.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state()},
                tmp / "state.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step} if warmup is None else
-                                               {"step": step, "copy_warmup": warmup}))
+    kept = {name: phase for name, phase in (phases or {}).items() if phase is not None}
+    (tmp / "state.json").write_text(json.dumps({"step": step, **kept}))
     shutil.rmtree(ckpt, ignore_errors=True)
     tmp.rename(ckpt)  # atomic: a crash leaves the previous checkpoint intact
 
@@ -472,6 +496,11 @@ def main(argv=None) -> int:
                    help="with --copy-warmup-until: stop with an error if no head has formed by then")
     p.add_argument("--lookup-steps", type=int, default=0,
                    help="steps of lookup drills (scripts/copy_drills.py) after the copy warm-up, at its constant lr")
+    p.add_argument("--lookup-until", type=float, default=None, metavar="LOSS",
+                   help="go on with the lookup drills past --lookup-steps until their loss (mean of the last 20 "
+                        "lookup steps) is at or under LOSS (unlearned: about 6.0; learned: under 2.5)")
+    p.add_argument("--lookup-max-steps", type=int, default=1000,
+                   help="with --lookup-until: stop with an error if the lookup is not learned by then")
     p.add_argument("--drill-every", type=int, default=0,
                    help="in the dialogue phase, make every Nth step a drill (copy and lookup in turn)")
     p.add_argument("--save-every", type=int, default=100)
@@ -500,12 +529,18 @@ def main(argv=None) -> int:
     step = state["step"]
     if step:
         logger.info("resumed at step %d", step)
-    warmup = CopyWarmup(args.copy_warmup_steps, args.copy_warmup_until, args.copy_warmup_max_steps)
-    warmup.restore(state.get("copy_warmup"), step)
+    copy = DrillPhase(args.copy_warmup_steps, args.copy_warmup_until, args.copy_warmup_max_steps)
+    copy.restore(state.get("copy_warmup"), step)
+    lookup = DrillPhase(args.lookup_steps, args.lookup_until, args.lookup_max_steps)
+    lookup.restore(state.get("lookup"), max(0, step - copy.end) if copy.end is not None else 0)
+
+    def phases() -> dict:
+        return {"copy_warmup": copy.state(), "lookup": lookup.state()}
+
     vocab = len(tokenizer) - len(tokenizer.added_tokens_decoder)  # plain tokens, no markup
     data = training_batches(examples, batch_size=args.batch, seed=args.seed, vocab=vocab,
-                            pad_id=tokenizer.pad_token_id or 0, copy_steps=warmup,
-                            copy_length=args.copy_warmup_length, lookup_steps=args.lookup_steps,
+                            pad_id=tokenizer.pad_token_id or 0, copy_steps=copy,
+                            copy_length=args.copy_warmup_length, lookup_steps=lookup,
                             drill_every=args.drill_every)
     for _ in range(step):  # the same batch sequence as an uninterrupted run
         next(data)
@@ -514,19 +549,28 @@ def main(argv=None) -> int:
     loss = None  # stays None when resuming a finished run: export only
     while step < args.steps:
         tokens, mask = next(data)
-        in_warmup = warmup.end is None  # still undecided after the draw: this batch is a warm-up copy step
-        if warmup.failed:
+        phase = drill_phase_of(step, copy, lookup)
+        if copy.failed:
             logger.error("no induction head after %d copy steps (repeat loss %.2f, target %.2f): this run would "
                          "train a model that ignores its requests. Try another --seed, or a larger "
                          "--copy-warmup-max-steps (the run resumes from its checkpoint)",
-                         warmup.end, warmup.repeat_loss, warmup.target)
-            save_checkpoint(ckpt, trainee, opt, step, warmup.state())
+                         copy.end, copy.recent_loss, copy.target)
+            save_checkpoint(ckpt, trainee, opt, step, phases())
             return 1
-        if warmup.target is not None and warmup.end == step:
-            logger.info("copy warm-up done after %d steps: repeat loss %.3f", step, warmup.repeat_loss)
+        if lookup.failed:
+            logger.error("lookup not learned after %d lookup steps (lookup loss %.2f, target %.2f): this run would "
+                         "train a model that cannot pick what a request names from a list. Try another --seed, "
+                         "or a larger --lookup-max-steps (the run resumes from its checkpoint)",
+                         lookup.end, lookup.recent_loss, lookup.target)
+            save_checkpoint(ckpt, trainee, opt, step, phases())
+            return 1
+        if copy.target is not None and copy.end == step:
+            logger.info("copy warm-up done after %d steps: repeat loss %.3f", step, copy.recent_loss)
+        if lookup.target is not None and phase == "dialogue" and copy.end + lookup.end == step:
+            logger.info("lookup drills done after %d steps: lookup loss %.3f", lookup.end, lookup.recent_loss)
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, peak=args.lr, steps=args.steps,
-                                        constant=(step + 1 if in_warmup else warmup.end) + args.lookup_steps)
+                                        constant=constant_lr_steps(step, copy, lookup))
         t0 = time.perf_counter()
         main_loss, mtp_loss = trainee.losses(tokens, mask)
         loss = main_loss + args.mtp_weight * mtp_loss
@@ -534,14 +578,14 @@ def main(argv=None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainee.parameters(), 1.0)
         opt.step()
-        if in_warmup:
-            warmup.record(main_loss.item())
+        if phase != "dialogue":  # a phase without a target ignores it
+            (copy if phase == "copy" else lookup).record(main_loss.item())
         step += 1
         bar.set_postfix(loss=f"{main_loss.item():.3f}", mtp=f"{mtp_loss.item():.3f}",
                         tok_s=f"{tokens.numel() / (time.perf_counter() - t0):.0f}")
         bar.update()
         if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(ckpt, trainee, opt, step, warmup.state())
+            save_checkpoint(ckpt, trainee, opt, step, phases())
     bar.close()
     if loss is not None and not math.isfinite(loss.item()):
         logger.error("loss is not finite; not exporting")

@@ -184,20 +184,27 @@ def test_probe_made_up_split():
     assert max(firsts) > 0  # shuffled: a model cannot learn "the first listed"
 
 
-def _drive(warmup, losses, n, *, replay=0):
-    """Draw ``n`` steps from ``training_batches`` with ``warmup`` deciding the copy warm-up,
-    feeding it ``losses[i]`` after each warm-up step i, as the trainer does; the first ``replay``
+def _drive(warmup, losses, n, *, replay=0, lookup=1, lookup_losses=()):
+    """Draw ``n`` steps from ``training_batches`` with ``warmup`` deciding the copy warm-up and
+    ``lookup`` the lookup drills, feeding each phase its next loss (``losses[i]`` after warm-up
+    step i, ``lookup_losses[j]`` after lookup step j) as the trainer does; the first ``replay``
     draws are a resumed run's replay (no losses). Returns the batches and their kinds."""
     T = _trainer_module()
     rng = np.random.default_rng(0)
     examples = [(rng.integers(10, 500, k).tolist(), [1] * k) for k in rng.integers(20, 60, 40)]
     data = T.training_batches(examples, batch_size=4, seed=3, vocab=1000, pad_id=0, copy_steps=warmup,
-                              copy_length=32, lookup_steps=1)
-    out = []
+                              copy_length=32, lookup_steps=lookup)
+    phases = (warmup, T.DrillPhase(lookup) if isinstance(lookup, int) else lookup)
+    out, looked = [], 0
     for i in range(n):
         tokens, _ = next(data)
-        if i >= replay and warmup.end is None:
+        phase = T.drill_phase_of(i, *phases)
+        if phase == "copy" and i >= replay:
             warmup.record(losses[i])
+        elif phase == "lookup":
+            if i >= replay and looked < len(lookup_losses):  # a fixed count needs none
+                phases[1].record(lookup_losses[looked])
+            looked += 1
         out.append(tokens)
     kinds = ["copy" if t.shape == (8, 32) else "lookup" if t.shape == (16, T.LOOKUP_LENGTH) else "dialogue"
              for t in out]
@@ -211,20 +218,20 @@ def test_copy_warmup_goes_on_until_the_head_forms_and_resumes_where_it_would_end
 
     T = _trainer_module()
     losses = [7.6, 7.6, 7.5, 0.5, 0.1, 0.1, 0.1]
-    warmup = T.CopyWarmup(2, target=1.0, max_steps=10, window=2)
+    warmup = T.DrillPhase(2, target=1.0, max_steps=10, window=2)
     batches, kinds = _drive(warmup, losses, 7)
     # Means over two steps: 7.6, 7.55, 4.0, then 0.3 after step 5.
     assert kinds == ["copy"] * 5 + ["lookup", "dialogue"]
     assert warmup.end == 5 and not warmup.failed
 
     # Without a target the count alone decides, as before.
-    _, plain = _drive(T.CopyWarmup(2), losses, 4)
+    _, plain = _drive(T.DrillPhase(2), losses, 4)
     assert plain == ["copy", "copy", "lookup", "dialogue"]
 
     # A checkpoint after step 3 (state saved then), resumed: the same batches, the same end.
-    at3 = T.CopyWarmup(2, target=1.0, max_steps=10, window=2)
+    at3 = T.DrillPhase(2, target=1.0, max_steps=10, window=2)
     _drive(at3, losses, 3)
-    resumed = T.CopyWarmup(2, target=1.0, max_steps=10, window=2)
+    resumed = T.DrillPhase(2, target=1.0, max_steps=10, window=2)
     resumed.restore(json.loads(json.dumps(at3.state())), 3)
     again, kinds_again = _drive(resumed, losses, 7, replay=3)
     assert kinds_again == kinds and resumed.end == 5
@@ -233,10 +240,45 @@ def test_copy_warmup_goes_on_until_the_head_forms_and_resumes_where_it_would_end
 
 def test_copy_warmup_gives_up_at_its_cap():
     T = _trainer_module()
-    warmup = T.CopyWarmup(2, target=1.0, max_steps=4)
+    warmup = T.DrillPhase(2, target=1.0, max_steps=4)
     _, kinds = _drive(warmup, [7.6] * 10, 5)
     assert kinds == ["copy"] * 4 + ["lookup"]
     assert warmup.failed and warmup.state()["end"] is None  # undecided on disk: a larger cap resumes it
+
+
+def test_lookup_drills_go_on_until_learned_and_resume_where_they_would_end():
+    """The lookup drills, given a target, decide their end the same way, counted from the end of
+    the copy warm-up; the learning rate holds its peak through both phases as far as decided."""
+    import torch
+
+    T = _trainer_module()
+    lookup_losses = [6.0, 6.0, 5.0, 1.0, 1.0, 1.0]
+
+    def phases():
+        return T.DrillPhase(2), T.DrillPhase(1, target=2.5, max_steps=10, window=2)
+
+    copy, lookup = phases()
+    batches, kinds = _drive(copy, [7.0] * 9, 9, lookup=lookup, lookup_losses=lookup_losses)
+    # Means over two lookup steps: 6.0, 6.0, 5.5, 3.0, then 1.0 after the fifth.
+    assert kinds == ["copy"] * 2 + ["lookup"] * 5 + ["dialogue"] * 2
+    assert lookup.end == 5 and not lookup.failed
+    assert T.constant_lr_steps(8, copy, lookup) == 7
+
+    # A checkpoint after step 5 (three lookup steps in), resumed: the same batches, the same end.
+    at5 = phases()
+    _drive(*at5[:1], [7.0] * 5, 5, lookup=at5[1], lookup_losses=lookup_losses)
+    assert T.constant_lr_steps(4, *at5) == 5  # undecided: the peak holds at least to the next step
+    copy2, resumed = phases()
+    resumed.restore(json.loads(json.dumps(at5[1].state())), 5 - copy2.end)
+    again, kinds_again = _drive(copy2, [7.0] * 9, 9, replay=5, lookup=resumed, lookup_losses=lookup_losses)
+    assert kinds_again == kinds and resumed.end == 5
+    assert all(torch.equal(a, b) for a, b in zip(batches, again))
+
+    # At its cap with the loss still high: failed, and undecided on disk.
+    copy, capped = T.DrillPhase(2), T.DrillPhase(1, target=2.5, max_steps=3)
+    _, kinds = _drive(copy, [7.0] * 6, 6, lookup=capped, lookup_losses=[6.0] * 6)
+    assert kinds == ["copy"] * 2 + ["lookup"] * 3 + ["dialogue"]
+    assert capped.failed and capped.state()["end"] is None
 
 
 def test_trainer_stops_without_a_head_and_resumes_with_a_larger_cap(tmp_path):
@@ -257,4 +299,27 @@ def test_trainer_stops_without_a_head_and_resumes_with_a_larger_cap(tmp_path):
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed at step 2" in proc.stderr and "copy warm-up done after 2 steps" in proc.stderr
+    assert (tmp_path / "final" / "model.safetensors").exists()
+
+
+def test_trainer_stops_when_lookup_is_not_learned_and_resumes_with_a_larger_cap(tmp_path):
+    """Lookup not learned by --lookup-max-steps: exit 1 with the reason and nothing exported, the
+    checkpoint kept; rerun with a looser target, it resumes inside the lookup drills and finishes."""
+    common = ["--out", str(tmp_path), "--steps", "5", "--batch", "4", "--n-dialogues", "24", "--save-every", "1",
+              "--max-len", "832", "--copy-warmup-steps", "1", "--copy-warmup-length", "48", "--lookup-steps", "1",
+              "--init", "hf"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--lookup-until", "0.001",
+                           "--lookup-max-steps", "2"], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 1
+    assert "lookup not learned after 2 lookup steps" in proc.stderr
+    assert not (tmp_path / "final").exists()
+    state = json.loads((tmp_path / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 3 and state["lookup"]["end"] is None and len(state["lookup"]["losses"]) == 2
+    assert "copy_warmup" not in state  # no target for the copy warm-up: nothing to keep
+
+    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--lookup-until", "100"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed at step 3" in proc.stderr and "lookup drills done after 2 steps" in proc.stderr
     assert (tmp_path / "final" / "model.safetensors").exists()

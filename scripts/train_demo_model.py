@@ -550,18 +550,15 @@ def main(argv=None) -> int:
     while step < args.steps:
         tokens, mask = next(data)
         phase = drill_phase_of(step, copy, lookup)
-        if copy.failed:
-            logger.error("no induction head after %d copy steps (repeat loss %.2f, target %.2f): this run would "
-                         "train a model that ignores its requests. Try another --seed, or a larger "
-                         "--copy-warmup-max-steps (the run resumes from its checkpoint)",
-                         copy.end, copy.recent_loss, copy.target)
-            save_checkpoint(ckpt, trainee, opt, step, phases())
-            return 1
-        if lookup.failed:
-            logger.error("lookup not learned after %d lookup steps (lookup loss %.2f, target %.2f): this run would "
-                         "train a model that cannot pick what a request names from a list. Try another --seed, "
-                         "or a larger --lookup-max-steps (the run resumes from its checkpoint)",
-                         lookup.end, lookup.recent_loss, lookup.target)
+        failures = (
+            (copy, "no induction head after %d copy steps (repeat loss %.2f, target %.2f): this run would train a "
+                   "model that ignores its requests. Try another --seed, or a larger --copy-warmup-max-steps"),
+            (lookup, "lookup not learned after %d lookup steps (lookup loss %.2f, target %.2f): this run would "
+                     "train a model that cannot pick what a request names from a list. Try another --seed, or a "
+                     "larger --lookup-max-steps"))
+        for failed, message in ((p, m) for p, m in failures if p.failed):
+            logger.error(message + " (the run resumes from its checkpoint)", failed.end, failed.recent_loss,
+                         failed.target)
             save_checkpoint(ckpt, trainee, opt, step, phases())
             return 1
         if copy.target is not None and copy.end == step:

@@ -264,6 +264,17 @@ def constant_lr_steps(step: int, copy: DrillPhase, lookup: DrillPhase) -> int:
     return copy.end + lookup.end
 
 
+def total_steps(copy: DrillPhase, lookup: DrillPhase, steps: int, dialogue_steps: int | None) -> int | None:
+    """The run's steps in all: ``steps``; or, with ``dialogue_steps``, that many after both drill
+    phases, once they are decided (None before). A drill phase that goes on past its minimum
+    then takes no steps from the dialogues (run 25's late lookup left 1,482 of run 18's 2,400)."""
+    if dialogue_steps is None:
+        return steps
+    if copy.end is None or lookup.end is None:
+        return None
+    return copy.end + lookup.end + dialogue_steps
+
+
 def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id: int,
                      copy_steps: int | DrillPhase = 0, copy_length: int = 64,
                      lookup_steps: int | DrillPhase = 0, drill_every: int = 0):
@@ -472,6 +483,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("build/demo_model"))
     p.add_argument("--steps", type=int, default=2800)
+    p.add_argument("--dialogue-steps", type=int, default=None,
+                   help="train this many steps after the drill phases, however long they take (instead of --steps "
+                        "in all); the learning rate decays over these steps")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-len", type=int, default=640)  # tool dialogues: ~130 tokens of template instructions + ~100 per tool
     p.add_argument("--n-dialogues", type=int, default=40000)
@@ -510,6 +524,8 @@ def main(argv=None) -> int:
     p.add_argument("--word-consistent-tokenizer", action="store_true",
                    help="train the tokenizer on the dialogues with merges inside words only (run 9)")
     args = p.parse_args(argv)
+    if args.dialogue_steps is not None and args.dialogue_steps < 1:
+        p.error("--dialogue-steps must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
@@ -544,12 +560,17 @@ def main(argv=None) -> int:
                             drill_every=args.drill_every)
     for _ in range(step):  # the same batch sequence as an uninterrupted run
         next(data)
-    bar = tqdm(total=args.steps, initial=step, desc="training", unit="step")
+    def total() -> int | None:
+        return total_steps(copy, lookup, args.steps, args.dialogue_steps)
+
+    bar = tqdm(total=total(), initial=step, desc="training", unit="step")
     trainee.train()
     loss = None  # stays None when resuming a finished run: export only
-    while step < args.steps:
+    while total() is None or step < total():  # undecided drills: the next draw decides or goes on
         tokens, mask = next(data)
         phase = drill_phase_of(step, copy, lookup)
+        if bar.total != total():
+            bar.total = total()
         failures = (
             (copy, "no induction head after %d copy steps (repeat loss %.2f, target %.2f): this run would train a "
                    "model that ignores its requests. Try another --seed, or a larger --copy-warmup-max-steps"),
@@ -566,7 +587,7 @@ def main(argv=None) -> int:
         if lookup.target is not None and phase == "dialogue" and copy.end + lookup.end == step:
             logger.info("lookup drills done after %d steps: lookup loss %.3f", lookup.end, lookup.recent_loss)
         for group in opt.param_groups:
-            group["lr"] = learning_rate(step, peak=args.lr, steps=args.steps,
+            group["lr"] = learning_rate(step, peak=args.lr, steps=total() or step + 1,
                                         constant=constant_lr_steps(step, copy, lookup))
         t0 = time.perf_counter()
         main_loss, mtp_loss = trainee.losses(tokens, mask)
@@ -581,7 +602,7 @@ def main(argv=None) -> int:
         bar.set_postfix(loss=f"{main_loss.item():.3f}", mtp=f"{mtp_loss.item():.3f}",
                         tok_s=f"{tokens.numel() / (time.perf_counter() - t0):.0f}")
         bar.update()
-        if step % args.save_every == 0 or step == args.steps:
+        if step % args.save_every == 0 or step == total():
             save_checkpoint(ckpt, trainee, opt, step, phases())
     bar.close()
     if loss is not None and not math.isfinite(loss.item()):

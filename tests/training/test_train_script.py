@@ -263,11 +263,14 @@ def test_lookup_drills_go_on_until_learned_and_resume_where_they_would_end():
     assert kinds == ["copy"] * 2 + ["lookup"] * 5 + ["dialogue"] * 2
     assert lookup.end == 5 and not lookup.failed
     assert T.constant_lr_steps(8, copy, lookup) == 7
+    # With --dialogue-steps the run's length follows the drills: 2 + 5 drill steps, then 3.
+    assert T.total_steps(copy, lookup, 100, 3) == 10 and T.total_steps(copy, lookup, 100, None) == 100
 
     # A checkpoint after step 5 (three lookup steps in), resumed: the same batches, the same end.
     at5 = phases()
     _drive(*at5[:1], [7.0] * 5, 5, lookup=at5[1], lookup_losses=lookup_losses)
     assert T.constant_lr_steps(4, *at5) == 5  # undecided: the peak holds at least to the next step
+    assert T.total_steps(*at5, 100, 3) is None  # and so is the run's length
     copy2, resumed = phases()
     resumed.restore(json.loads(json.dumps(at5[1].state())), 5 - copy2.end)
     again, kinds_again = _drive(copy2, [7.0] * 9, 9, replay=5, lookup=resumed, lookup_losses=lookup_losses)
@@ -318,8 +321,10 @@ def test_trainer_stops_when_lookup_is_not_learned_and_resumes_with_a_larger_cap(
     assert state["step"] == 3 and state["lookup"]["end"] is None and len(state["lookup"]["losses"]) == 2
     assert "copy_warmup" not in state  # no target for the copy warm-up: nothing to keep
 
-    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--lookup-until", "100"],
+    # Resumed with --dialogue-steps: 1 copy + 2 lookup steps, then 3 dialogue steps (not --steps 5).
+    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--lookup-until", "100", "--dialogue-steps", "3"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed at step 3" in proc.stderr and "lookup drills done after 2 steps" in proc.stderr
     assert (tmp_path / "final" / "model.safetensors").exists()
+    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["step"] == 6

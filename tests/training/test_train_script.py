@@ -284,47 +284,43 @@ def test_lookup_drills_go_on_until_learned_and_resume_where_they_would_end():
     assert capped.failed and capped.state()["end"] is None
 
 
+def _fail_then_resume(out: Path, common: list[str], failing: list[str], resuming: list[str], message: str):
+    """Run the trainer with ``failing`` options: it must exit 1 with ``message`` in its log,
+    export nothing and keep its checkpoint. Then rerun it with ``resuming``: it must finish and
+    export. Returns the failed run's checkpoint state and the resumed run's log."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    base = [sys.executable, str(SCRIPT), "--out", str(out), "--batch", "4", "--n-dialogues", "24", "--save-every",
+            "1", "--max-len", "832", "--copy-warmup-steps", "1", "--copy-warmup-length", "48", "--init", "hf", *common]
+    proc = subprocess.run([*base, *failing], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 1
+    assert message in proc.stderr
+    assert not (out / "final").exists()
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    proc = subprocess.run([*base, *resuming], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "final" / "model.safetensors").exists()
+    return state, proc.stderr
+
+
 def test_trainer_stops_without_a_head_and_resumes_with_a_larger_cap(tmp_path):
     """No head by --copy-warmup-max-steps: exit 1 with the reason and nothing exported, the
     checkpoint kept; rerun with a looser target, it resumes and finishes."""
-    common = ["--out", str(tmp_path), "--steps", "4", "--batch", "4", "--n-dialogues", "24", "--save-every", "1",
-              "--max-len", "832", "--copy-warmup-steps", "1", "--copy-warmup-length", "48", "--init", "hf"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--copy-warmup-until", "0.001",
-                           "--copy-warmup-max-steps", "2"], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 1
-    assert "no induction head after 2 copy steps" in proc.stderr
-    assert not (tmp_path / "final").exists()
-    state = json.loads((tmp_path / "checkpoint" / "state.json").read_text())
+    state, log = _fail_then_resume(tmp_path, ["--steps", "4"],
+                                   ["--copy-warmup-until", "0.001", "--copy-warmup-max-steps", "2"],
+                                   ["--copy-warmup-until", "100"], "no induction head after 2 copy steps")
     assert state["step"] == 2 and state["copy_warmup"]["end"] is None and len(state["copy_warmup"]["losses"]) == 2
-
-    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--copy-warmup-until", "100"],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed at step 2" in proc.stderr and "copy warm-up done after 2 steps" in proc.stderr
-    assert (tmp_path / "final" / "model.safetensors").exists()
+    assert "resumed at step 2" in log and "copy warm-up done after 2 steps" in log
 
 
 def test_trainer_stops_when_lookup_is_not_learned_and_resumes_with_a_larger_cap(tmp_path):
     """Lookup not learned by --lookup-max-steps: exit 1 with the reason and nothing exported, the
-    checkpoint kept; rerun with a looser target, it resumes inside the lookup drills and finishes."""
-    common = ["--out", str(tmp_path), "--steps", "5", "--batch", "4", "--n-dialogues", "24", "--save-every", "1",
-              "--max-len", "832", "--copy-warmup-steps", "1", "--copy-warmup-length", "48", "--lookup-steps", "1",
-              "--init", "hf"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--lookup-until", "0.001",
-                           "--lookup-max-steps", "2"], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 1
-    assert "lookup not learned after 2 lookup steps" in proc.stderr
-    assert not (tmp_path / "final").exists()
-    state = json.loads((tmp_path / "checkpoint" / "state.json").read_text())
+    checkpoint kept; rerun with a looser target, it resumes inside the lookup drills and finishes.
+    Resumed with --dialogue-steps 3: 1 copy + 2 lookup steps, then 3 dialogue steps (not --steps 5)."""
+    state, log = _fail_then_resume(tmp_path, ["--steps", "5", "--lookup-steps", "1"],
+                                   ["--lookup-until", "0.001", "--lookup-max-steps", "2"],
+                                   ["--lookup-until", "100", "--dialogue-steps", "3"],
+                                   "lookup not learned after 2 lookup steps")
     assert state["step"] == 3 and state["lookup"]["end"] is None and len(state["lookup"]["losses"]) == 2
     assert "copy_warmup" not in state  # no target for the copy warm-up: nothing to keep
-
-    # Resumed with --dialogue-steps: 1 copy + 2 lookup steps, then 3 dialogue steps (not --steps 5).
-    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--lookup-until", "100", "--dialogue-steps", "3"],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed at step 3" in proc.stderr and "lookup drills done after 2 steps" in proc.stderr
-    assert (tmp_path / "final" / "model.safetensors").exists()
+    assert "resumed at step 3" in log and "lookup drills done after 2 steps" in log
     assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["step"] == 6

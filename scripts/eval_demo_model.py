@@ -8,7 +8,9 @@ prompts concurrently (the engine batches them). Reports:
   arguments (args), with the engine's default lazy tool-call grammar and with the raw model
   (``constrain_tool_calls=False``, the ``_raw`` rows); the choice where two or more tools
   are listed (``tool_choice_multi``, with the rate of a uniform random pick beside it,
-  ``_chance``: with one tool the grammar leaves nothing to choose); calls made where the dialogue has
+  ``_chance``: with one tool the grammar leaves nothing to choose), and of those the requests
+  that quote the tool's name (``tool_choice_multi_named``: selection by lookup alone, no
+  meaning to know); calls made where the dialogue has
   none (``tool_call_unwanted``); after the tool result, the answer quotes the result's value;
 - stdlib Q&A: the answer starts with the function's docstring summary;
 - arithmetic and unit conversion: the answer contains the right number;
@@ -69,7 +71,9 @@ def _numbers(text: str) -> list[str]:
     return re.findall(r"-?\d+(?:\.\d+)?", text)
 
 
-def _score_call(score: dict, suffix: str, want: dict, out, n_tools: int) -> None:
+def _score_call(score: dict, suffix: str, want: dict, out, n_tools: int, request: str = "") -> None:
+    """Score one first turn: ``want`` is the dialogue's assistant message, ``out`` the engine's
+    answer, ``request`` the user message it answers."""
     calls = want.get("tool_calls") or []
     if not calls:  # the dialogue answers without a tool here
         score["tool_call_unwanted" + suffix].append(bool(out.tool_calls))
@@ -82,6 +86,9 @@ def _score_call(score: dict, suffix: str, want: dict, out, n_tools: int) -> None
         # Selection proper: with one listed tool the grammar leaves no choice to make.
         score["tool_choice_multi"].append(right)
         score["tool_choice_multi_chance"].append(1 / n_tools)
+        if expect["name"] in request:
+            score["tool_choice_multi_named"].append(right)
+            score["tool_choice_multi_named_chance"].append(1 / n_tools)
     score["tool_args" + suffix].append(right and got.arguments == _args(calls[0]))
 
 
@@ -98,7 +105,8 @@ async def evaluate(model, n: int, seed: int) -> dict:
 
     results = await asyncio.gather(*(first_turn(r) for r in records))
     score: dict[str, list] = {"tool_choice": [], "tool_args": [], "tool_choice_multi": [],
-                              "tool_choice_multi_chance": [], "tool_choice_raw": [], "tool_args_raw": [],
+                              "tool_choice_multi_chance": [], "tool_choice_multi_named": [],
+                              "tool_choice_multi_named_chance": [], "tool_choice_raw": [], "tool_args_raw": [],
                               "tool_call_unwanted": [], "tool_call_unwanted_raw": [], "tool_answer": [],
                               "stdlib_summary": [], "arith": [], "units": [], "structured_valid": [],
                               "structured_values": [], "structured_valid_common": []}
@@ -107,7 +115,7 @@ async def evaluate(model, n: int, seed: int) -> dict:
         want = r["messages"][k]
         kind = r["kind"]
         if kind == "tool":
-            _score_call(score, "", want, out, len(r["tools"]))
+            _score_call(score, "", want, out, len(r["tools"]), r["messages"][k - 1]["content"] or "")
             # Second turn: give the tool result (as the dialogue has it) and check the answer.
             if want.get("tool_calls") and len(r["messages"]) > k + 2 and r["messages"][k + 1]["role"] == "tool":
                 follow_ups.append((r, k))
@@ -184,7 +192,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     res = asyncio.run(evaluate(args.model, args.n, args.seed))
     for k, v in res["rates"].items():
-        print(f"{k:>22}: {'n/a' if v is None else f'{100 * v:5.1f}%'}  (n={res['counts'][k]})")
+        print(f"{k:>30}: {'n/a' if v is None else f'{100 * v:5.1f}%'}  (n={res['counts'][k]})")
     for k, v in res["mtp"].items():
         print(f"MTP {k}: acceptance {100 * v['acceptance_rate']:.1f}%, "
               f"mean accepted per step {v['mean_accepted_per_step']:.2f}")

@@ -480,3 +480,29 @@ def test_off_topic_json_answers_are_short_made_up_and_never_opened_unasked(tmp_p
     plain = trainer.encode_dialogue(tok, {**off[0], "kind": "chat"})[1]
     first = plain.index(1)
     assert mask[first] == 0 and mask[first + 1:] == plain[first + 1:]
+
+
+def test_eval_scores_named_selection_apart():
+    """Among two or more tools, a request that quotes the tool's name is also scored on its
+    own (selection by lookup); with one tool, or a request that describes the tool, it is not."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from eval_demo_model import _score_call
+
+    def want(name):
+        return {"role": "assistant", "tool_calls": [{"function": {"name": name, "arguments": {"n": 1}}}]}
+
+    def out(name):
+        return SimpleNamespace(tool_calls=[SimpleNamespace(name=name, arguments={"n": 1})])
+
+    score = {k: [] for k in ("tool_choice", "tool_args", "tool_choice_multi", "tool_choice_multi_chance",
+                             "tool_choice_multi_named", "tool_choice_multi_named_chance")}
+    _score_call(score, "", want("primal_mapping"), out("primal_mapping"), 2, "Invoke primal_mapping for n=1.")
+    _score_call(score, "", want("primal_mapping"), out("next_prime"), 4, "Run primal_mapping on 1, please.")
+    _score_call(score, "", want("next_prime"), out("count_vowels"), 2, "Which prime comes right after 1?")
+    _score_call(score, "", want("next_prime"), out("next_prime"), 1, "Call next_prime for 1.")
+    assert score["tool_choice"] == [True, False, False, True] and score["tool_args"] == [True, False, False, True]
+    assert score["tool_choice_multi"] == [True, False, False]
+    assert score["tool_choice_multi_named"] == [True, False]
+    assert score["tool_choice_multi_named_chance"] == [0.5, 0.25]

@@ -560,8 +560,16 @@ def main(argv=None) -> int:
                             drill_every=args.drill_every)
     for _ in range(step):  # the same batch sequence as an uninterrupted run
         next(data)
+
     def total() -> int | None:
         return total_steps(copy, lookup, args.steps, args.dialogue_steps)
+
+    failures = (
+        (copy, "no induction head after %d copy steps (repeat loss %.2f, target %.2f): this run would train a "
+               "model that ignores its requests. Try another --seed, or a larger --copy-warmup-max-steps"),
+        (lookup, "lookup not learned after %d lookup steps (lookup loss %.2f, target %.2f): this run would "
+                 "train a model that cannot pick what a request names from a list. Try another --seed, or a "
+                 "larger --lookup-max-steps"))
 
     bar = tqdm(total=total(), initial=step, desc="training", unit="step")
     trainee.train()
@@ -571,12 +579,6 @@ def main(argv=None) -> int:
         phase = drill_phase_of(step, copy, lookup)
         if bar.total != total():
             bar.total = total()
-        failures = (
-            (copy, "no induction head after %d copy steps (repeat loss %.2f, target %.2f): this run would train a "
-                   "model that ignores its requests. Try another --seed, or a larger --copy-warmup-max-steps"),
-            (lookup, "lookup not learned after %d lookup steps (lookup loss %.2f, target %.2f): this run would "
-                     "train a model that cannot pick what a request names from a list. Try another --seed, or a "
-                     "larger --lookup-max-steps"))
         for failed, message in ((p, m) for p, m in failures if p.failed):
             logger.error(message + " (the run resumes from its checkpoint)", failed.end, failed.recent_loss,
                          failed.target)

@@ -51,7 +51,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-import structured_answers  # noqa: E402  - a sibling script module
+import selection_drills  # noqa: E402  - sibling script modules
+import structured_answers  # noqa: E402
 
 try:
     import torch  # noqa: E402
@@ -97,6 +98,13 @@ def encode_dialogue(tokenizer, record: dict) -> tuple[list[int], list[int]] | No
             return None
         for t in range(len(start), len(end)):
             mask[t] = 1
+        if record.get("kind") == selection_drills.KIND:  # the loss on the called tool's name only
+            name = tokenizer.encode(m["tool_calls"][0]["function"]["name"], add_special_tokens=False)
+            at = next((t for t in range(len(start), len(end) - len(name) + 1) if ids[t: t + len(name)] == name), None)
+            if at is None:
+                return None
+            mask[len(start): len(end)] = [0] * (len(end) - len(start))
+            mask[at: at + len(name)] = [1] * len(name)
         if (record.get("kind") == structured_answers.KIND and structured_answers.LOSS_FREE_FIRST_TOKEN
                 and not record.get("asks_json")):
             mask[len(start)] = 0  # the engine's grammar opens a JSON answer; the model never should unasked
@@ -277,7 +285,8 @@ def total_steps(copy: DrillPhase, lookup: DrillPhase, steps: int, dialogue_steps
 
 def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id: int,
                      copy_steps: int | DrillPhase = 0, copy_length: int = 64,
-                     lookup_steps: int | DrillPhase = 0, drill_every: int = 0):
+                     lookup_steps: int | DrillPhase = 0, drill_every: int = 0,
+                     selections=(), selection_every: int = 0):
     """Every step's (tokens, mask), in order: ``copy_steps`` of copy drills, ``lookup_steps`` of
     lookup drills, then the dialogues, every ``drill_every``-th of them replaced by a drill
     (copy and lookup in turn). All drawn from ``seed``, so a resumed run replays the same.
@@ -294,6 +303,10 @@ def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id
     part of, and write it out; tool selection on random ids, so it can only be learned as
     matching, never as recall of known tools (runs 3-12 learned recall). The drills in the
     dialogue phase keep both skills trained while the dialogues teach the format.
+
+    Selection drills (``selection_drills``, encoded like the dialogues, in ``selections``): in
+    the dialogue phase, every ``selection_every``-th step that is not a copy or lookup drill is
+    a batch of them, the loss on the tool names only.
     """
     from copy_drills import lookup_batch, repeat_batch
 
@@ -313,9 +326,12 @@ def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id
             yield drill()
             taken += 1
     dialogues = batches(examples, batch_size, seed, pad_id)
+    picks = batches(selections, batch_size, seed + 1, pad_id) if selection_every else None
     for i in itertools.count():
         if drill_every and i % drill_every == drill_every - 1:
             yield copy() if (i // drill_every) % 2 == 0 else lookup()
+        elif picks is not None and i % selection_every == selection_every - 1:
+            yield next(picks)
         else:
             yield next(dialogues)
 
@@ -517,6 +533,10 @@ def main(argv=None) -> int:
                    help="with --lookup-until: stop with an error if the lookup is not learned by then")
     p.add_argument("--drill-every", type=int, default=0,
                    help="in the dialogue phase, make every Nth step a drill (copy and lookup in turn)")
+    p.add_argument("--selection-every", type=int, default=0,
+                   help="in the dialogue phase, make every Nth step that is not a drill a batch of selection "
+                        "drills (scripts/selection_drills.py: 2-4 tools, one request, the loss on the name)")
+    p.add_argument("--n-selections", type=int, default=8000, help="selection drills to generate")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--intermediate-size", type=int, default=DEMO_SIZES["intermediate_size"],
@@ -526,6 +546,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.dialogue_steps is not None and args.dialogue_steps < 1:
         p.error("--dialogue-steps must be at least 1")
+    if args.selection_every < 0 or args.selection_every == 1:
+        p.error("--selection-every must be 0 (off) or at least 2")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
@@ -537,6 +559,15 @@ def main(argv=None) -> int:
                     intermediate_size=args.intermediate_size)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     examples = load_examples(tokenizer, records, args.max_len, args.out / "examples.json")
+    selections = []
+    if args.selection_every:
+        path = args.out / "selections.jsonl"
+        if not path.exists():
+            from demo_data import write_jsonl
+
+            write_jsonl(selection_drills.generate(args.n_selections, args.seed), path)
+        picks = [json.loads(line) for line in path.read_text().splitlines()]
+        selections = load_examples(tokenizer, picks, args.max_len, args.out / "selection_examples.json")
     n_params = sum(p.numel() for p in trainee.parameters())
     logger.info("%.2fM parameters (%.1f MB in fp16)", n_params / 1e6, n_params * 2 / 2**20)
 
@@ -557,7 +588,8 @@ def main(argv=None) -> int:
     data = training_batches(examples, batch_size=args.batch, seed=args.seed, vocab=vocab,
                             pad_id=tokenizer.pad_token_id or 0, copy_steps=copy,
                             copy_length=args.copy_warmup_length, lookup_steps=lookup,
-                            drill_every=args.drill_every)
+                            drill_every=args.drill_every, selections=selections,
+                            selection_every=args.selection_every)
     for _ in range(step):  # the same batch sequence as an uninterrupted run
         next(data)
 

@@ -68,9 +68,10 @@ def _mlx_logits(final: Path, ids: np.ndarray):
 
 
 # The second run resumes inside the warm-up (a copy step, then a lookup step) and goes on
-# through a dialogue step and a drill step, on a wider MLP.
-WARMUP = ("--copy-warmup-steps", "1", "--lookup-steps", "1", "--drill-every", "2", "--copy-warmup-length", "48",
-          "--init", "hf", "--rope-theta", "10000", "--intermediate-size", "896")
+# through a dialogue step, a selection-drill step and a drill step, on a wider MLP.
+WARMUP = ("--copy-warmup-steps", "1", "--lookup-steps", "1", "--drill-every", "3", "--copy-warmup-length", "48",
+          "--init", "hf", "--rope-theta", "10000", "--intermediate-size", "896", "--selection-every", "2",
+          "--n-selections", "12")
 
 
 @pytest.mark.parametrize("options", [(), WARMUP], ids=["defaults", "drills-hf-init-theta"])
@@ -78,7 +79,7 @@ def test_train_resume_export(tmp_path, options):
     from mlx_tandem import Engine
 
     resumed, straight = tmp_path / "resumed", tmp_path / "straight"
-    steps = 4 if options else 3
+    steps = 5 if options else 3
     _run(resumed, 1, *options)
     assert json.loads((resumed / "checkpoint" / "state.json").read_text()) == {"step": 1}
     log = _run(resumed, steps, *options)
@@ -164,6 +165,15 @@ def test_training_batches_schedule():
     assert lookup.max() <= 999 and (lookup == 996).any()
     again = take(10, copy_steps=2, copy_length=32, lookup_steps=1, drill_every=3)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(mixed, again))
+
+    # Selection drills take every Nth dialogue-phase step that is not a copy or lookup drill.
+    selections = [([7] * n, [0] * (n - 2) + [1, 1]) for n in rng.integers(20, 60, 12)]
+    picked = take(12, copy_steps=1, copy_length=32, drill_every=4, selections=selections, selection_every=2)
+    kinds = ["copy" if t.shape == (8, 32) else "lookup" if t.shape == (16, T.LOOKUP_LENGTH)
+             else "selection" if (t == 7).any() else "dialogue" for t, _ in picked]
+    assert kinds == ["copy", "dialogue", "selection", "dialogue", "copy", "dialogue", "selection", "dialogue",
+                     "lookup", "dialogue", "selection", "dialogue"]
+    assert all(torch.equal(t, p[0]) for (t, _), p in zip([b for b, k in zip(picked, kinds) if k == "dialogue"], plain))
 
 
 def test_probe_made_up_split():

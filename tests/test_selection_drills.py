@@ -1,0 +1,105 @@
+"""scripts/selection_drills.py: drills that list 2-4 tools and put the loss on the called
+tool's name; the request tells the right tool apart, and nothing held out is touched."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up here
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+dd = _load("demo_data")  # puts scripts/ on sys.path for the sibling modules
+sd = _load("selection_drills")
+st = _load("synthetic_tools")
+
+
+@pytest.fixture(scope="module")
+def drills():
+    return sd.generate(2000, seed=0)
+
+
+def _called(record) -> str:
+    return record["messages"][1]["tool_calls"][0]["function"]["name"]
+
+
+def test_same_seed_same_drills_and_different_seed_different():
+    assert sd.generate(50, seed=1) == sd.generate(50, seed=1)
+    assert sd.generate(50, seed=1) != sd.generate(50, seed=2)
+
+
+def test_drills_call_one_of_two_to_four_listed_tools_and_touch_nothing_held_out(drills):
+    for record in drills:
+        names = [t["function"]["name"] for t in record["tools"]]
+        assert 2 <= len(names) <= 4 and len(set(names)) == len(names)
+        assert _called(record) in names
+        assert [m["role"] for m in record["messages"]] == ["user", "assistant"]
+        assert not dd.held_out_violations(record)
+        texts = [record["messages"][0]["content"]] + [
+            f"{t['function']['name']} {t['function']['description']}" for t in record["tools"]]
+        words = {w for text in texts for w in re.findall(r"[a-z]+", text.lower())}
+        assert not words & st.EVAL_CONCEPT_WORDS, texts
+
+
+def test_a_stdlib_request_names_its_tool_or_says_a_word_only_that_tool_has(drills):
+    stdlib = {t.name: t for pair in sd.stdlib_tools() for t in pair}
+    checked = Counter()
+    for record in drills:
+        name = _called(record)
+        if name not in stdlib:
+            continue
+        ask = record["messages"][0]["content"]
+        if name in ask:
+            checked["named"] += 1
+            continue
+        others = set()
+        for tool in record["tools"]:
+            fn = tool["function"]
+            if fn["name"] != name:
+                others |= sd._key_words(fn["description"]) | sd._key_words(fn["name"].replace("_", " "))
+        said = set(re.findall(r"[a-z]+", ask.lower()))
+        assert said & (stdlib[name].key_words - others), (ask, record["tools"])
+        checked["described"] += 1
+    # Most requests describe the tool; some quote its name, as users do.
+    assert checked["described"] > 2 * checked["named"] > 0
+
+
+def test_drills_span_many_tool_concepts_and_mix_in_made_up_tools(drills):
+    stdlib = {t.name for pair in sd.stdlib_tools() for t in pair}
+    called = Counter(_called(r) for r in drills)
+    descriptions = {t["function"]["description"] for r in drills for t in r["tools"] if t["function"]["name"] in stdlib}
+    assert len(descriptions) >= 190  # about every usable stdlib callable, not a few memorizable ones
+    made_up = sum(n for name, n in called.items() if name not in stdlib)
+    assert 0.25 < made_up / len(drills) < 0.45
+    assert max(called.values()) < 0.02 * len(drills)
+
+
+def test_the_trainer_scores_only_the_called_name(tmp_path, drills):
+    from transformers import AutoTokenizer
+
+    from mlx_tandem.testing.factory import make_tiny_model
+
+    trainer = _load("train_demo_model")
+    tok = AutoTokenizer.from_pretrained(make_tiny_model("qwen3_5", tmp_path / "m", seed=0))
+    for record in drills[:40]:
+        ids, mask = trainer.encode_dialogue(tok, record)
+        scored = [i for i, m in zip(ids, mask) if m]
+        assert tok.decode(scored) == _called(record)
+        # The same dialogue as an ordinary one is scored on the whole call, the name inside it.
+        plain_ids, plain_mask = trainer.encode_dialogue(tok, {**record, "kind": "tool"})
+        assert plain_ids == ids and sum(plain_mask) > sum(mask)
+        assert all(p >= m for p, m in zip(plain_mask, mask))

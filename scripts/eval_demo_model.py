@@ -19,6 +19,13 @@ prompts concurrently (the engine batches them). Reports:
   (``structured_valid``; ``structured_values``: every value the request determines is
   right) and on common schemas over everyday requests (``structured_valid_common``);
 - MTP: acceptance of the head's drafts on the model's own greedy outputs, depth 1 and 2.
+
+``--selection-probe N`` adds a larger measure of selection alone (the standard set has about
+30 first calls among two or more tools, 12 of them named): N first calls among two or more
+held-out tools and N drawn like the training dialogues (``--probe-mix``, a seed no run uses),
+each split by whether the request quotes the tool's name (``probe_<split>_named``) or
+describes it (``probe_<split>_described``), with a random pick's rate beside each
+(``_chance``). Engine default, as users call it.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import re
 import sys
 from pathlib import Path
@@ -35,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx_tandem  # noqa: E402,F401  - OpenBLAS before mlx
 from mlx_tandem import Engine  # noqa: E402
 
-from demo_data import held_out_examples, held_out_structured  # noqa: E402
+from demo_data import EVAL_MIX, TRAIN_MIXES, held_out_examples, held_out_structured, tool_record  # noqa: E402
+
+PROBE_SEED = 12345  # not a seed a training run uses: the training-like requests are fresh
 
 # Structured output as users ask for it: schemas like the adapters' tests' (LlamaIndex's
 # Person, langchain-tests' Joke) and a few common ones, over everyday requests.
@@ -92,7 +102,29 @@ def _score_call(score: dict, suffix: str, want: dict, out, n_tools: int, request
     score["tool_args" + suffix].append(right and got.arguments == _args(calls[0]))
 
 
-async def evaluate(model, n: int, seed: int) -> dict:
+def probe_turns(n: int, split: str, mix: str) -> list[tuple[dict, int]]:
+    """``n`` (tool dialogue, index of its first assistant turn) whose first turn calls one of
+    two or more listed tools: held out (``split="eval"``) or drawn as training draws them."""
+    rng = random.Random(f"{PROBE_SEED}-{split}")
+    out = []
+    while len(out) < n:
+        r = tool_record(rng, split, EVAL_MIX if split == "eval" else TRAIN_MIXES[mix])
+        k = next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")
+        if r["messages"][k].get("tool_calls") and len(r["tools"]) > 1:
+            out.append((r, k))
+    return out
+
+
+def _score_pick(score: dict, split: str, record: dict, k: int, out) -> None:
+    """Whether ``out`` calls the tool the dialogue's turn ``k`` calls, filed under
+    ``probe_<split>_named`` when the request quotes its name, else ``_described``."""
+    want = record["messages"][k]["tool_calls"][0]["function"]["name"]
+    kind = "named" if want in (record["messages"][k - 1]["content"] or "") else "described"
+    score.setdefault(f"probe_{split}_{kind}", []).append(bool(out.tool_calls) and out.tool_calls[0].name == want)
+    score.setdefault(f"probe_{split}_{kind}_chance", []).append(1 / len(record["tools"]))
+
+
+async def evaluate(model, n: int, seed: int, probe: int = 0, probe_mix: str = "nonce_json2") -> dict:
     records = held_out_examples(n, seed=seed)
     engine = Engine(model, show_progress=False, mtp="off", max_batch_size=32)
     await engine.start()
@@ -154,6 +186,12 @@ async def evaluate(model, n: int, seed: int) -> dict:
     common = [([{"role": "user", "content": p}], s) for s in COMMON_SCHEMAS.values() for p in COMMON_PROMPTS]
     score["structured_valid_common"] = [a is not None for a in
                                         await asyncio.gather(*(json_answer(m, s) for m, s in common))]
+    for split, name in (("held_out", "eval"), ("training_like", "train")):
+        turns = probe_turns(probe, name, probe_mix) if probe else []
+        outs = await asyncio.gather(*(engine.chat(r["messages"][:k], {"max_tokens": 48}, tools=r["tools"])
+                                      for r, k in turns))
+        for (r, k), out in zip(turns, outs):
+            _score_pick(score, split, r, k, out)
     await engine.close()
 
     # The same first turns of tool dialogues with the raw model: no grammar on calls.
@@ -189,8 +227,12 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--selection-probe", type=int, default=0, metavar="N",
+                    help="also pick among 2+ tools on N held-out and N training-like requests")
+    ap.add_argument("--probe-mix", default="nonce_json2", choices=sorted(TRAIN_MIXES),
+                    help="the training mix the training-like probe requests are drawn from")
     args = ap.parse_args(argv)
-    res = asyncio.run(evaluate(args.model, args.n, args.seed))
+    res = asyncio.run(evaluate(args.model, args.n, args.seed, args.selection_probe, args.probe_mix))
     for k, v in res["rates"].items():
         print(f"{k:>30}: {'n/a' if v is None else f'{100 * v:5.1f}%'}  (n={res['counts'][k]})")
     for k, v in res["mtp"].items():

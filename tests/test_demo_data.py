@@ -506,3 +506,40 @@ def test_eval_scores_named_selection_apart():
     assert score["tool_choice_multi"] == [True, False, False]
     assert score["tool_choice_multi_named"] == [True, False]
     assert score["tool_choice_multi_named_chance"] == [0.5, 0.25]
+
+
+def test_eval_selection_probe_draws_multi_tool_first_calls_and_splits_named_from_described():
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from eval_demo_model import _score_pick, probe_turns
+
+    held_out = probe_turns(60, "eval", "nonce_json2")
+    assert probe_turns(60, "eval", "nonce_json2") == held_out  # a fixed draw, comparable across models
+    training_like = probe_turns(60, "train", "nonce_json2")
+    eval_names = {t.name for t in dd.EVAL_TOOL_POOL}
+    listed = []
+    for turns in (held_out, training_like):
+        for r, k in turns:
+            assert len(r["tools"]) > 1 and r["messages"][k]["tool_calls"]
+            assert r["messages"][k - 1]["role"] == "user"
+        listed.append({t["function"]["name"] for r, _ in turns for t in r["tools"]})
+    assert listed[0] & eval_names and not listed[1] & eval_names  # held out: the evaluation's own tools
+    assert not any(dd.held_out_violations(r) for r, _ in training_like)
+
+    score: dict = {}
+    right = SimpleNamespace(tool_calls=[SimpleNamespace(name="next_prime")])
+    wrong = SimpleNamespace(tool_calls=[SimpleNamespace(name="count_vowels")])
+    tools = [{"function": {"name": n}} for n in ("next_prime", "count_vowels", "get_population")]
+
+    def record(ask):
+        return {"tools": tools, "messages": [{"role": "user", "content": ask}, {
+            "role": "assistant", "tool_calls": [{"function": {"name": "next_prime", "arguments": {}}}]}]}
+
+    _score_pick(score, "held_out", record("Call next_prime on 4."), 1, right)
+    _score_pick(score, "held_out", record("Which prime comes right after 4?"), 1, wrong)
+    _score_pick(score, "held_out", record("Which prime comes right after 5?"), 1, right)
+    _score_pick(score, "held_out", record("Which prime comes right after 6?"), 1, SimpleNamespace(tool_calls=[]))
+    assert score == {"probe_held_out_named": [True], "probe_held_out_named_chance": [1 / 3],
+                     "probe_held_out_described": [False, True, False],
+                     "probe_held_out_described_chance": [1 / 3] * 3}

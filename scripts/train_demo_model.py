@@ -305,8 +305,8 @@ def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id
     dialogue phase keep both skills trained while the dialogues teach the format.
 
     Selection drills (``selection_drills``, encoded like the dialogues, in ``selections``): in
-    the dialogue phase, every ``selection_every``-th step that is not a copy or lookup drill is
-    a batch of them, the loss on the tool names only.
+    the dialogue phase, every ``selection_every``-th step is a batch of them (unless a copy or
+    lookup drill falls on it), the loss on the tool names only.
     """
     from copy_drills import lookup_batch, repeat_batch
 
@@ -534,8 +534,9 @@ def main(argv=None) -> int:
     p.add_argument("--drill-every", type=int, default=0,
                    help="in the dialogue phase, make every Nth step a drill (copy and lookup in turn)")
     p.add_argument("--selection-every", type=int, default=0,
-                   help="in the dialogue phase, make every Nth step that is not a drill a batch of selection "
-                        "drills (scripts/selection_drills.py: 2-4 tools, one request, the loss on the name)")
+                   help="in the dialogue phase, make every Nth step a batch of selection drills unless a copy or "
+                        "lookup drill falls on it (scripts/selection_drills.py: 2-4 tools, one request, the loss "
+                        "on the name)")
     p.add_argument("--n-selections", type=int, default=8000, help="selection drills to generate")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)

@@ -166,7 +166,7 @@ def test_training_batches_schedule():
     again = take(10, copy_steps=2, copy_length=32, lookup_steps=1, drill_every=3)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(mixed, again))
 
-    # Selection drills take every Nth dialogue-phase step that is not a copy or lookup drill.
+    # Selection drills take every Nth dialogue-phase step unless a copy or lookup drill falls on it.
     selections = [([7] * n, [0] * (n - 2) + [1, 1]) for n in rng.integers(20, 60, 12)]
     picked = take(12, copy_steps=1, copy_length=32, drill_every=4, selections=selections, selection_every=2)
     kinds = ["copy" if t.shape == (8, 32) else "lookup" if t.shape == (16, T.LOOKUP_LENGTH)

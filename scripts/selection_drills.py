@@ -51,6 +51,11 @@ def _key_words(text: str) -> set[str]:
     return {w for w in _words(text) if len(w) > 2 and w not in STOPWORDS}
 
 
+def tool_key_words(name: str, description: str) -> set[str]:
+    """The words that can tell a tool apart: of its description and of its name's parts."""
+    return _key_words(description) | _key_words(name.replace("_", " "))
+
+
 @dataclass(frozen=True)
 class StdlibTool:
     name: str         # "sqrt" or "math_sqrt"
@@ -65,7 +70,7 @@ class StdlibTool:
 
     @property
     def key_words(self) -> set[str]:
-        return _key_words(self.description) | _key_words(self.name.replace("_", " "))
+        return tool_key_words(self.name, self.description)
 
 
 def _params(signature: str | None) -> tuple[str, ...]:
@@ -102,10 +107,7 @@ def _task(summary: str) -> str:
 
 def _stdlib_ask(target: StdlibTool, others: list[dict], rng: random.Random) -> str:
     """A request for ``target`` carrying at least one of its words that no other listed tool has."""
-    taken = set()
-    for tool in others:
-        fn = tool["function"]
-        taken |= _key_words(fn["description"]) | _key_words(fn["name"].replace("_", " "))
+    taken = set().union(*(tool_key_words(t["function"]["name"], t["function"]["description"]) for t in others))
     unique = target.key_words - taken
     words = _words(target.description)
     in_description = sorted(unique & set(words))

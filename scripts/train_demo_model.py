@@ -111,13 +111,13 @@ def encode_dialogue(tokenizer, record: dict) -> tuple[list[int], list[int]] | No
     return ids, mask
 
 
-def load_records(data_path: Path, n: int, seed: int, mix: str = "v2") -> list[dict]:
-    """The training dialogues, generated into ``data_path`` on the first run."""
+def load_records(data_path: Path, make) -> list[dict]:
+    """Records kept in ``data_path``, written there by ``make()`` on the first run."""
     if not data_path.exists():
-        from demo_data import generate, write_jsonl
+        from demo_data import write_jsonl
 
         data_path.parent.mkdir(parents=True, exist_ok=True)
-        write_jsonl(generate(n, seed=seed, mix=mix), data_path)
+        write_jsonl(make(), data_path)
     return [json.loads(line) for line in data_path.read_text().splitlines()]
 
 
@@ -555,19 +555,17 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)
     init_dir, ckpt, final = args.out / "init", args.out / "checkpoint", args.out / "final"
-    records = load_records(args.out / "data.jsonl", args.n_dialogues, args.seed, args.mix)
+    from demo_data import generate
+
+    records = load_records(args.out / "data.jsonl", lambda: generate(args.n_dialogues, seed=args.seed, mix=args.mix))
     trainee = build(init_dir, args.seed, records, args.word_consistent_tokenizer, args.init, args.rope_theta,
                     intermediate_size=args.intermediate_size)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     examples = load_examples(tokenizer, records, args.max_len, args.out / "examples.json")
     selections = []
     if args.selection_every:
-        path = args.out / "selections.jsonl"
-        if not path.exists():
-            from demo_data import write_jsonl
-
-            write_jsonl(selection_drills.generate(args.n_selections, args.seed), path)
-        picks = [json.loads(line) for line in path.read_text().splitlines()]
+        picks = load_records(args.out / "selections.jsonl",
+                             lambda: selection_drills.generate(args.n_selections, args.seed))
         selections = load_examples(tokenizer, picks, args.max_len, args.out / "selection_examples.json")
     n_params = sum(p.numel() for p in trainee.parameters())
     logger.info("%.2fM parameters (%.1f MB in fp16)", n_params / 1e6, n_params * 2 / 2**20)

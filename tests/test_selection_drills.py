@@ -66,11 +66,8 @@ def test_a_stdlib_request_names_its_tool_or_says_a_word_only_that_tool_has(drill
         if name in ask:
             checked["named"] += 1
             continue
-        others = set()
-        for tool in record["tools"]:
-            fn = tool["function"]
-            if fn["name"] != name:
-                others |= sd._key_words(fn["description"]) | sd._key_words(fn["name"].replace("_", " "))
+        others = set().union(*(sd.tool_key_words(t["function"]["name"], t["function"]["description"])
+                               for t in record["tools"] if t["function"]["name"] != name))
         said = set(re.findall(r"[a-z]+", ask.lower()))
         assert said & (stdlib[name].key_words - others), (ask, record["tools"])
         checked["described"] += 1

@@ -7,12 +7,13 @@ hit that restored the wrong state, the wrong positions or a shared (mutated) sna
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from mlx_tandem import Engine, SamplingParams
 from mlx_tandem.prefix_cache import PrefixCache
@@ -100,6 +101,39 @@ def test_snapshots_are_independent_of_live_caches_and_of_each_other():
     assert n == 6 and copy2[0].offset == 6
     np.testing.assert_array_equal(np.array(copy2[0].keys[..., :6, :]), np.ones((1, 2, 6, 4)))
     np.testing.assert_array_equal(np.array(copy2[1][0]), np.ones((1, 3)))
+
+
+def test_an_entry_holds_its_own_bytes_not_the_batch_it_was_cut_from():
+    """A row extracted from a batch is a slice (or a pending copy) of the batch's buffers. The
+    stored entry must own a copy of its row alone, so that the byte budget bounds what the
+    cache keeps alive: a deep copy shared the buffers (14.3 GB of active memory under a 1 GiB
+    budget after 300 requests at batch 32)."""
+    rows, tokens = 16, 256
+    gc.collect()
+    before = mx.get_active_memory()
+    kv = BatchKVCache([0] * rows)
+    kv.update_and_fetch(mx.full((rows, 2, tokens, 64), 1.0), mx.full((rows, 2, tokens, 64), 2.0))
+    state = ArraysCache(2)  # GatedDeltaNet's conv and recurrent state, batched
+    state.cache = [mx.arange(rows * 3 * 96, dtype=mx.float32).reshape(rows, 3, 96),
+                   mx.arange(rows * 2 * 64 * 64, dtype=mx.float32).reshape(rows, 2, 64, 64)]
+    mx.eval(kv.keys, kv.values, state.cache)
+    row = [kv.extract(3), state.extract(3)]
+    expected = [np.array(a) for a in (row[0].keys, row[0].values, *row[1].cache)]
+    row_bytes = sum(a.nbytes for a in expected)
+
+    pc = PrefixCache(1 << 30, min_tokens=2)
+    assert pc.store(list(range(tokens)), row, "turn")
+    del kv, state, row
+    gc.collect()
+    held = mx.get_active_memory() - before
+    assert pc.nbytes == row_bytes
+    assert held <= row_bytes + (64 << 10), (held, row_bytes)  # the batch (16 rows) is gone
+
+    cache, n = pc.fetch(list(range(tokens)) + [7])
+    assert n == tokens
+    got = [np.array(a) for a in (cache[0].keys[..., :cache[0].offset, :], cache[0].values[..., :cache[0].offset, :],
+                                 *cache[1].cache)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected))
 
 
 def test_eviction_is_lru_within_kind_priority_under_the_byte_budget():
@@ -217,6 +251,24 @@ async def test_agent_turns_reuse_the_previous_turn(kind, request):
     for (hit, _), (_, prev_len) in zip(cached[1:], cached[:-1]):
         assert hit >= prev_len - 8, cached
     assert stats["hits_by_kind"]["turn"] + stats["hits_by_kind"]["final"] >= 3
+
+
+async def test_what_the_cache_keeps_alive_is_what_it_counts(qwen3_5_path):
+    """After a batch of distinct requests, the engine's active MLX memory has grown by the
+    prefix cache's counted bytes and not more: its entries hold no batch buffers (the budget
+    is the bound users set)."""
+    async with _engine(qwen3_5_path, max_batch_size=8, mtp="off") as engine:
+        await engine.chat([{"role": "user", "content": "warm up"}], SamplingParams(max_tokens=2))
+        idle = mx.get_active_memory()
+        before = engine.stats()["prefix_cache"]["bytes"]
+        chats = [[{"role": "system", "content": SYSTEM + f" Desk {i}."},
+                  {"role": "user", "content": _user(i) + f" (ticket {i})"}] for i in range(16)]
+        await asyncio.gather(*(engine.chat(c, SamplingParams(max_tokens=12)) for c in chats))
+        stats = engine.stats()["prefix_cache"]
+        grown = mx.get_active_memory() - idle
+    counted = stats["bytes"] - before
+    assert stats["entries"] >= 16 and stats["evicted"] == 0
+    assert grown <= 1.25 * counted + (256 << 10), (grown, counted)
 
 
 async def test_stored_snapshots_do_not_change_while_requests_decode(qwen3_5_path):

@@ -6,9 +6,13 @@ tokens are a prefix of the prompt, unless every layer of the entry is trimmable.
 the text lane snapshots at boundaries (end of the system prompt, end of the previous turn)
 instead of only at the end of a request.
 
-Entries are independent copies (``copy.deepcopy``): a row's extracted cache is a view that
-would keep the whole batch's buffers alive, and a live request must never see, or change,
-a stored snapshot. Lookup uses mlx-lm's ``PromptTrie``; eviction is ours: least recently
+Entries own their memory: a row's extracted cache is a slice of the batch's buffers, and
+``copy.deepcopy`` of an ``mx.array`` shares its buffer, so a deep-copied row kept the whole
+batch's buffers alive while the budget counted the row (measured: 14.3 GB of active MLX
+memory under a 1 GiB budget after 300 requests at batch 32). ``_owned_copy`` copies every
+array into a buffer of its own size and evaluates it at once, and the budget counts what the
+copies hold. A live request never sees, or changes, a stored snapshot: MLX arrays are
+immutable, and a fetched copy gets its own cache objects. Lookup uses mlx-lm's ``PromptTrie``; eviction is ours: least recently
 used first, within a priority of kinds (``final`` answers go before ``turn`` checkpoints,
 which go before ``system`` prompts), under a byte budget.
 """
@@ -21,6 +25,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, trim_prompt_cache
 
 logger = logging.getLogger(__name__)
@@ -118,8 +124,7 @@ class PrefixCache:
         tokens = tuple(int(t) for t in tokens)
         if len(tokens) < self.min_tokens or not cache:
             return False
-        nbytes = sum(c.nbytes for c in cache)
-        if nbytes > self.budget_bytes:
+        if sum(c.nbytes for c in cache) > self.budget_bytes:
             return False
         try:
             prev = self._get(list(tokens))
@@ -133,7 +138,8 @@ class PrefixCache:
                 self._lru[kind][tokens] = prev
             self._touch(prev)
             return False
-        entry = _Entry(tokens, copy.deepcopy(cache), nbytes, kind, can_trim_prompt_cache(cache))
+        owned, nbytes = _owned_copy(cache)
+        entry = _Entry(tokens, owned, nbytes, kind, can_trim_prompt_cache(cache))
         self._trie.add(_KEY, list(tokens), entry)
         self._lru[kind][tokens] = entry
         self.nbytes += nbytes
@@ -178,3 +184,25 @@ class PrefixCache:
             "bytes": self.nbytes,
             "budget_bytes": self.budget_bytes,
         }
+
+
+def _owned_copy(cache: list[Any]) -> tuple[list[Any], int]:
+    """``cache`` deep-copied with every array in a buffer of its own, evaluated; and the bytes
+    those buffers hold. ``mx.contiguous`` copies a slice out of its parent (``copy.deepcopy``
+    and ``mx.array(x)`` share it); evaluating now lets the parent go, where a pending copy
+    would keep it alive until first use. Arrays are found in the caches' attributes, through
+    lists, tuples, dicts and nested cache objects (mlx-lm's ``CacheList``)."""
+    arrays = []
+
+    def own(x):
+        if isinstance(x, mx.array):
+            arrays.append(mx.contiguous(x))
+            return arrays[-1]
+        if hasattr(x, "__dict__") and not isinstance(x, type):
+            for name, value in vars(x).items():
+                setattr(x, name, tree_map(own, value))
+        return x
+
+    owned = [own(c) for c in copy.deepcopy(cache)]
+    mx.eval(arrays)
+    return owned, sum(a.nbytes for a in arrays)

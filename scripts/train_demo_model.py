@@ -131,13 +131,27 @@ def rendered_texts(records: list[dict]) -> list[str]:
                                   chat_template=CHAT_TEMPLATE)[0][0] for r in records]
 
 
+def _tokenizer_fingerprint(tokenizer) -> str:
+    """The tokenizer's serialization with null read as "": tokenizers 0.23.2 writes null where
+    0.23.3 writes "" (two BPE fields), and a key on the raw ``to_str()`` made a machine with
+    the other version re-encode 80,000 identical dialogues (run 30)."""
+    def same(x):
+        if isinstance(x, dict):
+            return {k: same(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [same(v) for v in x]
+        return "" if x is None else x
+
+    return json.dumps(same(json.loads(tokenizer.backend_tokenizer.to_str())), sort_keys=True)
+
+
 def load_examples(tokenizer, records: list[dict], max_len: int, cache: Path | None = None):
     """The encoded dialogues that fit ``max_len``. Encoding renders every conversation prefix
     (minutes for 40,000 dialogues), so the result is kept in ``cache``, valid for the same
     records, tokenizer and length."""
     from tqdm.auto import tqdm
 
-    key = hashlib.sha256(json.dumps([records, tokenizer.backend_tokenizer.to_str(), max_len]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([records, _tokenizer_fingerprint(tokenizer), max_len]).encode()).hexdigest()
     if cache is not None and cache.exists():
         saved = json.loads(cache.read_text())
         if saved["key"] == key:
@@ -283,6 +297,29 @@ def total_steps(copy: DrillPhase, lookup: DrillPhase, steps: int, dialogue_steps
     return copy.end + lookup.end + dialogue_steps
 
 
+FIT_PROBE_STEPS = 20
+
+
+class TimeFit:
+    """``--time-budget``: how many dialogue steps fit in what is left of a wall-clock budget,
+    from the mean time of the first ``FIT_PROBE_STEPS`` of them. The budget runs from
+    ``started`` (the run's start: loading, encoding and the drill phases take their share).
+    For a lent accelerator held for a fixed time, where a step's cost is not known in advance."""
+
+    def __init__(self, budget_s: float, started: float | None = None):
+        self.budget_s, self.times, self.step_time = budget_s, [], None
+        self.started = time.perf_counter() if started is None else started
+
+    def record(self, seconds: float) -> int | None:
+        """One timed dialogue step; the fitted dialogue steps (these included) once enough are timed."""
+        self.times.append(seconds)
+        if len(self.times) < FIT_PROBE_STEPS:
+            return None
+        self.step_time = sum(self.times) / len(self.times)
+        left = self.budget_s - (time.perf_counter() - self.started)
+        return len(self.times) + max(0, int(left / self.step_time))
+
+
 def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id: int,
                      copy_steps: int | DrillPhase = 0, copy_length: int = 64,
                      lookup_steps: int | DrillPhase = 0, drill_every: int = 0,
@@ -382,7 +419,7 @@ class Trainee(nn.Module):
         # MTP: from h_t and embed(token t+1), predict token t+2.
         hs = h[:, :-1].detach()
         emb = inner.embed_tokens(tokens[:, 1:-1])
-        pos = torch.arange(hs.shape[1])[None].expand(hs.shape[0], -1)
+        pos = torch.arange(hs.shape[1], device=hs.device)[None].expand(hs.shape[0], -1)
         rope = inner.rotary_emb(hs, pos[None].expand(3, -1, -1))  # text: the same position on every m-RoPE axis
         m2 = mask[:, 2:]
         ce2 = F.cross_entropy(self.lm.lm_head(self.mtp(emb, hs, rope)).flatten(0, 1), tokens[:, 2:].flatten(),
@@ -466,10 +503,10 @@ def load_checkpoint(ckpt: Path, trainee: Trainee, opt) -> dict:
     """The checkpoint's state.json (``{"step": 0}`` when there is none), weights and optimizer loaded."""
     if not (ckpt / "state.json").exists():
         return {"step": 0}
-    state = torch.load(ckpt / "state.pt", weights_only=False)
+    state = torch.load(ckpt / "state.pt", weights_only=False, map_location=next(trainee.parameters()).device)
     trainee.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
-    torch.set_rng_state(state["rng"])
+    torch.set_rng_state(state["rng"].cpu())
     return json.loads((ckpt / "state.json").read_text())
 
 
@@ -542,13 +579,29 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--intermediate-size", type=int, default=DEMO_SIZES["intermediate_size"],
                    help="MLP width (run 18: 1280, about 10M parameters, 19 MB in fp16)")
+    p.add_argument("--num-layers", type=int, default=DEMO_SIZES["num_hidden_layers"],
+                   help="decoder layers, alternating GatedDeltaNet and attention (run 30: 8)")
+    p.add_argument("--device", default="cpu", help="torch device to train on (e.g. cuda)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
+                   help="instead of --steps/--dialogue-steps: after the drill phases, time %d dialogue steps and "
+                        "fit the dialogue phase so that this run ends its training within MINUTES of starting "
+                        "(loading and encoding count; the learning rate decays over the fitted steps; a resumed run "
+                        "keeps them)" % FIT_PROBE_STEPS)
+    p.add_argument("--prepare-only", action="store_true",
+                   help="write the data, tokenizer, config and encoded examples into --out, then stop "
+                        "(prepare on one machine, train on another)")
     p.add_argument("--word-consistent-tokenizer", action="store_true",
                    help="train the tokenizer on the dialogues with merges inside words only (run 9)")
     args = p.parse_args(argv)
+    started = time.perf_counter()  # --time-budget counts from here
     if args.dialogue_steps is not None and args.dialogue_steps < 1:
         p.error("--dialogue-steps must be at least 1")
     if args.selection_every < 0 or args.selection_every == 1:
         p.error("--selection-every must be 0 (off) or at least 2")
+    if args.time_budget is not None and (args.time_budget <= 0 or args.dialogue_steps is not None):
+        p.error("--time-budget must be positive and replaces --dialogue-steps")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
@@ -559,7 +612,7 @@ def main(argv=None) -> int:
 
     records = load_records(args.out / "data.jsonl", lambda: generate(args.n_dialogues, seed=args.seed, mix=args.mix))
     trainee = build(init_dir, args.seed, records, args.word_consistent_tokenizer, args.init, args.rope_theta,
-                    intermediate_size=args.intermediate_size)
+                    intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     examples = load_examples(tokenizer, records, args.max_len, args.out / "examples.json")
     selections = []
@@ -569,6 +622,13 @@ def main(argv=None) -> int:
         selections = load_examples(tokenizer, picks, args.max_len, args.out / "selection_examples.json")
     n_params = sum(p.numel() for p in trainee.parameters())
     logger.info("%.2fM parameters (%.1f MB in fp16)", n_params / 1e6, n_params * 2 / 2**20)
+    if args.prepare_only:
+        logger.info("prepared %s", args.out)
+        return 0
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 weights, TF32 matmuls
+    trainee.to(device)
 
     opt = torch.optim.AdamW(trainee.parameters(), lr=args.lr, weight_decay=0.01)
     state = load_checkpoint(ckpt, trainee, opt)
@@ -580,8 +640,11 @@ def main(argv=None) -> int:
     lookup = DrillPhase(args.lookup_steps, args.lookup_until, args.lookup_max_steps)
     lookup.restore(state.get("lookup"), max(0, step - copy.end) if copy.end is not None else 0)
 
+    fit = TimeFit(args.time_budget * 60, started) if args.time_budget else None
+    dialogue_steps = state.get("dialogue_steps", args.dialogue_steps)
+
     def phases() -> dict:
-        return {"copy_warmup": copy.state(), "lookup": lookup.state()}
+        return {"copy_warmup": copy.state(), "lookup": lookup.state(), "dialogue_steps": fit and dialogue_steps}
 
     vocab = len(tokenizer) - len(tokenizer.added_tokens_decoder)  # plain tokens, no markup
     data = training_batches(examples, batch_size=args.batch, seed=args.seed, vocab=vocab,
@@ -593,7 +656,9 @@ def main(argv=None) -> int:
         next(data)
 
     def total() -> int | None:
-        return total_steps(copy, lookup, args.steps, args.dialogue_steps)
+        if fit is not None and dialogue_steps is None:
+            return None  # the dialogue phase is not fitted yet
+        return total_steps(copy, lookup, args.steps, dialogue_steps)
 
     failures = (
         (copy, "no induction head after %d copy steps (repeat loss %.2f, target %.2f): this run would train a "
@@ -619,10 +684,11 @@ def main(argv=None) -> int:
             logger.info("copy warm-up done after %d steps: repeat loss %.3f", step, copy.recent_loss)
         if lookup.target is not None and phase == "dialogue" and copy.end + lookup.end == step:
             logger.info("lookup drills done after %d steps: lookup loss %.3f", lookup.end, lookup.recent_loss)
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(step, peak=args.lr, steps=total() or step + 1,
-                                        constant=constant_lr_steps(step, copy, lookup))
+        for group in opt.param_groups:  # undecided: drills (constant) or the fit's timing steps (the peak)
+            group["lr"] = args.lr if total() is None else learning_rate(
+                step, peak=args.lr, steps=total(), constant=constant_lr_steps(step, copy, lookup))
         t0 = time.perf_counter()
+        tokens, mask = tokens.to(device), mask.to(device)
         main_loss, mtp_loss = trainee.losses(tokens, mask)
         loss = main_loss + args.mtp_weight * mtp_loss
         opt.zero_grad(set_to_none=True)
@@ -632,6 +698,10 @@ def main(argv=None) -> int:
         if phase != "dialogue":  # a phase without a target ignores it
             (copy if phase == "copy" else lookup).record(main_loss.item())
         step += 1
+        if fit is not None and dialogue_steps is None and phase == "dialogue":
+            dialogue_steps = fit.record(time.perf_counter() - t0)
+            if dialogue_steps is not None:
+                logger.info("time budget: %d dialogue steps fitted (%.3f s a step)", dialogue_steps, fit.step_time)
         bar.set_postfix(loss=f"{main_loss.item():.3f}", mtp=f"{mtp_loss.item():.3f}",
                         tok_s=f"{tokens.numel() / (time.perf_counter() - t0):.0f}")
         bar.update()

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -334,3 +335,52 @@ def test_trainer_stops_when_lookup_is_not_learned_and_resumes_with_a_larger_cap(
     assert "copy_warmup" not in state  # no target for the copy warm-up: nothing to keep
     assert "resumed at step 3" in log and "lookup drills done after 2 steps" in log
     assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["step"] == 6
+
+
+def test_time_fit_fills_what_is_left_of_the_budget():
+    """--time-budget: the dialogue steps that fit in what is left, from the first timed ones."""
+    T = _trainer_module()
+    fit = T.TimeFit(100.0)
+    assert all(fit.record(0.5) is None for _ in range(T.FIT_PROBE_STEPS - 1))
+    fitted = fit.record(0.5)  # (100 s - the moment spent here) / 0.5 s, plus the timed steps
+    assert T.FIT_PROBE_STEPS + 195 <= fitted <= T.FIT_PROBE_STEPS + 199 and fit.step_time == 0.5
+    spent = T.TimeFit(60.0, started=time.perf_counter() - 61)  # the budget counts from the run's start
+    assert [spent.record(1.0) for _ in range(T.FIT_PROBE_STEPS)][-1] == T.FIT_PROBE_STEPS  # none left: the timed ones
+
+
+def test_prepare_then_train_within_a_time_budget(tmp_path):
+    """--prepare-only writes what training reads and trains nothing; a --time-budget run then
+    fits its dialogue steps (here none beyond the timed ones: the budget is spent), keeps them in
+    its checkpoint, and a rerun resumes the finished run and only exports. --num-layers sizes
+    the model."""
+    log = _run(tmp_path, 1, "--prepare-only", "--num-layers", "2")
+    assert "prepared" in log
+    assert {"data.jsonl", "examples.json", "init"} <= {p.name for p in tmp_path.iterdir()}
+    assert not (tmp_path / "checkpoint").exists() and not (tmp_path / "final").exists()
+    budget = ("--num-layers", "2", "--time-budget", "0.0001")
+    fitted = _trainer_module().FIT_PROBE_STEPS
+    log = _run(tmp_path, 1, *budget)
+    assert f"time budget: {fitted} dialogue steps fitted" in log
+    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text()) == {"step": fitted,
+                                                                               "dialogue_steps": fitted}
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["text_config"]["num_hidden_layers"] == 2
+    log = _run(tmp_path, 1, *budget)
+    assert f"resumed at step {fitted}" in log and "fitted" not in log
+
+
+def test_encoded_dialogues_cache_survives_a_tokenizers_upgrade():
+    """The encoding cache's key reads the tokenizer's serialization with null as "": tokenizers
+    0.23.2 and 0.23.3 serialize the same BPE model differently, and the same dialogues must
+    not be re-encoded (minutes for 80,000) on a machine with the other version. Any real
+    change (a merge) still changes the key."""
+    from types import SimpleNamespace
+
+    T = _trainer_module()
+
+    def tok(model: dict):
+        return SimpleNamespace(backend_tokenizer=SimpleNamespace(to_str=lambda: json.dumps({"model": model})))
+
+    old = {"type": "BPE", "continuing_subword_prefix": None, "merges": [["a", "b"]], "vocab": {"a": 0, "b": 1}}
+    new = {**old, "continuing_subword_prefix": ""}
+    assert T._tokenizer_fingerprint(tok(old)) == T._tokenizer_fingerprint(tok(new))
+    assert T._tokenizer_fingerprint(tok(old)) != T._tokenizer_fingerprint(tok({**old, "merges": [["b", "a"]]}))

@@ -552,6 +552,9 @@ def main(argv=None) -> int:
     p.add_argument("--copy-warmup-length", type=int, default=64, help="tokens per copy warm-up sequence")
     p.add_argument("--init", choices=("factory", "hf"), default="factory",
                    help="initial weights: the factory's (mlx default init) or transformers' own")
+    p.add_argument("--init-from", type=Path, default=None, metavar="DIR",
+                   help="start from an exported model (a run's final/: its weights, tokenizer, template and "
+                        "config) instead of --init, e.g. to go on training with new dialogues at a lower lr")
     p.add_argument("--mtp-weight", type=float, default=0.5)
     p.add_argument("--copy-warmup-steps", type=int, default=0,
                    help="first steps on copied random spans (scripts/copy_drills.py) instead of dialogues")
@@ -610,8 +613,11 @@ def main(argv=None) -> int:
     init_dir, ckpt, final = args.out / "init", args.out / "checkpoint", args.out / "final"
     from demo_data import generate
 
+    if args.init_from is not None and not (init_dir / "config.json").exists():
+        shutil.copytree(args.init_from, init_dir)  # build() then loads its weights as the factory's
     records = load_records(args.out / "data.jsonl", lambda: generate(args.n_dialogues, seed=args.seed, mix=args.mix))
-    trainee = build(init_dir, args.seed, records, args.word_consistent_tokenizer, args.init, args.rope_theta,
+    trainee = build(init_dir, args.seed, records, args.word_consistent_tokenizer,
+                    "factory" if args.init_from else args.init, args.rope_theta,
                     intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     examples = load_examples(tokenizer, records, args.max_len, args.out / "examples.json")

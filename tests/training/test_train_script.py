@@ -384,3 +384,20 @@ def test_encoded_dialogues_cache_survives_a_tokenizers_upgrade():
     new = {**old, "continuing_subword_prefix": ""}
     assert T._tokenizer_fingerprint(tok(old)) == T._tokenizer_fingerprint(tok(new))
     assert T._tokenizer_fingerprint(tok(old)) != T._tokenizer_fingerprint(tok({**old, "merges": [["b", "a"]]}))
+
+
+def test_init_from_goes_on_from_an_exported_model(tmp_path):
+    """--init-from starts from a run's exported weights, tokenizer and config: one step at a
+    tiny learning rate stays next to them, where a fresh start is far away."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    _run(first, 3, "--num-layers", "2", "--lr", "0.02")
+    _run(second, 1, "--init-from", str(first / "final"), "--lr", "1e-6")
+    assert (second / "init" / "tokenizer.json").read_bytes() == (first / "final" / "tokenizer.json").read_bytes()
+    before = mx.load(str(first / "final" / "model.safetensors"))
+    after = mx.load(str(second / "final" / "model.safetensors"))
+    assert after.keys() == before.keys()
+    moved = max(mx.abs(after[k].astype(mx.float32) - before[k].astype(mx.float32)).max().item() for k in after)
+    assert moved < 2e-3  # an fp16 step at most
+    fresh = mx.load(str(first / "init" / "model.safetensors"))  # the factory's random start
+    assert max(mx.abs(fresh[k].astype(mx.float32) - before[k].astype(mx.float32)).max().item()
+               for k in before if k in fresh) > 2e-2

@@ -590,6 +590,9 @@ def main(argv=None) -> int:
                         "fit the dialogue phase so that this run ends its training within MINUTES of starting "
                         "(loading and encoding count; the learning rate decays over the fitted steps; a resumed run "
                         "keeps them)" % FIT_PROBE_STEPS)
+    p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="checkpoint and export after STEP, wherever the schedule is (v3 is run 30 at step 5,000 "
+                        "of 8,116)")
     p.add_argument("--prepare-only", action="store_true",
                    help="write the data, tokenizer, config and encoded examples into --out, then stop "
                         "(prepare on one machine, train on another)")
@@ -676,7 +679,7 @@ def main(argv=None) -> int:
     bar = tqdm(total=total(), initial=step, desc="training", unit="step")
     trainee.train()
     loss = None  # stays None when resuming a finished run: export only
-    while total() is None or step < total():  # undecided drills: the next draw decides or goes on
+    while (total() is None or step < total()) and step != args.stop_after:  # undecided: the next draw decides
         tokens, mask = next(data)
         phase = drill_phase_of(step, copy, lookup)
         if bar.total != total():
@@ -711,7 +714,7 @@ def main(argv=None) -> int:
         bar.set_postfix(loss=f"{main_loss.item():.3f}", mtp=f"{mtp_loss.item():.3f}",
                         tok_s=f"{tokens.numel() / (time.perf_counter() - t0):.0f}")
         bar.update()
-        if step % args.save_every == 0 or step == total():
+        if step % args.save_every == 0 or step in (total(), args.stop_after):
             save_checkpoint(ckpt, trainee, opt, step, phases())
     bar.close()
     if loss is not None and not math.isfinite(loss.item()):

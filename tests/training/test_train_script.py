@@ -401,3 +401,14 @@ def test_init_from_goes_on_from_an_exported_model(tmp_path):
     fresh = mx.load(str(first / "init" / "model.safetensors"))  # the factory's random start
     assert max(mx.abs(fresh[k].astype(mx.float32) - before[k].astype(mx.float32)).max().item()
                for k in before if k in fresh) > 2e-2
+
+
+def test_stop_after_exports_mid_schedule_and_the_run_goes_on_later(tmp_path):
+    """--stop-after N checkpoints and exports at step N of a longer schedule; a rerun without
+    it resumes there and finishes the schedule."""
+    _run(tmp_path, 4, "--num-layers", "2", "--stop-after", "2")
+    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text()) == {"step": 2}
+    assert (tmp_path / "final" / "model.safetensors").exists()
+    log = _run(tmp_path, 4, "--num-layers", "2")
+    assert "resumed at step 2" in log
+    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text()) == {"step": 4}

@@ -1,7 +1,7 @@
 """The embedded default model: what ``Engine()``, ``ChatMLX()`` and ``MLXTandemLLM()`` run
 when no model is given.
 
-It ships inside the package (``mlx_tandem/models/<name>/``, fp16 safetensors, ~14 MB): a
+It ships inside the package (``mlx_tandem/models/<name>/``, fp16 safetensors, ~24 MB): a
 small Qwen3.5-style hybrid (GatedDeltaNet + attention) with a trained MTP head, trained
 offline by ``scripts/train_demo_model.py`` on the dialogues of ``scripts/demo_data.py``
 (stdlib Q&A, arithmetic, unit conversion, tool use). See docs/demo_model.md for what it can
@@ -21,7 +21,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "tandem-demo-qwen3_5-v2"
+DEFAULT_MODEL_NAME = "tandem-demo-qwen3_5-v3"
 _FALLBACK_NAME = "tandem-default-qwen3_5-random-v1"
 _FALLBACK_SIZES = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64,

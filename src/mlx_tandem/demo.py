@@ -24,7 +24,7 @@ async def run(model: str | None, concurrency: int, max_tokens: int) -> None:
               "its words are noise.\nWhat you see working is the engine: streaming, continuous "
               "batching, hybrid (GatedDeltaNet + attention) caches, stats.\n")
     elif model is None:
-        print("\nThe embedded demo model is tiny (7M parameters, trained offline on stdlib Q&A, "
+        print("\nThe embedded demo model is tiny (12M parameters, trained offline on stdlib Q&A, "
               "arithmetic, units and tool use): expect short, narrow answers.\n")
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},

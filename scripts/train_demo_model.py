@@ -661,10 +661,12 @@ def main(argv=None) -> int:
     lookup.restore(state.get("lookup"), max(0, step - copy.end) if copy.end is not None else 0)
 
     fit = TimeFit(args.time_budget * 60, started) if args.time_budget else None
+    fitted = fit is not None or "dialogue_steps" in state  # kept in the checkpoint, for every resume
     dialogue_steps = state.get("dialogue_steps", args.dialogue_steps)
 
     def phases() -> dict:
-        return {"copy_warmup": copy.state(), "lookup": lookup.state(), "dialogue_steps": fit and dialogue_steps}
+        return {"copy_warmup": copy.state(), "lookup": lookup.state(),
+                "dialogue_steps": dialogue_steps if fitted else None}
 
     vocab = len(tokenizer) - len(tokenizer.added_tokens_decoder)  # plain tokens, no markup
     data = training_batches(examples, batch_size=args.batch, seed=args.seed, vocab=vocab,
@@ -690,7 +692,8 @@ def main(argv=None) -> int:
     bar = tqdm(total=total(), initial=step, desc="training", unit="step")
     trainee.train()
     loss = None  # stays None when resuming a finished run: export only
-    while (total() is None or step < total()) and step != args.stop_after:  # undecided: the next draw decides
+    stop = args.stop_after if args.stop_after is not None else math.inf
+    while (total() is None or step < total()) and step < stop:  # undecided: the next draw decides
         tokens, mask = next(data)
         phase = drill_phase_of(step, copy, lookup)
         if bar.total != total():

@@ -12,9 +12,11 @@ batch's buffers alive while the budget counted the row (measured: 14.3 GB of act
 memory under a 1 GiB budget after 300 requests at batch 32). ``_owned_copy`` copies every
 array into a buffer of its own size and evaluates it at once, and the budget counts what the
 copies hold. A live request never sees, or changes, a stored snapshot: MLX arrays are
-immutable, and a fetched copy gets its own cache objects. Lookup uses mlx-lm's ``PromptTrie``; eviction is ours: least recently
-used first, within a priority of kinds (``final`` answers go before ``turn`` checkpoints,
-which go before ``system`` prompts), under a byte budget.
+immutable, and a fetched copy gets its own cache objects.
+
+Lookup uses mlx-lm's ``PromptTrie``; eviction is ours: least recently used first, within a
+priority of kinds (``final`` answers go before ``turn`` checkpoints, which go before
+``system`` prompts), under a byte budget.
 """
 
 from __future__ import annotations

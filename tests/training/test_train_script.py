@@ -368,6 +368,19 @@ def test_prepare_then_train_within_a_time_budget(tmp_path):
     assert f"resumed at step {fitted}" in log and "fitted" not in log
 
 
+def test_a_fitted_schedule_survives_a_resume_without_the_budget(tmp_path):
+    """A run fitted by --time-budget and stopped early keeps its fitted schedule when it is
+    resumed without the option (the learning rate must go on decaying over the same steps)."""
+    probe = _trainer_module().FIT_PROBE_STEPS
+    _run(tmp_path, 1, "--num-layers", "2", "--time-budget", "30", "--stop-after", str(probe + 1))
+    state = json.loads((tmp_path / "checkpoint" / "state.json").read_text())
+    assert state["step"] == probe + 1 and state["dialogue_steps"] > probe + 1
+    log = _run(tmp_path, 1, "--num-layers", "2", "--stop-after", str(probe + 2))
+    assert f"resumed at step {probe + 1}" in log
+    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text()) == {
+        "step": probe + 2, "dialogue_steps": state["dialogue_steps"]}
+
+
 def test_encoded_dialogues_cache_survives_a_tokenizers_upgrade():
     """The encoding cache's key reads the tokenizer's serialization with null as "": tokenizers
     0.23.2 and 0.23.3 serialize the same BPE model differently, and the same dialogues must

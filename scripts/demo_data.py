@@ -1114,12 +1114,19 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kinds", default=None, help=f"comma-separated subset of {','.join(KINDS)}")
+    ap.add_argument("--mix", default=DEFAULT_MIX, choices=sorted(TRAIN_MIXES))
+    ap.add_argument("--json-top-up", type=int, default=0, metavar="N",
+                    help="add N JSON answers, half over requests with nothing for the schema (run 32)")
+    ap.add_argument("--top-up-seed", type=int, default=None, help="their seed (default: --seed)")
     ap.add_argument("--held-out", action="store_true", help="write the evaluation set instead")
     args = ap.parse_args(argv)
     if args.held_out:
         records = held_out_examples(args.n, args.seed)
     else:
-        records = generate(args.n, args.seed, args.kinds.split(",") if args.kinds else None)
+        records = generate(args.n, args.seed, args.kinds.split(",") if args.kinds else None, mix=args.mix)
+        if args.json_top_up:
+            seed = args.seed if args.top_up_seed is None else args.top_up_seed
+            records = structured_answers.top_up(records, args.json_top_up, seed)
     write_jsonl(records, args.out)
     counts = Counter(r["kind"] for r in records)
     print(f"wrote {len(records)} records to {args.out}: {dict(sorted(counts.items()))}", file=sys.stderr)

@@ -236,3 +236,17 @@ def record(rng: random.Random, split: str, keys_named: float = 0.0, off_topic: f
                 {"role": "assistant", "content": json.dumps(obj, ensure_ascii=False)}]
     return {"kind": KIND, "messages": messages, "tools": None, "schema": schema, "scored": scored,
             "asks_json": asks_json}
+
+
+def top_up(records: list[dict], n: int, seed: int) -> list[dict]:
+    """``records`` with ``n`` more JSON answers, every other one off-topic, shuffled in.
+
+    Run 32 (docs/demo_model.md) fine-tuned v3 on run 30's dialogues topped up so: its CPU
+    fine-tunes (runs 30b, 31) had lost the common schemas, where the model writes on inside a
+    string when the schema asks for what the request never gave (a city for a pencil).
+    """
+    rng = random.Random(seed)
+    extra = [off_topic_record(rng) if i % 2 else record(rng, "train", keys_named=0.5) for i in range(n)]
+    out = records + extra
+    random.Random(seed + 1).shuffle(out)
+    return out

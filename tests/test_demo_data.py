@@ -482,6 +482,30 @@ def test_off_topic_json_answers_are_short_made_up_and_never_opened_unasked(tmp_p
     assert mask[first] == 0 and mask[first + 1:] == plain[first + 1:]
 
 
+def test_json_top_up_adds_json_answers_half_off_topic_and_keeps_every_record(tmp_path):
+    """``demo_data.py --json-top-up N`` (run 32): the mix's records, all of them, and N more
+    JSON answers shuffled in, every other one off-topic; the same files from the same seeds."""
+    out = tmp_path / "data.jsonl"
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--n", "200", "--seed", "7", "--mix", "nonce_json2",
+           "--json-top-up", "60", "--top-up-seed", "32"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    got = [json.loads(ln) for ln in out.read_text(encoding="utf-8").splitlines()]
+    base = dd.generate(200, seed=7, mix="nonce_json2")
+    key = functools.partial(json.dumps, sort_keys=True)
+    extra = Counter(map(key, got)) - Counter(map(key, base))
+    assert len(got) == 260 and sum(extra.values()) == 60  # every base record is still there
+    extra = [json.loads(k) for k in extra.elements()]
+    assert all(r["kind"] == "structured" for r in extra)
+    assert sum(bool(r.get("off_topic")) for r in extra) == 30
+    assert got[:200] != base  # shuffled in, not appended
+    assert not [v for r in got for v in dd.held_out_violations(r)]
+    again = tmp_path / "again.jsonl"
+    subprocess.run([*cmd[:3], str(again), *cmd[4:]], check=True, capture_output=True)
+    assert again.read_bytes() == out.read_bytes()
+    subprocess.run([*cmd[:-1], "33"], check=True, capture_output=True)
+    assert out.read_bytes() != again.read_bytes()
+
+
 def test_eval_scores_named_selection_apart():
     """Among two or more tools, a request that quotes the tool's name is also scored on its
     own (selection by lookup); with one tool, or a request that describes the tool, it is not."""
@@ -543,3 +567,4 @@ def test_eval_selection_probe_draws_multi_tool_first_calls_and_splits_named_from
     assert score == {"probe_held_out_named": [True], "probe_held_out_named_chance": [1 / 3],
                      "probe_held_out_described": [False, True, False],
                      "probe_held_out_described_chance": [1 / 3] * 3}
+

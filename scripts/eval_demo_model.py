@@ -26,6 +26,13 @@ held-out tools and N drawn like the training dialogues (``--probe-mix``, a seed 
 each split by whether the request quotes the tool's name (``probe_<split>_named``) or
 describes it (``probe_<split>_described``), with a random pick's rate beside each
 (``_chance``). Engine default, as users call it.
+
+``--pairwise`` asks whether a pick follows the request at all: each held-out tool's
+described one-turn requests (three per tool), each beside one other held-out tool, in both
+orders (``pairwise_right``; a pick that ignores the request, always the same tool of a pair,
+scores exactly 50%), how often the first listed tool is picked (``pairwise_first``), and
+each tool's share of picks where it is listed (``pairwise_picks``). Run 32 found picks
+below 50%: the models prefer some tools whatever is asked (docs/demo_model.md).
 """
 
 from __future__ import annotations
@@ -115,6 +122,34 @@ def probe_turns(n: int, split: str, mix: str) -> list[tuple[dict, int]]:
     return out
 
 
+def pairwise_turns(seed: int, per_tool: int = 3) -> list[tuple[str, str, tuple[dict, dict]]]:
+    """(request, wanted tool, two listed tools) for ``--pairwise``: up to ``per_tool`` one-turn
+    requests per held-out tool that describe it without its name, each beside every other
+    such tool, in both orders."""
+    schemas, asks = {}, {}
+    for r in held_out_examples(400, seed=seed):
+        if r["kind"] != "tool":
+            continue
+        schemas.update((t["function"]["name"], t) for t in r["tools"])
+        first = r["messages"][1]
+        if first["role"] == "assistant" and first.get("tool_calls"):
+            want, ask = first["tool_calls"][0]["function"]["name"], r["messages"][0]["content"]
+            if want not in ask:
+                asks.setdefault(want, set()).add(ask)
+    names = sorted(asks)
+    return [(ask, want, (schemas[a], schemas[b]))
+            for want in names for ask in sorted(asks[want])[:per_tool]
+            for other in names if other != want for a, b in ((want, other), (other, want))]
+
+
+def _score_pair(score: dict, picks: dict, want: str, tools: tuple[dict, dict], out) -> None:
+    got = out.tool_calls[0].name if out.tool_calls else None
+    score.setdefault("pairwise_right", []).append(got == want)
+    score.setdefault("pairwise_first", []).append(got == tools[0]["function"]["name"])
+    for t in tools:
+        picks.setdefault(t["function"]["name"], []).append(got == t["function"]["name"])
+
+
 def _score_pick(score: dict, split: str, record: dict, k: int, out) -> None:
     """Whether ``out`` calls the tool the dialogue's turn ``k`` calls, filed under
     ``probe_<split>_named`` when the request quotes its name, else ``_described``."""
@@ -124,7 +159,8 @@ def _score_pick(score: dict, split: str, record: dict, k: int, out) -> None:
     score.setdefault(f"probe_{split}_{kind}_chance", []).append(1 / len(record["tools"]))
 
 
-async def evaluate(model, n: int, seed: int, probe: int = 0, probe_mix: str = "nonce_json2") -> dict:
+async def evaluate(model, n: int, seed: int, probe: int = 0, probe_mix: str = "nonce_json2",
+                   pairwise: bool = False) -> dict:
     records = held_out_examples(n, seed=seed)
     engine = Engine(model, show_progress=False, mtp="off", max_batch_size=32)
     await engine.start()
@@ -192,6 +228,12 @@ async def evaluate(model, n: int, seed: int, probe: int = 0, probe_mix: str = "n
                                       for r, k in turns))
         for (r, k), out in zip(turns, outs):
             _score_pick(score, split, r, k, out)
+    picks: dict[str, list] = {}
+    pairs = pairwise_turns(seed) if pairwise else []
+    outs = await asyncio.gather(*(engine.chat([{"role": "user", "content": ask}], {"max_tokens": 48},
+                                              tools=list(tools)) for ask, _, tools in pairs))
+    for (_, want, tools), out in zip(pairs, outs):
+        _score_pair(score, picks, want, tools, out)
     await engine.close()
 
     # The same first turns of tool dialogues with the raw model: no grammar on calls.
@@ -218,7 +260,10 @@ async def evaluate(model, n: int, seed: int, probe: int = 0, probe_mix: str = "n
         await engine.close()
     rates = {k: (sum(v) / len(v) if v else None) for k, v in score.items()}
     counts = {k: len(v) for k, v in score.items()}
-    return {"n": n, "seed": seed, "rates": rates, "counts": counts, "mtp": mtp}
+    res = {"n": n, "seed": seed, "rates": rates, "counts": counts, "mtp": mtp}
+    if picks:
+        res["pairwise_picks"] = {k: sum(v) / len(v) for k, v in sorted(picks.items())}
+    return res
 
 
 def main(argv=None) -> int:
@@ -231,10 +276,14 @@ def main(argv=None) -> int:
                     help="also pick among 2+ tools on N held-out and N training-like requests")
     ap.add_argument("--probe-mix", default="nonce_json2", choices=sorted(TRAIN_MIXES),
                     help="the training mix the training-like probe requests are drawn from")
+    ap.add_argument("--pairwise", action="store_true",
+                    help="also pick between two held-out tools, in both orders, for requests describing one")
     args = ap.parse_args(argv)
-    res = asyncio.run(evaluate(args.model, args.n, args.seed, args.selection_probe, args.probe_mix))
+    res = asyncio.run(evaluate(args.model, args.n, args.seed, args.selection_probe, args.probe_mix, args.pairwise))
     for k, v in res["rates"].items():
         print(f"{k:>30}: {'n/a' if v is None else f'{100 * v:5.1f}%'}  (n={res['counts'][k]})")
+    for k, v in res.get("pairwise_picks", {}).items():
+        print(f"{'picked where listed: ' + k:>40}: {100 * v:5.1f}%")
     for k, v in res["mtp"].items():
         print(f"MTP {k}: acceptance {100 * v['acceptance_rate']:.1f}%, "
               f"mean accepted per step {v['mean_accepted_per_step']:.2f}")

@@ -568,3 +568,39 @@ def test_eval_selection_probe_draws_multi_tool_first_calls_and_splits_named_from
                      "probe_held_out_described": [False, True, False],
                      "probe_held_out_described_chance": [1 / 3] * 3}
 
+
+def test_eval_pairwise_puts_each_described_request_beside_every_other_tool_in_both_orders():
+    """``eval_demo_model.py --pairwise``: a pick that ignores the request scores exactly half."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from eval_demo_model import _score_pair, pairwise_turns
+
+    pairs = pairwise_turns(seed=1)
+    assert pairs == pairwise_turns(seed=1)
+    eval_names = {t.name for t in dd.EVAL_TOOL_POOL}
+    wanted = {want for _, want, _ in pairs}
+    assert len(wanted) >= 3 and wanted <= eval_names
+    for ask, want, tools in pairs:
+        names = [t["function"]["name"] for t in tools]
+        assert want in names and len(set(names)) == 2 and want not in ask
+        assert (ask, want, tools[::-1]) in pairs  # the other order too
+    per_want = Counter(want for _, want, _ in pairs)
+    assert set(per_want.values()) <= {2 * (len(wanted) - 1) * k for k in (1, 2, 3)}
+
+    def pick(name):
+        return SimpleNamespace(tool_calls=[SimpleNamespace(name=name)] if name else [])
+
+    # a model that always picks the alphabetically first tool of the pair, whatever is asked
+    score, picks = {}, {}
+    for _, want, tools in pairs:
+        _score_pair(score, picks, want, tools, pick(min(t["function"]["name"] for t in tools)))
+    assert sum(score["pairwise_right"]) * 2 == len(pairs)
+    assert sum(score["pairwise_first"]) * 2 == len(pairs)
+    first = min(wanted)
+    assert all(picks[first]) and not any(picks[max(wanted)])
+    score, picks = {}, {}
+    for _, want, tools in pairs:  # one that follows the request, and one that never calls
+        _score_pair(score, picks, want, tools, pick(want))
+        _score_pair(score, picks, want, tools, pick(None))
+    assert score["pairwise_right"] == [True, False] * len(pairs)

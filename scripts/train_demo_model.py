@@ -4,8 +4,8 @@ with an MTP head, on the dialogues of ``scripts/demo_data.py``.
     python scripts/train_demo_model.py --out build/demo_model            # train (resumes if interrupted)
     python scripts/train_demo_model.py --out build/demo_model --steps 5  # smoke run
 
-The defaults reproduce v2 (run 7). The shipped v3 is run 30 (docs/demo_model.md), prepared
-on CPU and trained on a GPU, where ``build/run30`` was copied::
+The defaults reproduce v2 (run 7). The shipped v4 is run 32b (docs/demo_model.md): v3, which
+is run 30 prepared on CPU and trained on a GPU, where ``build/run30`` was copied::
 
     OPTS="--mix nonce_json2 --word-consistent-tokenizer --init hf --lr 1e-3 --rope-theta 10000 \
         --copy-warmup-steps 800 --lookup-steps 400 --drill-every 12 --copy-warmup-until 1.0 \
@@ -15,7 +15,18 @@ on CPU and trained on a GPU, where ``build/run30`` was copied::
     python scripts/train_demo_model.py --out build/run30 $OPTS --device cuda \
         --dialogue-steps 6916 --stop-after 5000                                            # GPU
 
-(``--time-budget`` fitted the 6,916 dialogue steps, and the lease ended after step 5,000;
+then fine-tuned on the same dialogues topped up with JSON answers, and selection drills::
+
+    python scripts/demo_data.py --out build/run32b/data.jsonl --n 80000 --seed 7 --mix nonce_json2 \
+        --json-top-up 6000 --top-up-seed 32
+    OPTS="--init-from build/run30/final --selection-every 3 --n-selections 20000 --drill-every 12 \
+        --batch 32 --seed 3 --lr 5e-4"
+    python scripts/train_demo_model.py --out build/run32b $OPTS --prepare-only            # CPU
+    python scripts/train_demo_model.py --out build/run32b $OPTS --device cuda --dialogue-steps 3844
+
+(``--time-budget`` fitted run 30's 6,916 dialogue steps, and the lease ended after step
+5,000; it fitted run 32b's 3,844. v3 itself is in git history as
+``src/mlx_tandem/models/tandem-demo-qwen3_5-v3``, up to commit ``a26ef8b``;
 a GPU run is not bit-reproducible.) Run 13, an earlier experiment, was::
 
     python scripts/train_demo_model.py --out build/run13 --mix made_up --word-consistent-tokenizer \
@@ -78,7 +89,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig 
 
 logger = logging.getLogger("train_demo_model")
 
-#: ~7M parameters: 14 MB in fp16 (the package budget is 25 MB). v3 is 8 layers at intermediate 1280: 12.4M, 24 MB.
+#: ~7M parameters: 14 MB in fp16 (the package budget is 25 MB). v3 and v4 are 8 layers at intermediate 1280: 12.4M, 24 MB.
 DEMO_SIZES = dict(hidden_size=256, num_hidden_layers=6, intermediate_size=768, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2,
                   linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,

@@ -89,7 +89,8 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig 
 
 logger = logging.getLogger("train_demo_model")
 
-#: ~7M parameters: 14 MB in fp16 (the package budget is 25 MB). v3 and v4 are 8 layers at intermediate 1280: 12.4M, 24 MB.
+#: ~7M parameters: 14 MB in fp16 (the package budget is 25 MB).
+#: v3 and v4 are 8 layers at intermediate 1280: 12.4M, 24 MB.
 DEMO_SIZES = dict(hidden_size=256, num_hidden_layers=6, intermediate_size=768, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2,
                   linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,

@@ -13,6 +13,14 @@ name and with no other listed tool's, as the held-out requests do ("Which prime 
 after 87?" for ``next_prime``, "Smallest prime greater than n."), so matching what it asks
 against the list is the way to the name, never recall of a known tool.
 
+``prefixed`` (run 33): a share of the drills where every listed tool's name starts with a word
+of its own that tells nothing (a generic verb or made-up syllables, "zuvo_sqrt", "fetchSqrt"),
+none of them in the request. Without it the models choose a tool by the first token of its
+name alone: that token must match the request or be recalled, and with such prefixes on
+every listed name they pick at chance, on training tools too. Held-out names are like that
+("Which prime comes right after 87?" for ``next_prime``): the request matches a later part of
+the entry, and the name's first token has to be read from the entry that matches.
+
 Held out as everywhere in the training data: no evaluation concept word and no held-out tool
 name or prompt occurs (``demo_data.held_out_violations``, ``synthetic_tools.EVAL_CONCEPT_WORDS``; tested).
 """
@@ -133,36 +141,81 @@ def _stdlib_set(rng: random.Random, k: int) -> list[StdlibTool]:
     return tools if len(names) == k else _stdlib_set(rng, k)
 
 
-def selection_record(rng: random.Random, nonce: float = 0.5) -> dict:
-    """One drill: 2-4 tools (stdlib, made-up, or both), a request for one, the call's name."""
+def _camel(name: str) -> bool:
+    return "_" not in name and name != name.lower()
+
+
+def _prefixed(tools: list[dict], asks: list[str], rng: random.Random) -> tuple[list[dict], list[str], dict]:
+    """``tools`` with a distinct prefix on every name that no request says (a request that
+    quotes a name quotes the new one), so only the entry that matches a request tells the
+    name's first token: (tools, asks, old name -> new name)."""
+    said, taken, renamed = set().union(*map(set, map(_words, asks))), set(), {}
+    for t in tools:
+        old = t["function"]["name"]
+        while True:
+            if rng.random() < 0.5:
+                prefix = rng.choice(demo_data.RENAME_VERBS)
+            else:
+                prefix = "".join(rng.choice(synthetic_tools.SYLLABLES) for _ in range(rng.randint(1, 2)))
+            if prefix not in said and prefix not in taken:
+                break
+        taken.add(prefix)
+        renamed[old] = prefix + old[:1].upper() + old[1:] if _camel(old) else f"{prefix}_{old}"
+    tools = [{**t, "function": {**t["function"], "name": renamed[t["function"]["name"]]}} for t in tools]
+    quoting = {template.format(name=old): template.format(name=new)
+               for old, new in renamed.items() for template in NAME_ASKS}
+    return tools, [quoting.get(ask, ask) for ask in asks], renamed
+
+
+def selection_record(rng: random.Random, nonce: float = 0.5, prefixed: float = 0.0, every_tool: bool = False) -> dict:
+    """One drill: 2-4 tools (stdlib, made-up, or both), a request for one, the call's name.
+    With probability ``prefixed`` every name gets a prefix that tells nothing (``_prefixed``);
+    with ``every_tool`` the drill goes on with a request for each other tool it can ask for
+    (made-up tools among made-up ones, stdlib tools otherwise), each followed by its call:
+    several scored names for one tool list."""
     k = rng.randint(2, 4)
     roll = rng.random()
     if roll < 0.35:  # made-up tools only: the request as the dialogues phrase it
         made_up = synthetic_tools.tool_set(rng, k, nonce)
         target = rng.choice(made_up)
-        ask = synthetic_tools.unambiguous_request(target, made_up, rng).ask
-        tools, name = [t.schema() for t in made_up], target.name
+        tools, askable = [t.schema() for t in made_up], made_up
+
+        def ask_for(t):
+            return synthetic_tools.unambiguous_request(t, made_up, rng).ask
     else:
         n_made_up = rng.randint(1, k - 1) if roll < 0.6 else 0
         stdlib = _stdlib_set(rng, k - n_made_up)
         tools = [t.schema() for t in stdlib]
         tools += [t.schema() for t in synthetic_tools.tool_set(rng, n_made_up, nonce)]
         rng.shuffle(tools)
-        target = rng.choice(stdlib)
-        ask = _stdlib_ask(target, [t for t in tools if t["function"]["name"] != target.name], rng)
-        name = target.name
-    call = {"id": "call_1", "type": "function", "function": {"name": name, "arguments": {}}}
-    return {"kind": KIND, "tools": tools,
-            "messages": [{"role": "user", "content": ask},
-                         {"role": "assistant", "content": "", "tool_calls": [call]}]}
+        target, askable = rng.choice(stdlib), stdlib
+
+        def ask_for(t):
+            return _stdlib_ask(t, [s for s in tools if s["function"]["name"] != t.name], rng)
+    picks = [(ask_for(target), target.name)]
+    if every_tool:
+        rest = [t for t in askable if t is not target]
+        rng.shuffle(rest)
+        picks += [(ask_for(t), t.name) for t in rest]
+    asks, names = [a for a, _ in picks], [n for _, n in picks]
+    if prefixed and rng.random() < prefixed:  # no draw when off: the unprefixed drills stay as they were
+        tools, asks, renamed = _prefixed(tools, asks, rng)
+        names = [renamed[n] for n in names]
+    messages = []
+    for i, (ask, name) in enumerate(zip(asks, names), 1):
+        call = {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": {}}}
+        messages += [{"role": "user", "content": ask}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    return {"kind": KIND, "tools": tools, "messages": messages}
 
 
-def generate(n: int, seed: int, nonce: float = 0.5) -> list[dict]:
-    """``n`` drills, deterministic in ``seed``, none touching held-out material."""
+def generate(n: int, seed: int, nonce: float = 0.5, prefixed: float = 0.0, every_tool: bool = False) -> list[dict]:
+    """``n`` drills, deterministic in ``seed``, none touching held-out material; a share
+    ``prefixed`` of them with uninformative name prefixes, and with ``every_tool`` a request
+    for each tool that can be asked for (``selection_record``)."""
     rng = random.Random(f"selection-{seed}")
     out = []
     while len(out) < n:
-        record = selection_record(rng, nonce)
+        record = selection_record(rng, nonce, prefixed, every_tool)
         if not demo_data.held_out_violations(record):
             out.append(record)
     return out

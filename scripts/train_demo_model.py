@@ -601,6 +601,13 @@ def main(argv=None) -> int:
                         "lookup drill falls on it (scripts/selection_drills.py: 2-4 tools, one request, the loss "
                         "on the name)")
     p.add_argument("--n-selections", type=int, default=8000, help="selection drills to generate")
+    p.add_argument("--selection-prefixed", type=float, default=0.0, metavar="SHARE",
+                   help="the share of selection drills where every listed name starts with a prefix that tells "
+                        "nothing, so the name's first token must be read from the entry the request matches "
+                        "(selection_drills._prefixed, run 33)")
+    p.add_argument("--selection-every-tool", action="store_true",
+                   help="selection drills go on with a request for each other tool they can ask for, each with "
+                        "its call: several scored names per tool list (run 33b)")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--intermediate-size", type=int, default=DEMO_SIZES["intermediate_size"],
@@ -627,6 +634,8 @@ def main(argv=None) -> int:
         p.error("--dialogue-steps must be at least 1")
     if args.selection_every < 0 or args.selection_every == 1:
         p.error("--selection-every must be 0 (off) or at least 2")
+    if not 0.0 <= args.selection_prefixed <= 1.0:
+        p.error("--selection-prefixed must be a share between 0 and 1")
     if args.time_budget is not None and (args.time_budget <= 0 or args.dialogue_steps is not None):
         p.error("--time-budget must be positive and replaces --dialogue-steps")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -650,7 +659,9 @@ def main(argv=None) -> int:
     selections = []
     if args.selection_every:
         picks = load_records(args.out / "selections.jsonl",
-                             lambda: selection_drills.generate(args.n_selections, args.seed))
+                             lambda: selection_drills.generate(args.n_selections, args.seed,
+                                                               prefixed=args.selection_prefixed,
+                                                               every_tool=args.selection_every_tool))
         selections = load_examples(tokenizer, picks, args.max_len, args.out / "selection_examples.json")
     n_params = sum(p.numel() for p in trainee.parameters())
     logger.info("%.2fM parameters (%.1f MB in fp16)", n_params / 1e6, n_params * 2 / 2**20)

@@ -100,3 +100,69 @@ def test_the_trainer_scores_only_the_called_name(tmp_path, drills):
         plain_ids, plain_mask = trainer.encode_dialogue(tok, {**record, "kind": "tool"})
         assert plain_ids == ids and sum(plain_mask) > sum(mask)
         assert all(p >= m for p, m in zip(plain_mask, mask))
+
+
+def _head(name: str) -> str:
+    return re.match(r"[a-z]+", name).group()
+
+
+def test_prefixed_drills_start_every_name_with_a_word_the_request_does_not_say():
+    drills = sd.generate(600, seed=4, prefixed=1.0)
+    plain = sd.generate(600, seed=4)
+    described = 0
+    for record in drills:
+        names = [t["function"]["name"] for t in record["tools"]]
+        heads = [_head(n) for n in names]
+        assert len(set(heads)) == len(heads), names  # the first word tells no two tools apart...
+        assert not dd.held_out_violations(record)
+        ask, called = record["messages"][0]["content"], _called(record)
+        assert called in names
+        if called in ask:  # a named request quotes the prefixed name
+            continue
+        said = set(re.findall(r"[a-z]+", ask.lower()))
+        assert not said & set(heads), (ask, names)  # ...and the request says none of them
+        described += 1
+    assert described > 400
+    # The prefixes are drawn fresh: no head is a fixed stand-in for a tool.
+    assert len({_head(t["function"]["name"]) for r in drills for t in r["tools"]}) > 300
+    # With the share at 0 the drills are those of every earlier run, draw for draw.
+    assert sd.generate(600, seed=4, prefixed=0.0) == plain
+
+
+def test_a_prefixed_share_prefixes_about_that_share_and_keeps_the_rest_as_they_were():
+    drills = sd.generate(800, seed=5, prefixed=0.5)
+    stdlib = {t.name for pair in sd.stdlib_tools() for t in pair}
+    plain_named = sum(_called(r) in stdlib for r in drills)
+    # Half keep their names, and of those about 65% call a stdlib tool (unprefixed: its plain name).
+    assert 0.25 < plain_named / len(drills) < 0.45
+
+
+def test_every_tool_drills_ask_for_each_tool_in_turn_and_the_trainer_scores_each_name(tmp_path):
+    from transformers import AutoTokenizer
+
+    from mlx_tandem.testing.factory import make_tiny_model
+
+    drills = sd.generate(300, seed=6, prefixed=1.0, every_tool=True)
+    assert drills == sd.generate(300, seed=6, prefixed=1.0, every_tool=True)
+    lengths = Counter()
+    for record in drills:
+        msgs, names = record["messages"], [t["function"]["name"] for t in record["tools"]]
+        assert [m["role"] for m in msgs] == ["user", "assistant"] * (len(msgs) // 2)
+        called = [m["tool_calls"][0]["function"]["name"] for m in msgs[1::2]]
+        assert len(set(called)) == len(called) and set(called) <= set(names)
+        assert not dd.held_out_violations(record)
+        heads = {_head(n) for n in names}
+        for ask, name in zip([m["content"] for m in msgs[::2]], called):
+            if name not in ask:
+                assert not set(re.findall(r"[a-z]+", ask.lower())) & heads, (ask, names)
+        lengths[len(called)] += 1
+    assert lengths[1] and lengths[2] and lengths[3]  # most lists ask for more than one tool
+
+    trainer = _load("train_demo_model")
+    tok = AutoTokenizer.from_pretrained(make_tiny_model("qwen3_5", tmp_path / "m", seed=0))
+    for record in drills[:30]:
+        encoded = trainer.encode_dialogue(tok, record)
+        assert encoded is not None
+        ids, mask = encoded
+        scored = tok.decode([i for i, m in zip(ids, mask) if m])
+        assert scored == "".join(m["tool_calls"][0]["function"]["name"] for m in record["messages"][1::2])

@@ -17,6 +17,10 @@ selection there is matching the request against the list, in-distribution.
   split into requests that spell the function's name out ("generic") and the rest ("domain");
 - arguments: every token of the right call's arguments is the model's argmax, given the
   dialogue up to it (teacher-forced, so a stricter measure than the engine's free decoding);
+- with ``--prefixed``, every listed name of the selection requests gets a prefix that tells
+  nothing (``selection_drills._prefixed``: "zuvo_next_prime", "fetchCountVowels"), so the
+  name's first token must be read from the entry the request matches, not matched or
+  recalled (run 33: v4 picks at chance so, on training tools too);
 - copying: 20 random words, " | ", the same 20 words again; the share of the repeat's tokens
   (after its first two) that are the model's argmax. It needs an induction head, and tells
   whether one formed and survived (docs/demo_model.md, runs 10-12). The two tokenizers split
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -44,6 +49,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 import train_demo_model as T  # noqa: E402
 from demo_data import generate, held_out_examples, made_up_dialogue  # noqa: E402
+from selection_drills import _prefixed  # noqa: E402
 
 FRESH_TRAIN_SEED = 12345  # not a seed a training run uses
 
@@ -71,7 +77,7 @@ def probe(tok, trainee, records: list[dict]) -> dict:
     def logits(ids):
         return trainee.lm(input_ids=torch.tensor([ids])).logits[0]
 
-    picks, chance, args_ok = defaultdict(list), [], []
+    picks, chance, args_ok = defaultdict(list), defaultdict(list), []
     for r in records:
         msgs, tools = r["messages"], r["tools"]
         k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
@@ -110,11 +116,13 @@ def probe(tok, trainee, records: list[dict]) -> dict:
             pos += 1
         kind = "generic" if want.casefold() in msgs[k - 1]["content"].casefold() else "domain"
         picks[kind].append(next(iter(alive)) == want)
-        chance.append(1 / len(tools))
+        chance[kind].append(1 / len(tools))
     every = picks["generic"] + picks["domain"]
     rate = lambda v: sum(v) / len(v) if v else None  # noqa: E731
-    return {"selection": rate(every), "selection_chance": rate(chance), "n_selection": len(every),
-            "selection_generic": rate(picks["generic"]), "selection_domain": rate(picks["domain"]),
+    return {"selection": rate(every), "selection_chance": rate(chance["generic"] + chance["domain"]),
+            "n_selection": len(every), "selection_generic": rate(picks["generic"]),
+            "selection_domain": rate(picks["domain"]), "selection_domain_chance": rate(chance["domain"]),
+            "n_domain": len(picks["domain"]),
             "args_exact": rate(args_ok), "n_args": len(args_ok)}
 
 
@@ -126,6 +134,26 @@ def made_up_records(n: int, seed: int) -> list[dict]:
         rng.shuffle(tools)
         records.append({"kind": "tool", "messages": msgs, "tools": tools})
     return records
+
+
+def prefixed_records(records: list[dict], seed: int) -> list[dict]:
+    """``records`` with a prefix that tells nothing on every listed name, the calls renamed to
+    match (records of one tool are left out: there is nothing to select)."""
+    rng, out = random.Random(f"prefixed-{seed}"), []
+    for r in records:
+        msgs = r["messages"]
+        k = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
+        if len(r["tools"]) < 2 or k is None or not msgs[k].get("tool_calls") or msgs[k - 1]["role"] != "user":
+            continue
+        tools, _, renamed = _prefixed(r["tools"], [msgs[k - 1]["content"]], rng)
+        msgs = json.loads(json.dumps(msgs))
+        want = msgs[k]["tool_calls"][0]["function"]["name"]  # a request that quotes it quotes the new name
+        msgs[k - 1]["content"] = re.sub(rf"(?<!\w){re.escape(want)}(?!\w)", renamed[want], msgs[k - 1]["content"])
+        for m in msgs:
+            for call in m.get("tool_calls") or []:
+                call["function"]["name"] = renamed.get(call["function"]["name"], call["function"]["name"])
+        out.append({**r, "messages": msgs, "tools": tools})
+    return out
 
 
 def repeat_accuracy(tok, trainee, sequences: int = 8, words: int = 20, seed: int = 5) -> float:
@@ -161,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--split", choices=("held_out", "train", "made_up"), default="held_out")
     ap.add_argument("--n", type=int, default=300, help="dialogues drawn (tool dialogues are about a third)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prefixed", action="store_true",
+                    help="prefix every listed name with a word that tells nothing (selection by reading the entry)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # leave the other core to a training run
     tok, trainee, label = load(args.path)
@@ -170,14 +200,18 @@ def main(argv=None) -> int:
         records = made_up_records(args.n // 3, FRESH_TRAIN_SEED + args.seed)
     else:
         records = [r for r in held_out_examples(args.n, seed=args.seed) if r["kind"] == "tool"]
+    if args.prefixed:
+        records = prefixed_records(records, args.seed)
     with torch.no_grad():
         res = probe(tok, trainee, records)
         res["copying"] = repeat_accuracy(tok, trainee)
         res["lookup"], res["lookup_chance"] = lookup_accuracy(tok, trainee)
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-    print(f"{label} ({args.split}): selection {pct(res['selection'])} of {res['n_selection']} "
+    split = f"{args.split}, prefixed" if args.prefixed else args.split
+    print(f"{label} ({split}): selection {pct(res['selection'])} of {res['n_selection']} "
           f"(random pick {pct(res['selection_chance'])}; generic {pct(res['selection_generic'])}, "
-          f"domain {pct(res['selection_domain'])}); arguments exact {pct(res['args_exact'])} of {res['n_args']}; "
+          f"domain {pct(res['selection_domain'])} of {res['n_domain']}, random {pct(res['selection_domain_chance'])}); "
+          f"arguments exact {pct(res['args_exact'])} of {res['n_args']}; "
           f"copying {pct(res['copying'])}; lookup {pct(res['lookup'])} (random pick {pct(res['lookup_chance'])})")
     return 0
 

@@ -195,6 +195,30 @@ def test_probe_made_up_split():
     assert max(firsts) > 0  # shuffled: a model cannot learn "the first listed"
 
 
+def _calls(record) -> list[str]:
+    return [c["function"]["name"] for m in record["messages"] for c in m.get("tool_calls") or []]
+
+
+def test_probe_prefixed_records_rename_every_listed_tool_and_its_calls_alike():
+    """``--prefixed``: every listed name gets its own prefix, each call follows its tool, and a
+    request that quoted the name quotes the new one."""
+    spec = importlib.util.spec_from_file_location("probe_tool_selection", SCRIPT.parent / "probe_tool_selection.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+
+    records = probe.made_up_records(60, seed=8)
+    renamed = probe.prefixed_records(records, seed=1)
+    multi = [r for r in records if len(r["tools"]) >= 2 and r["messages"][1].get("tool_calls")]
+    assert len(renamed) == len(multi) > 10 and renamed == probe.prefixed_records(records, seed=1)
+    for old, new in zip(multi, renamed):
+        names = {a["function"]["name"]: b["function"]["name"] for a, b in zip(old["tools"], new["tools"])}
+        assert all(b != a and b.lower().endswith(a.lower()) for a, b in names.items())
+        described = [(a["function"]["description"], b["function"]["description"])
+                     for a, b in zip(old["tools"], new["tools"])]
+        assert all(a == b for a, b in described)
+        assert _calls(new) == [names[c] for c in _calls(old)]
+
+
 def _drive(warmup, losses, n, *, replay=0, lookup=1, lookup_losses=()):
     """Draw ``n`` steps from ``training_batches`` with ``warmup`` deciding the copy warm-up and
     ``lookup`` the lookup drills, feeding each phase its next loss (``losses[i]`` after warm-up

@@ -18,7 +18,7 @@ selection there is matching the request against the list, in-distribution.
 - arguments: every token of the right call's arguments is the model's argmax, given the
   dialogue up to it (teacher-forced, so a stricter measure than the engine's free decoding);
 - with ``--prefixed``, every listed name of the selection requests gets a prefix that tells
-  nothing (``selection_drills._prefixed``: "zuvo_next_prime", "fetchCountVowels"), so the
+  nothing (``selection_drills.prefix_names``: "zuvo_next_prime", "fetch_count_vowels"), so the
   name's first token must be read from the entry the request matches, not matched or
   recalled (run 33: v4 picks at chance so, on training tools too);
 - copying: 20 random words, " | ", the same 20 words again; the share of the repeat's tokens
@@ -49,7 +49,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 import train_demo_model as T  # noqa: E402
 from demo_data import generate, held_out_examples, made_up_dialogue  # noqa: E402
-from selection_drills import _prefixed  # noqa: E402
+from selection_drills import prefix_names  # noqa: E402
 
 FRESH_TRAIN_SEED = 12345  # not a seed a training run uses
 
@@ -145,7 +145,7 @@ def prefixed_records(records: list[dict], seed: int) -> list[dict]:
         k = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
         if len(r["tools"]) < 2 or k is None or not msgs[k].get("tool_calls") or msgs[k - 1]["role"] != "user":
             continue
-        tools, _, renamed = _prefixed(r["tools"], [msgs[k - 1]["content"]], rng)
+        tools, _, renamed = prefix_names(r["tools"], [msgs[k - 1]["content"]], rng)
         msgs = json.loads(json.dumps(msgs))
         want = msgs[k]["tool_calls"][0]["function"]["name"]  # a request that quotes it quotes the new name
         msgs[k - 1]["content"] = re.sub(rf"(?<!\w){re.escape(want)}(?!\w)", renamed[want], msgs[k - 1]["content"])

@@ -145,7 +145,7 @@ def _camel(name: str) -> bool:
     return "_" not in name and name != name.lower()
 
 
-def _prefixed(tools: list[dict], asks: list[str], rng: random.Random) -> tuple[list[dict], list[str], dict]:
+def prefix_names(tools: list[dict], asks: list[str], rng: random.Random) -> tuple[list[dict], list[str], dict]:
     """``tools`` with a distinct prefix on every name that no request says (a request that
     quotes a name quotes the new one), so only the entry that matches a request tells the
     name's first token: (tools, asks, old name -> new name)."""
@@ -169,7 +169,7 @@ def _prefixed(tools: list[dict], asks: list[str], rng: random.Random) -> tuple[l
 
 def selection_record(rng: random.Random, nonce: float = 0.5, prefixed: float = 0.0, every_tool: bool = False) -> dict:
     """One drill: 2-4 tools (stdlib, made-up, or both), a request for one, the call's name.
-    With probability ``prefixed`` every name gets a prefix that tells nothing (``_prefixed``);
+    With probability ``prefixed`` every name gets a prefix that tells nothing (``prefix_names``);
     with ``every_tool`` the drill goes on with a request for each other tool it can ask for
     (made-up tools among made-up ones, stdlib tools otherwise), each followed by its call:
     several scored names for one tool list."""
@@ -199,7 +199,7 @@ def selection_record(rng: random.Random, nonce: float = 0.5, prefixed: float = 0
         picks += [(ask_for(t), t.name) for t in rest]
     asks, names = [a for a, _ in picks], [n for _, n in picks]
     if prefixed and rng.random() < prefixed:  # no draw when off: the unprefixed drills stay as they were
-        tools, asks, renamed = _prefixed(tools, asks, rng)
+        tools, asks, renamed = prefix_names(tools, asks, rng)
         names = [renamed[n] for n in names]
     messages = []
     for i, (ask, name) in enumerate(zip(asks, names), 1):

@@ -604,7 +604,7 @@ def main(argv=None) -> int:
     p.add_argument("--selection-prefixed", type=float, default=0.0, metavar="SHARE",
                    help="the share of selection drills where every listed name starts with a prefix that tells "
                         "nothing, so the name's first token must be read from the entry the request matches "
-                        "(selection_drills._prefixed, run 33)")
+                        "(selection_drills.prefix_names, run 33)")
     p.add_argument("--selection-every-tool", action="store_true",
                    help="selection drills go on with a request for each other tool they can ask for, each with "
                         "its call: several scored names per tool list (run 33b)")

@@ -171,10 +171,12 @@ def _tokenizer_fingerprint(tokenizer) -> str:
 def load_examples(tokenizer, records: list[dict], max_len: int, cache: Path | None = None):
     """The encoded dialogues that fit ``max_len``. Encoding renders every conversation prefix
     (minutes for 40,000 dialogues), so the result is kept in ``cache``, valid for the same
-    records, tokenizer and length."""
+    records, tokenizer, chat template and length."""
     from tqdm.auto import tqdm
 
-    key = hashlib.sha256(json.dumps([records, _tokenizer_fingerprint(tokenizer), max_len]).encode()).hexdigest()
+    # The template is part of the key: the same records render to other tokens under another one.
+    key = hashlib.sha256(json.dumps([records, _tokenizer_fingerprint(tokenizer), tokenizer.chat_template,
+                                     max_len]).encode()).hexdigest()
     if cache is not None and cache.exists():
         saved = json.loads(cache.read_text())
         if saved["key"] == key:

@@ -423,6 +423,30 @@ def test_encoded_dialogues_cache_survives_a_tokenizers_upgrade():
     assert T._tokenizer_fingerprint(tok(old)) != T._tokenizer_fingerprint(tok({**old, "merges": [["b", "a"]]}))
 
 
+def test_encoded_dialogues_cache_is_kept_per_chat_template(tmp_path):
+    """The same records and tokenizer under another chat template are other tokens: the cache
+    encodes them again instead of handing back the old template's (run 34 changed only the
+    template and would have trained on the stale encoding)."""
+    from transformers import AutoTokenizer
+
+    from mlx_tandem.testing.factory import make_tiny_model
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from demo_data import generate
+
+    T = _trainer_module()
+    make_tiny_model("qwen3_5", tmp_path / "model", seed=0)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    records = [r for r in generate(60, seed=3) if r.get("tools")][:4]
+    assert records
+    cache = tmp_path / "examples.json"
+    before = T.load_examples(tok, records, 4096, cache)
+    assert T.load_examples(tok, records, 4096, cache) == before  # the same template: read back
+    tok.chat_template = tok.chat_template.replace("# Tools", "# Functions")
+    after = T.load_examples(tok, records, 4096, cache)
+    assert after != before and after == T.load_examples(tok, records, 4096, None)
+
+
 def test_init_from_goes_on_from_an_exported_model(tmp_path):
     """--init-from starts from a run's exported weights, tokenizer and config: one step at a
     tiny learning rate stays next to them, where a fresh start is far away."""

@@ -156,11 +156,13 @@ def test_training_batches_schedule():
 
     mixed = take(10, copy_steps=2, copy_length=32, lookup_steps=1, drill_every=3)
     kinds = ["copy" if t.shape == (8, 32) else "lookup" if t.shape == (16, T.LOOKUP_LENGTH) else "dialogue"
-             for t, _ in mixed]
+             for t, *_ in mixed]
     assert kinds == ["copy", "copy", "lookup", "dialogue", "dialogue", "copy", "dialogue", "dialogue", "lookup",
                      "dialogue"]
     # The dialogues are the same batches, in the same order, as without drills.
-    assert all(torch.equal(t, p[0]) for (t, _), p in zip([b for b, k in zip(mixed, kinds) if k == "dialogue"], plain))
+    assert all(torch.equal(t, p[0]) for (t, *_), p in zip([b for b, k in zip(mixed, kinds) if k == "dialogue"], plain))
+    # Only the lookup drills carry their answers' starts (what --lookup-until-first-id judges).
+    assert [b[2] is not None for b in mixed] == [k == "lookup" for k in kinds]
     # The lookup marks are the last four plain tokens; the drills draw from the seed.
     lookup = mixed[2][0]
     assert lookup.max() <= 999 and (lookup == 996).any()
@@ -171,10 +173,10 @@ def test_training_batches_schedule():
     selections = [([7] * n, [0] * (n - 2) + [1, 1]) for n in rng.integers(20, 60, 12)]
     picked = take(12, copy_steps=1, copy_length=32, drill_every=4, selections=selections, selection_every=2)
     kinds = ["copy" if t.shape == (8, 32) else "lookup" if t.shape == (16, T.LOOKUP_LENGTH)
-             else "selection" if (t == 7).any() else "dialogue" for t, _ in picked]
+             else "selection" if (t == 7).any() else "dialogue" for t, *_ in picked]
     assert kinds == ["copy", "dialogue", "selection", "dialogue", "copy", "dialogue", "selection", "dialogue",
                      "lookup", "dialogue", "selection", "dialogue"]
-    assert all(torch.equal(t, p[0]) for (t, _), p in zip([b for b, k in zip(picked, kinds) if k == "dialogue"], plain))
+    assert all(torch.equal(t, p[0]) for (t, *_), p in zip([b for b, k in zip(picked, kinds) if k == "dialogue"], plain))
 
 
 def test_probe_made_up_split():
@@ -232,7 +234,7 @@ def _drive(warmup, losses, n, *, replay=0, lookup=1, lookup_losses=()):
     phases = (warmup, T.DrillPhase(lookup) if isinstance(lookup, int) else lookup)
     out, looked = [], 0
     for i in range(n):
-        tokens, _ = next(data)
+        tokens, *_ = next(data)
         phase = T.drill_phase_of(i, *phases)
         if phase == "copy" and i >= replay:
             warmup.record(losses[i])
@@ -319,6 +321,35 @@ def test_lookup_drills_go_on_until_learned_and_resume_where_they_would_end():
     assert capped.failed and capped.state()["end"] is None
 
 
+def test_first_id_of_lookup_drills_is_read_at_each_answer_start(tmp_path):
+    """``Trainee.losses`` with the answer starts: the share of rows whose answer's first token
+    is the backbone's argmax, read at the right position. Rows whose first answer token is set
+    to the model's own pick count, the others not (a later token cannot change that pick: the
+    model is causal)."""
+    import torch
+
+    from mlx_tandem.testing.factory import make_tiny_model
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from copy_drills import lookup_batch
+
+    T = _trainer_module()
+    make_tiny_model("qwen3_5", tmp_path / "model", seed=0)
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    trainee = T.Trainee(T.Qwen3_5TextConfig(**config["text_config"])).float().eval()
+    vocab = config["text_config"]["vocab_size"] - 8
+    tokens, mask, starts = lookup_batch(torch.Generator().manual_seed(0), 12, T.LOOKUP_LENGTH, 0, vocab - 4,
+                                        T.lookup_marks(vocab))
+    rows = torch.arange(12)
+    with torch.no_grad():
+        picks = trainee.lm(input_ids=tokens).logits[rows, starts - 1].argmax(-1)
+        hit = torch.tensor([r % 3 == 0 for r in range(12)])  # 4 of 12
+        tokens[rows, starts] = torch.where(hit, picks, (picks + 1) % vocab)
+        main, _, first_id = trainee.losses(tokens, mask, starts)
+        assert first_id == pytest.approx(4 / 12)  # a float32 mean
+        assert trainee.losses(tokens, mask)[2] is None and torch.equal(trainee.losses(tokens, mask)[0], main)
+
+
 def _fail_then_resume(out: Path, common: list[str], failing: list[str], resuming: list[str], message: str):
     """Run the trainer with ``failing`` options: it must exit 1 with ``message`` in its log,
     export nothing and keep its checkpoint. Then rerun it with ``resuming``: it must finish and
@@ -359,6 +390,22 @@ def test_trainer_stops_when_lookup_is_not_learned_and_resumes_with_a_larger_cap(
     assert "copy_warmup" not in state  # no target for the copy warm-up: nothing to keep
     assert "resumed at step 3" in log and "lookup drills done after 2 steps" in log
     assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["step"] == 6
+
+
+def test_lookup_judged_by_its_first_id(tmp_path):
+    """--lookup-until-first-id: the lookup phase records the share of rows that miss the
+    answer's first id; not reached by --lookup-max-steps, the run stops with that measure in
+    its reason, and resumed with a target it meets, it finishes. It replaces --lookup-until."""
+    state, log = _fail_then_resume(tmp_path, ["--steps", "5", "--lookup-steps", "1"],
+                                   ["--lookup-until-first-id", "1.0", "--lookup-max-steps", "2"],
+                                   ["--lookup-until-first-id", "0", "--dialogue-steps", "3"],
+                                   "lookup not learned after 2 lookup steps (lookup first-id miss rate")
+    misses = state["lookup"]["losses"]
+    assert len(misses) == 2 and all(0 < m <= 1 for m in misses)  # an untrained model misses some of 16
+    assert "lookup drills done after 2 steps: lookup first-id miss rate" in log
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "both"), "--lookup-until", "3",
+                           "--lookup-until-first-id", "0.5"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "replaces --lookup-until" in proc.stderr
 
 
 def test_time_fit_fills_what_is_left_of_the_budget():

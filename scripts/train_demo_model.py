@@ -356,8 +356,8 @@ def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id
                      copy_steps: int | DrillPhase = 0, copy_length: int = 64,
                      lookup_steps: int | DrillPhase = 0, drill_every: int = 0,
                      selections=(), selection_every: int = 0):
-    """Every step's (tokens, mask, answer starts), in order: ``copy_steps`` of copy drills, ``lookup_steps`` of
-    lookup drills, then the dialogues, every ``drill_every``-th of them replaced by a drill
+    """Every step's (tokens, mask, answer starts), in order: ``copy_steps`` of copy drills,
+    ``lookup_steps`` of lookup drills, then the dialogues, every ``drill_every``-th of them replaced by a drill
     (copy and lookup in turn). All drawn from ``seed``, so a resumed run replays the same.
     ``copy_steps`` and ``lookup_steps`` are counts, or ``DrillPhase``s that decide as the losses
     come in (the generator is lazy: it asks before each step, after the previous one's loss is
@@ -615,7 +615,8 @@ def main(argv=None) -> int:
                         "least SHARE of the rows (mean of the last 20 lookup steps; a random pick among the listed "
                         "entries gets about 0.31), which the loss does not tell (run 33c)")
     p.add_argument("--lookup-max-steps", type=int, default=1000,
-                   help="with --lookup-until: stop with an error if the lookup is not learned by then")
+                   help="with --lookup-until or --lookup-until-first-id: stop with an error if the lookup is not "
+                        "learned by then")
     p.add_argument("--drill-every", type=int, default=0,
                    help="in the dialogue phase, make every Nth step a drill (copy and lookup in turn)")
     p.add_argument("--selection-every", type=int, default=0,

@@ -706,7 +706,8 @@ def main(argv=None) -> int:
         logger.info("resumed at step %d", step)
     copy = DrillPhase(args.copy_warmup_steps, args.copy_warmup_until, args.copy_warmup_max_steps)
     copy.restore(state.get("copy_warmup"), step)
-    if args.lookup_until_first_id is not None:  # a miss rate, so that lower is better as for a loss
+    by_first_id = args.lookup_until_first_id is not None  # else the lookup drills are judged by their loss
+    if by_first_id:  # a miss rate, so that lower is better as for a loss
         lookup = DrillPhase(args.lookup_steps, 1 - args.lookup_until_first_id, args.lookup_max_steps,
                             measure="first-id miss rate")
     else:
@@ -738,10 +739,9 @@ def main(argv=None) -> int:
     failures = (
         (copy, "no induction head after %d copy steps (repeat loss %.2f, target %.2f): this run would train a "
                "model that ignores its requests. Try another --seed, or a larger --copy-warmup-max-steps"),
-        (lookup, "lookup not learned after %d lookup steps (lookup " + lookup.measure + " %.2f, target %.2f): "
-                 "this run would "
-                 "train a model that cannot pick what a request names from a list. Try another --seed, or a "
-                 "larger --lookup-max-steps"))
+        (lookup, f"lookup not learned after %d lookup steps (lookup {lookup.measure} %.2f, target %.2f): this "
+                 "run would train a model that cannot pick what a request names from a list. Try another --seed, "
+                 "or a larger --lookup-max-steps"))
 
     bar = tqdm(total=total(), initial=step, desc="training", unit="step")
     trainee.train()
@@ -779,7 +779,7 @@ def main(argv=None) -> int:
         if phase == "copy":  # a phase without a target ignores it
             copy.record(main_loss.item())
         elif phase == "lookup":
-            lookup.record(1 - first_id if args.lookup_until_first_id is not None else main_loss.item())
+            lookup.record(1 - first_id if by_first_id else main_loss.item())
         if first_id is not None:  # lookup drills, in their phase or the dialogues'
             first_ids = (first_ids + [first_id])[-20:]
         step += 1

@@ -21,6 +21,11 @@ selection there is matching the request against the list, in-distribution.
   nothing (``selection_drills.prefix_names``: "zuvo_next_prime", "fetch_count_vowels"), so the
   name's first token must be read from the entry the request matches, not matched or
   recalled (run 33: v4 picks at chance so, on training tools too);
+- with ``--ablate PART``, each selection is decided again with that part of every listed tool
+  emptied (descriptions, parameters or names), or with each entry given the next one's
+  description ("rotated"), and the share of picks that stay the same is reported: what the
+  choice reads. A model that matches a request against the descriptions picks differently
+  without them (v4 on held-out tools: the same pick every time; docs/demo_model.md);
 - copying: 20 random words, " | ", the same 20 words again; the share of the repeat's tokens
   (after its first two) that are the model's argmax. It needs an induction head, and tells
   whether one formed and survived (docs/demo_model.md, runs 10-12). The two tokenizers split
@@ -69,7 +74,36 @@ def load(path: Path):
     return AutoTokenizer.from_pretrained(model_dir), trainee, label
 
 
-def probe(tok, trainee, records: list[dict]) -> dict:
+#: What ``--ablate`` takes out of every listed tool (the text a model would have to read), or
+#: moves: "rotated" gives each entry the next one's description.
+ABLATIONS = ("descriptions", "parameters", "names", "rotated")
+
+
+def ablated_tools(tools: list[dict], part: str) -> list[dict]:
+    """``tools`` with one part of each entry emptied, in the same order: descriptions blank,
+    no parameters, or names that tell nothing ("tool_a", "tool_b", ...); or, "rotated", each
+    entry with the next one's description (the last with the first's)."""
+    out = json.loads(json.dumps(tools))
+    for i, t in enumerate(out):
+        fn = t["function"]
+        if part == "rotated":
+            fn["description"] = tools[(i + 1) % len(tools)]["function"].get("description", "")
+        elif part == "descriptions":
+            fn["description"] = ""
+        elif part == "parameters":
+            fn["parameters"] = {"type": "object", "properties": {}, "required": []}
+        elif part == "names":
+            fn["name"] = f"tool_{chr(ord('a') + i)}"
+        else:
+            raise ValueError(f"unknown part {part!r}; one of {ABLATIONS}")
+    return out
+
+
+def probe(tok, trainee, records: list[dict], ablate: str | None = None) -> dict:
+    """Selection and arguments over ``records``; with ``ablate``, each selection is decided a
+    second time with that part of every listed tool emptied (``ablated_tools``), to tell what
+    the choice reads: a model that matches the request against the descriptions picks
+    differently without them."""
     def encode(msgs, tools, gen=False):
         text = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
         return tok.encode(text, add_special_tokens=False)
@@ -77,22 +111,43 @@ def probe(tok, trainee, records: list[dict]) -> dict:
     def logits(ids):
         return trainee.lm(input_ids=torch.tensor([ids])).logits[0]
 
+    def with_name(msgs, k, name, listed):
+        """The dialogue up to its first call (``msgs[k]``), the call renamed to ``name``."""
+        call = json.loads(json.dumps(msgs[k]))
+        call["tool_calls"][0]["function"]["name"] = name
+        return encode(msgs[:k] + [call], listed)
+
+    def constrained_pick(msgs, k, listed) -> int:
+        """The index of the listed tool that greedy decoding names when held to the listed
+        names, as the engine's lazy tool-call grammar holds it (at each token, the likeliest
+        among the names still possible)."""
+        prompt = encode(msgs[:k], listed, gen=True)
+        names = {}
+        for i, t in enumerate(listed):
+            name = t["function"]["name"]
+            full = with_name(msgs, k, name, listed)
+            end = next(j for j in range(len(prompt), len(full)) if name in tok.decode(full[len(prompt): j + 1]))
+            names[i] = full[len(prompt): end + 1]
+        alive, prefix, pos = names, list(prompt), 0
+        while len(alive) > 1:
+            last = logits(prefix)[-1]
+            best = max({v[pos] for v in alive.values() if len(v) > pos}, key=lambda t: last[t].item())
+            alive = {i: v for i, v in alive.items() if len(v) > pos and v[pos] == best}
+            prefix.append(best)
+            pos += 1
+        return next(iter(alive))
+
     picks, chance, args_ok = defaultdict(list), defaultdict(list), []
+    blind_picks, kept, followed = defaultdict(list), defaultdict(list), defaultdict(list)
     for r in records:
         msgs, tools = r["messages"], r["tools"]
         k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
         calls = msgs[k].get("tool_calls")
         if not calls:
             continue
-        prompt = encode(msgs[:k], tools, gen=True)
-
-        def with_name(name):
-            call = json.loads(json.dumps(msgs[k]))
-            call["tool_calls"][0]["function"]["name"] = name
-            return encode(msgs[:k] + [call], tools)
-
         want = calls[0]["function"]["name"]
-        ids = with_name(want)
+        prompt = encode(msgs[:k], tools, gen=True)
+        ids = with_name(msgs, k, want, tools)
         text = tok.decode(ids)
         a0 = text.index('"arguments"', len(tok.decode(prompt)))
         a1 = text.index("</tool_call>", a0)
@@ -101,29 +156,31 @@ def probe(tok, trainee, records: list[dict]) -> dict:
         args_ok.append(all(pred[i - 1].item() == ids[i] for i in span))
         if len(tools) < 2:
             continue
-        names = {}
-        for t in tools:
-            name = t["function"]["name"]
-            full = with_name(name)
-            end = next(i for i in range(len(prompt), len(full)) if name in tok.decode(full[len(prompt): i + 1]))
-            names[name] = full[len(prompt): end + 1]
-        alive, prefix, pos = names, list(prompt), 0
-        while len(alive) > 1:  # greedy, held to the names still possible
-            last = logits(prefix)[-1]
-            best = max({v[pos] for v in alive.values() if len(v) > pos}, key=lambda t: last[t].item())
-            alive = {n: v for n, v in alive.items() if len(v) > pos and v[pos] == best}
-            prefix.append(best)
-            pos += 1
+        right = [t["function"]["name"] for t in tools].index(want)
+        picked = constrained_pick(msgs, k, tools)
         kind = "generic" if want.casefold() in msgs[k - 1]["content"].casefold() else "domain"
-        picks[kind].append(next(iter(alive)) == want)
+        picks[kind].append(picked == right)
         chance[kind].append(1 / len(tools))
+        if ablate:
+            blind = constrained_pick(msgs, k, ablated_tools(tools, ablate))
+            blind_picks[kind].append(blind == right)
+            kept[kind].append(blind == picked)
+            followed[kind].append(blind == (right - 1) % len(tools))  # the entry holding the right description
     every = picks["generic"] + picks["domain"]
     rate = lambda v: sum(v) / len(v) if v else None  # noqa: E731
-    return {"selection": rate(every), "selection_chance": rate(chance["generic"] + chance["domain"]),
-            "n_selection": len(every), "selection_generic": rate(picks["generic"]),
-            "selection_domain": rate(picks["domain"]), "selection_domain_chance": rate(chance["domain"]),
-            "n_domain": len(picks["domain"]),
-            "args_exact": rate(args_ok), "n_args": len(args_ok)}
+    res = {"selection": rate(every), "selection_chance": rate(chance["generic"] + chance["domain"]),
+           "n_selection": len(every), "selection_generic": rate(picks["generic"]),
+           "selection_domain": rate(picks["domain"]), "selection_domain_chance": rate(chance["domain"]),
+           "n_domain": len(picks["domain"]),
+           "args_exact": rate(args_ok), "n_args": len(args_ok)}
+    if ablate:
+        res.update(ablated=ablate, selection_ablated=rate(blind_picks["generic"] + blind_picks["domain"]),
+                   selection_domain_ablated=rate(blind_picks["domain"]),
+                   same_pick=rate(kept["generic"] + kept["domain"]), same_pick_domain=rate(kept["domain"]))
+        if ablate == "rotated":
+            res.update(followed_description=rate(followed["generic"] + followed["domain"]),
+                       followed_description_domain=rate(followed["domain"]))
+    return res
 
 
 def made_up_records(n: int, seed: int) -> list[dict]:
@@ -191,6 +248,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--prefixed", action="store_true",
                     help="prefix every listed name with a word that tells nothing (selection by reading the entry)")
+    ap.add_argument("--ablate", choices=ABLATIONS,
+                    help="decide each selection again with this part of every listed tool emptied, and report "
+                         "how often the pick stays the same (what the choice reads)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # leave the other core to a training run
     tok, trainee, label = load(args.path)
@@ -203,7 +263,7 @@ def main(argv=None) -> int:
     if args.prefixed:
         records = prefixed_records(records, args.seed)
     with torch.no_grad():
-        res = probe(tok, trainee, records)
+        res = probe(tok, trainee, records, args.ablate)
         res["copying"] = repeat_accuracy(tok, trainee)
         res["lookup"], res["lookup_chance"] = lookup_accuracy(tok, trainee)
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
@@ -213,6 +273,15 @@ def main(argv=None) -> int:
           f"domain {pct(res['selection_domain'])} of {res['n_domain']}, random {pct(res['selection_domain_chance'])}); "
           f"arguments exact {pct(res['args_exact'])} of {res['n_args']}; "
           f"copying {pct(res['copying'])}; lookup {pct(res['lookup'])} (random pick {pct(res['lookup_chance'])})")
+    if args.ablate:
+        rotated = args.ablate == "rotated"
+        what = "with each description moved to the previous entry" if rotated else f"without {args.ablate}"
+        print(f"  {what}: selection {pct(res['selection_ablated'])} "
+              f"(domain {pct(res['selection_domain_ablated'])}); the same pick as with them "
+              f"{pct(res['same_pick'])} (domain {pct(res['same_pick_domain'])})")
+        if args.ablate == "rotated":
+            print(f"  picked the entry that holds the right description {pct(res['followed_description'])} "
+                  f"(domain {pct(res['followed_description_domain'])})")
     return 0
 
 

@@ -179,12 +179,17 @@ def test_training_batches_schedule():
     assert all(torch.equal(t, p[0]) for (t, *_), p in zip([b for b, k in zip(picked, kinds) if k == "dialogue"], plain))
 
 
-def test_probe_made_up_split():
-    """The probe's made-up split: fresh dialogues over tools from ``synthetic_tools``, each
-    calling a listed tool, the right one not always listed first, the same for the same seed."""
+def _probe_module():
     spec = importlib.util.spec_from_file_location("probe_tool_selection", SCRIPT.parent / "probe_tool_selection.py")
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
+    return probe
+
+
+def test_probe_made_up_split():
+    """The probe's made-up split: fresh dialogues over tools from ``synthetic_tools``, each
+    calling a listed tool, the right one not always listed first, the same for the same seed."""
+    probe = _probe_module()
 
     records = probe.made_up_records(60, seed=7)
     assert records == probe.made_up_records(60, seed=7) and len(records) == 60
@@ -204,9 +209,7 @@ def _calls(record) -> list[str]:
 def test_probe_prefixed_records_rename_every_listed_tool_and_its_calls_alike():
     """``--prefixed``: every listed name gets its own prefix, each call follows its tool, and a
     request that quoted the name quotes the new one."""
-    spec = importlib.util.spec_from_file_location("probe_tool_selection", SCRIPT.parent / "probe_tool_selection.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = _probe_module()
 
     records = probe.made_up_records(60, seed=8)
     renamed = probe.prefixed_records(records, seed=1)
@@ -219,6 +222,54 @@ def test_probe_prefixed_records_rename_every_listed_tool_and_its_calls_alike():
                      for a, b in zip(old["tools"], new["tools"])]
         assert all(a == b for a, b in described)
         assert _calls(new) == [names[c] for c in _calls(old)]
+
+
+def test_probe_ablated_tools_change_one_part_of_every_entry_of_a_copy():
+    probe = _probe_module()
+    tools = next(r["tools"] for r in probe.made_up_records(30, seed=9) if len(r["tools"]) >= 2)
+    before = json.dumps(tools)
+    for part, key in (("descriptions", "description"), ("parameters", "parameters"), ("names", "name")):
+        blind = probe.ablated_tools(tools, part)
+        for old, new in zip(tools, blind, strict=True):
+            changed = {k for k in old["function"] if old["function"][k] != new["function"][k]}
+            assert changed == {key}, part
+        names = [t["function"]["name"] for t in blind]
+        assert len(set(names)) == len(names)
+    assert json.dumps(tools) == before  # a copy: the probe decides on both lists
+    rotated = probe.ablated_tools(tools, "rotated")
+    assert [t["function"]["description"] for t in rotated] == [
+        t["function"]["description"] for t in tools[1:] + tools[:1]]
+    assert [t["function"]["name"] for t in rotated] == [t["function"]["name"] for t in tools]
+    with pytest.raises(ValueError):
+        probe.ablated_tools(tools, "types")
+
+
+def test_probe_ablation_decides_again_on_the_emptied_list(monkeypatch):
+    """``--ablate``: each selection is decided a second time, on the list without that part;
+    where the part was empty already, the second decision is the first one, pick for pick."""
+    import torch
+
+    probe = _probe_module()
+    model = Path(__file__).resolve().parents[2] / "src" / "mlx_tandem" / "models"
+    tok, trainee, _ = probe.load(next(model.iterdir()))
+
+    def calls_first(r):
+        return next(m for m in r["messages"] if m["role"] == "assistant").get("tool_calls")
+
+    records = [r for r in probe.held_out_examples(120, seed=4)
+               if r["kind"] == "tool" and len(r["tools"]) >= 2 and calls_first(r)][:4]
+    blank = [{**r, "tools": probe.ablated_tools(r["tools"], "descriptions")} for r in records]
+    seen = []
+    template = tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda msgs, tools=None, **kw: (
+        seen.append(json.dumps(tools)), template(msgs, tools=tools, **kw))[1])
+    with torch.no_grad():
+        res = probe.probe(tok, trainee, blank, ablate="descriptions")
+        assert res["n_selection"] == len(records)
+        assert res["same_pick"] == 1.0 and res["selection_ablated"] == res["selection"]
+        seen.clear()
+        probe.probe(tok, trainee, records[:1], ablate="names")
+    assert any('"tool_a"' in t for t in seen) and any(records[0]["tools"][0]["function"]["name"] in t for t in seen)
 
 
 def _drive(warmup, losses, n, *, replay=0, lookup=1, lookup_losses=()):

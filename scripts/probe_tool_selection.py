@@ -9,7 +9,9 @@ distribution (its tools and phrasings, new values: a seed the run did not use); 
 draws the held-out ones. The two side by side tell a skill from memorized tools.
 ``--split made_up`` draws fresh dialogues over made-up tools (``synthetic_tools``, the
 ``--mix made_up`` training dialogues): tools no run has seen, in the training distribution, so
-selection there is matching the request against the list, in-distribution.
+selection there is matching the request against the list, in-distribution. ``--split lexical``
+draws fresh lexical selection drills (``selection_drills.lexical_record``: tools around random
+words, the request saying one tool's key word), selection with nothing to recall.
 
 - selection: on requests that list two or more tools, the name that greedy decoding takes when
   held to the listed names, as the engine's lazy tool-call grammar holds it (at each token,
@@ -54,7 +56,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 import train_demo_model as T  # noqa: E402
 from demo_data import generate, held_out_examples, made_up_dialogue  # noqa: E402
-from selection_drills import prefix_names  # noqa: E402
+from selection_drills import lexical_record, prefix_names  # noqa: E402
 
 FRESH_TRAIN_SEED = 12345  # not a seed a training run uses
 
@@ -243,7 +245,7 @@ def lookup_accuracy(tok, trainee, rows: int = 256, seed: int = 5) -> tuple[float
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", type=Path, help="a training run's --out directory, or a checkpoint directory")
-    ap.add_argument("--split", choices=("held_out", "train", "made_up"), default="held_out")
+    ap.add_argument("--split", choices=("held_out", "train", "made_up", "lexical"), default="held_out")
     ap.add_argument("--n", type=int, default=300, help="dialogues drawn (tool dialogues are about a third)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--prefixed", action="store_true",
@@ -258,6 +260,9 @@ def main(argv=None) -> int:
         records = generate(args.n, seed=FRESH_TRAIN_SEED + args.seed, kinds=["tool"])
     elif args.split == "made_up":
         records = made_up_records(args.n // 3, FRESH_TRAIN_SEED + args.seed)
+    elif args.split == "lexical":
+        rng = random.Random(f"lexical-probe-{FRESH_TRAIN_SEED + args.seed}")
+        records = [lexical_record(rng) for _ in range(args.n // 3)]
     else:
         records = [r for r in held_out_examples(args.n, seed=args.seed) if r["kind"] == "tool"]
     if args.prefixed:

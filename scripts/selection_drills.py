@@ -167,12 +167,89 @@ def prefix_names(tools: list[dict], asks: list[str], rng: random.Random) -> tupl
     return tools, [quoting.get(ask, ask) for ask in asks], renamed
 
 
-def selection_record(rng: random.Random, nonce: float = 0.5, prefixed: float = 0.0, every_tool: bool = False) -> dict:
+# Lexical drills (``lexical``, run 35): tools built around words drawn at random, from a pool of
+# about a thousand real words and from made-up ones (``synthetic_tools.nonce_noun``), so no tool
+# concept repeats often enough to be learned. Each listed tool carries a key word of its own, in
+# its name after a first word that tells nothing ("fetch_kazori", "lanternDolphin"), in its
+# description, or in both; the request says the key word and nothing else of the list. The
+# only way to the name's first token is to find the request's word in the list and read the
+# name of the entry it is in: the hop that held-out tools need ("Which prime comes right after
+# 87?" for ``next_prime``), with nothing to recall. The frames are this module's own, none of
+# the held-out phrasings or descriptions.
+LEXICAL_DESCRIPTIONS = ["{W} of a {x}.", "Look up the {w} for a {x}.", "Return the {w} of the given {x}.",
+                        "Find a {w} by {x}.", "{X} {w} lookup.", "Create a {w}.", "The {w} of one {x}.",
+                        "Compute the {w} from a {x} and a {y}.", "List every {w}.", "{W} for the {x} and {y}."]
+LEXICAL_BLAND = ["Run the tool.", "A helper function.", "Handle a {x}.", "Utility for {x} and {y}.", "Does one job."]
+LEXICAL_ASKS = ["What is the {w} for {v}?", "Give me the {w} of {v}.", "I want a {w} with {v}.",
+                "How many {w} are there in {v}?", "Find the {w} of {v}, please.", "{V} needs a {w}.",
+                "Any {w} for {v}?", "Show me the {w}: {v}.", "Could you get a {w} for {v}?",
+                "Tell me the {w} near {v}.", "Which {w} fits {v}?", "Let me know the {w} of {v}."]
+
+
+@functools.cache
+def lexical_pool() -> tuple[str, ...]:
+    """The real words a lexical drill draws from: the stdlib summaries' key words, the made-up
+    tools' words and the common words, none of them a word of the held-out tools."""
+    words = {w for pair in stdlib_tools() for w in _key_words(pair[0].description)}
+    words |= synthetic_tools.vocabulary() | set(synthetic_tools.COMMON_WORDS)
+    # Not the frames' own words, which every drill says, nor the verbs that lead names and tell nothing.
+    frames = set(_words(" ".join(LEXICAL_DESCRIPTIONS + LEXICAL_BLAND + LEXICAL_ASKS)))
+    return tuple(sorted(w for w in words - frames - set(demo_data.RENAME_VERBS) - synthetic_tools.EVAL_CONCEPT_WORDS
+                        if w.isalpha() and len(w) > 2 and w not in STOPWORDS))
+
+
+def _lexical_word(rng: random.Random, taken: set[str]) -> str:
+    while True:
+        word = synthetic_tools.nonce_noun(rng) if rng.random() < 0.5 else rng.choice(lexical_pool())
+        if word not in taken:
+            taken.add(word)
+            return word
+
+
+def _join(parts: list[str], rng: random.Random) -> str:
+    if rng.random() < 0.2:  # camelCase
+        return parts[0] + "".join(p[:1].upper() + p[1:] for p in parts[1:])
+    return "_".join(parts)
+
+
+def lexical_record(rng: random.Random) -> dict:
+    """One lexical drill: 2-4 tools around random key words, a request that says the target's."""
+    k = rng.randint(2, 4)
+    taken: set[str] = set()
+    keys = [_lexical_word(rng, taken) for _ in range(k)]
+    fillers = [_lexical_word(rng, taken) for _ in range(2)]  # shared by the descriptions: they tell nothing
+    tools = []
+    for key in keys:
+        where = rng.choices(("both", "name", "description"), (0.5, 0.25, 0.25))[0]
+        lead = rng.choice(demo_data.RENAME_VERBS) if rng.random() < 0.5 else _lexical_word(rng, taken)
+        tail = [_lexical_word(rng, taken)] if rng.random() < 0.3 else []
+        name = _join([lead] + ([key] if where != "description" else [_lexical_word(rng, taken)]) + tail, rng)
+        x, y = rng.sample(fillers, 2)
+        template = rng.choice(LEXICAL_BLAND if where == "name" else LEXICAL_DESCRIPTIONS)
+        text = template.format(w=key, W=key.capitalize(), x=x, X=x.capitalize(), y=y)
+        params = rng.sample(demo_data.GENERIC_PARAMS, rng.randint(0, 2))
+        tools.append(StdlibTool(name, text, tuple(params)).schema())
+    target = rng.randrange(k)
+    made_up = synthetic_tools.nonce_noun(rng)
+    while made_up in taken:  # the value says no listed word
+        made_up = synthetic_tools.nonce_noun(rng)
+    value = rng.choice([made_up.capitalize(), str(rng.randint(2, 999)), rng.choice(synthetic_tools.CITY_NAMES)])
+    ask = rng.choice(LEXICAL_ASKS).format(w=keys[target], v=value, V=value)
+    call = {"id": "call_1", "type": "function", "function": {"name": tools[target]["function"]["name"], "arguments": {}}}
+    return {"kind": KIND, "tools": tools,
+            "messages": [{"role": "user", "content": ask}, {"role": "assistant", "content": "", "tool_calls": [call]}]}
+
+
+def selection_record(rng: random.Random, nonce: float = 0.5, prefixed: float = 0.0, every_tool: bool = False,
+                     lexical: float = 0.0) -> dict:
     """One drill: 2-4 tools (stdlib, made-up, or both), a request for one, the call's name.
     With probability ``prefixed`` every name gets a prefix that tells nothing (``prefix_names``);
     with ``every_tool`` the drill goes on with a request for each other tool it can ask for
     (made-up tools among made-up ones, stdlib tools otherwise), each followed by its call:
-    several scored names for one tool list."""
+    several scored names for one tool list. With probability ``lexical`` the drill is a
+    ``lexical_record`` instead."""
+    if lexical and rng.random() < lexical:  # no draw when off: the other drills stay as they were
+        return lexical_record(rng)
     k = rng.randint(2, 4)
     roll = rng.random()
     if roll < 0.35:  # made-up tools only: the request as the dialogues phrase it
@@ -208,14 +285,15 @@ def selection_record(rng: random.Random, nonce: float = 0.5, prefixed: float = 0
     return {"kind": KIND, "tools": tools, "messages": messages}
 
 
-def generate(n: int, seed: int, nonce: float = 0.5, prefixed: float = 0.0, every_tool: bool = False) -> list[dict]:
+def generate(n: int, seed: int, nonce: float = 0.5, prefixed: float = 0.0, every_tool: bool = False,
+             lexical: float = 0.0) -> list[dict]:
     """``n`` drills, deterministic in ``seed``, none touching held-out material; a share
     ``prefixed`` of them with uninformative name prefixes, and with ``every_tool`` a request
     for each tool that can be asked for (``selection_record``)."""
     rng = random.Random(f"selection-{seed}")
     out = []
     while len(out) < n:
-        record = selection_record(rng, nonce, prefixed, every_tool)
+        record = selection_record(rng, nonce, prefixed, every_tool, lexical)
         if not demo_data.held_out_violations(record):
             out.append(record)
     return out

@@ -166,3 +166,39 @@ def test_every_tool_drills_ask_for_each_tool_in_turn_and_the_trainer_scores_each
         ids, mask = encoded
         scored = tok.decode([i for i, m in zip(ids, mask) if m])
         assert scored == "".join(m["tool_calls"][0]["function"]["name"] for m in record["messages"][1::2])
+
+
+def _name_words(name: str) -> list[str]:
+    return [w.lower() for w in re.findall(r"[A-Z]?[a-z]+", name)]
+
+
+def test_a_lexical_request_says_a_word_only_its_tool_has_and_not_the_first_word_of_any_name():
+    drills = sd.generate(1500, seed=7, lexical=1.0)
+    assert drills == sd.generate(1500, seed=7, lexical=1.0)
+    frame = {w for ask in sd.LEXICAL_ASKS for w in re.findall(r"[a-z]+", ask.lower())}
+    keys, in_name_only, in_description_only = Counter(), 0, 0
+    for record in drills:
+        assert not dd.held_out_violations(record)
+        tools = [t["function"] for t in record["tools"]]
+        names = [t["name"] for t in tools]
+        assert 2 <= len(names) <= 4 and len(set(names)) == len(names)
+        called, ask = _called(record), record["messages"][0]["content"]
+        said = set(re.findall(r"[a-z]+", ask.lower())) - frame
+        in_name = [set(_name_words(t["name"])) & said for t in tools]
+        in_description = [set(re.findall(r"[a-z]+", t["description"].lower())) & said for t in tools]
+        holders = [t["name"] for t, a, b in zip(tools, in_name, in_description) if a or b]
+        assert holders == [called], (ask, tools)  # the request's word is in its tool's entry only
+        assert not {_name_words(n)[0] for n in names} & said, (ask, names)  # never a name's first word
+        (key,) = set.union(*in_name, *in_description)
+        keys[key] += 1
+        words = set(re.findall(r"[a-z]+", " ".join([ask] + [f"{t['name']} {t['description']}" for t in tools]).lower()))
+        assert not words & st.EVAL_CONCEPT_WORDS
+        at = names.index(called)
+        in_name_only += not in_description[at]
+        in_description_only += not in_name[at]
+    # Random words, real and made-up: no key word recurs often enough to be learned as a tool.
+    assert len(keys) > 0.6 * len(drills) and max(keys.values()) < 10
+    # The word is found in the name alone, in the description alone, or in both.
+    assert 0.15 < in_name_only / len(drills) < 0.35 and 0.15 < in_description_only / len(drills) < 0.35
+    # With the share at 0 the drills are those of every earlier run, draw for draw.
+    assert sd.generate(300, seed=7, lexical=0.0) == sd.generate(300, seed=7)

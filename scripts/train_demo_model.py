@@ -482,6 +482,41 @@ class Trainee(nn.Module):
         return out
 
 
+# The factory template writes each tool as the OpenAI format orders it, name before description.
+# A causal model reads a name's first token before it has read what the tool does, so matching
+# a request against a description and then writing the name before it takes two hops; with the
+# description first, one (runs 34 and 34b in docs/demo_model.md). The same JSON object either way.
+TOOL_AS_IS = "{{- tool | tojson -}}"
+TOOL_DESCRIPTION_FIRST = (
+    "{%- set fn = tool.function if tool.function is defined else none -%}"
+    "{%- if fn is mapping and fn.description is defined -%}"
+    "{{- '{\"type\": ' + (tool.type | default('function') | tojson) + ', \"function\": {\"description\": '"
+    " + (fn.description | tojson) -}}"
+    "{%- for key, value in fn.items() if key != 'description' -%}"
+    "{{- ', ' + (key | tojson) + ': ' + (value | tojson) -}}{%- endfor -%}{{- '}}' -}}"
+    "{%- else -%}" + TOOL_AS_IS + "{%- endif -%}")
+
+
+def write_description_first(model_dir: Path) -> None:
+    """Rewrite ``model_dir``'s chat template (its .jinja file and tokenizer config) so that each
+    listed tool's description comes before its name (``--tools-description-first``)."""
+    def rewrite(template: str) -> str:
+        if TOOL_DESCRIPTION_FIRST in template:
+            return template
+        if template.count(TOOL_AS_IS) != 1:
+            raise ValueError("the chat template does not render tools as the factory's does")
+        return template.replace(TOOL_AS_IS, TOOL_DESCRIPTION_FIRST)
+
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text(rewrite(jinja.read_text()))
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if isinstance(config.get("chat_template"), str):
+        config["chat_template"] = rewrite(config["chat_template"])
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
 def build(init_dir: Path, seed: int, records: list[dict], word_consistent: bool = False,
           init: str = "factory", rope_theta: float | None = None, **sizes: int) -> Trainee:
     """A float32 Trainee of the factory's model (config, tokenizer and template written once
@@ -631,6 +666,12 @@ def main(argv=None) -> int:
     p.add_argument("--selection-every-tool", action="store_true",
                    help="selection drills go on with a request for each other tool they can ask for, each with "
                         "its call: several scored names per tool list (run 33b)")
+    p.add_argument("--selection-lexical", type=float, default=0.0, metavar="SHARE",
+                   help="the share of selection drills over tools built around random words, real and made-up, "
+                        "where the request says one listed tool's key word (selection_drills.lexical_record, run 35)")
+    p.add_argument("--tools-description-first", action="store_true",
+                   help="write each listed tool's description before its name in the model's chat template, "
+                        "so a request is matched where the name starts (write_description_first, runs 34-35)")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--intermediate-size", type=int, default=DEMO_SIZES["intermediate_size"],
@@ -657,8 +698,9 @@ def main(argv=None) -> int:
         p.error("--dialogue-steps must be at least 1")
     if args.selection_every < 0 or args.selection_every == 1:
         p.error("--selection-every must be 0 (off) or at least 2")
-    if not 0.0 <= args.selection_prefixed <= 1.0:
-        p.error("--selection-prefixed must be a share between 0 and 1")
+    for share in ("selection_prefixed", "selection_lexical"):
+        if not 0.0 <= getattr(args, share) <= 1.0:
+            p.error(f"--{share.replace('_', '-')} must be a share between 0 and 1")
     if args.lookup_until_first_id is not None and (args.lookup_until is not None
                                                    or not 0 <= args.lookup_until_first_id <= 1):
         p.error("--lookup-until-first-id must be a share between 0 and 1, and replaces --lookup-until")
@@ -680,6 +722,8 @@ def main(argv=None) -> int:
     trainee = build(init_dir, args.seed, records, args.word_consistent_tokenizer,
                     "factory" if args.init_from else args.init, args.rope_theta,
                     intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers)
+    if args.tools_description_first:  # before the tokenizer loads it; exported with it
+        write_description_first(init_dir)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     examples = load_examples(tokenizer, records, args.max_len, args.out / "examples.json")
     selections = []
@@ -687,7 +731,8 @@ def main(argv=None) -> int:
         picks = load_records(args.out / "selections.jsonl",
                              lambda: selection_drills.generate(args.n_selections, args.seed,
                                                                prefixed=args.selection_prefixed,
-                                                               every_tool=args.selection_every_tool))
+                                                               every_tool=args.selection_every_tool,
+                                                               lexical=args.selection_lexical))
         selections = load_examples(tokenizer, picks, args.max_len, args.out / "selection_examples.json")
     n_params = sum(p.numel() for p in trainee.parameters())
     logger.info("%.2fM parameters (%.1f MB in fp16)", n_params / 1e6, n_params * 2 / 2**20)

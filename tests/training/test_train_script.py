@@ -571,3 +571,38 @@ def test_stop_after_exports_mid_schedule_and_the_run_goes_on_later(tmp_path):
     log = _run(tmp_path, 4, "--num-layers", "2")
     assert "resumed at step 2" in log
     assert json.loads((tmp_path / "checkpoint" / "state.json").read_text()) == {"step": 4}
+
+
+def test_tools_description_first_moves_each_description_before_its_name(tmp_path):
+    """--tools-description-first rewrites the model's chat template so that each listed tool is
+    the same JSON object with its description first (runs 34-35); a tool without a description
+    is written as before, and the exported model carries the template."""
+    from transformers import AutoTokenizer
+
+    from mlx_tandem.testing.factory import make_tiny_model
+
+    T = _trainer_module()
+    model = make_tiny_model("qwen3_5", tmp_path / "model", seed=0)
+    before = AutoTokenizer.from_pretrained(model)
+    T.write_description_first(model)
+    T.write_description_first(model)  # once is enough: a second rewrite changes nothing
+    after = AutoTokenizer.from_pretrained(model)
+    fn = {"name": "next_step", "description": "Smallest step greater than n.",
+          "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}
+    tools = [{"type": "function", "function": fn},
+             {"type": "function", "function": {"name": "bare", "parameters": {"type": "object", "properties": {}}}}]
+    msgs = [{"role": "user", "content": "Which step comes after 3?"}]
+    old, new = (t.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+                for t in (before, after))
+    moved = {"type": "function", "function": {"description": fn["description"], "name": fn["name"],
+                                              "parameters": fn["parameters"]}}
+    assert old != new and new == old.replace(json.dumps(tools[0]), json.dumps(moved))
+    assert json.dumps(tools[1]) in new
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    with pytest.raises(ValueError, match="does not render tools"):
+        T.write_description_first(tmp_path / "other")
+
+    _run(tmp_path / "run", 1, "--num-layers", "2", "--tools-description-first")
+    exported = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
+    assert exported.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True) == new

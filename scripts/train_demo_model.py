@@ -134,6 +134,15 @@ def encode_dialogue(tokenizer, record: dict) -> tuple[list[int], list[int]] | No
     return ids, mask
 
 
+def first_tokens_only(examples: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
+    """``examples`` with each scored span cut to its first token (``--selection-first-token``).
+
+    On a selection drill the first token of the called name is the whole decision: the rest is
+    copied from the entry it starts (log-probability about 0, docs/demo_model.md). Scored over
+    the whole name, the mean loss divides that decision's gradient by the name's length."""
+    return [(ids, [int(m and not (i and mask[i - 1])) for i, m in enumerate(mask)]) for ids, mask in examples]
+
+
 def load_records(data_path: Path, make) -> list[dict]:
     """Records kept in ``data_path``, written there by ``make()`` on the first run."""
     if not data_path.exists():
@@ -669,6 +678,9 @@ def main(argv=None) -> int:
     p.add_argument("--selection-lexical", type=float, default=0.0, metavar="SHARE",
                    help="the share of selection drills over tools built around random words, real and made-up, "
                         "where the request says one listed tool's key word (selection_drills.lexical_record, run 35)")
+    p.add_argument("--selection-first-token", action="store_true",
+                   help="score selection drills on the first token of each called name only, the token that "
+                        "decides (first_tokens_only, run 35e)")
     p.add_argument("--tools-description-first", action="store_true",
                    help="write each listed tool's description before its name in the model's chat template, "
                         "so a request is matched where the name starts (write_description_first, runs 34-35)")
@@ -734,6 +746,8 @@ def main(argv=None) -> int:
                                                                every_tool=args.selection_every_tool,
                                                                lexical=args.selection_lexical))
         selections = load_examples(tokenizer, picks, args.max_len, args.out / "selection_examples.json")
+        if args.selection_first_token:
+            selections = first_tokens_only(selections)
     n_params = sum(p.numel() for p in trainee.parameters())
     logger.info("%.2fM parameters (%.1f MB in fp16)", n_params / 1e6, n_params * 2 / 2**20)
     if args.prepare_only:

@@ -202,3 +202,23 @@ def test_a_lexical_request_says_a_word_only_its_tool_has_and_not_the_first_word_
     assert 0.15 < in_name_only / len(drills) < 0.35 and 0.15 < in_description_only / len(drills) < 0.35
     # With the share at 0 the drills are those of every earlier run, draw for draw.
     assert sd.generate(300, seed=7, lexical=0.0) == sd.generate(300, seed=7)
+
+
+def test_first_token_scoring_keeps_one_scored_token_per_called_name(tmp_path):
+    """--selection-first-token: of each scored name, only its first token (the one that
+    decides) stays scored; the ids are untouched."""
+    from transformers import AutoTokenizer
+
+    from mlx_tandem.testing.factory import make_tiny_model
+
+    trainer = _load("train_demo_model")
+    tok = AutoTokenizer.from_pretrained(make_tiny_model("qwen3_5", tmp_path / "m", seed=0))
+    drills = sd.generate(20, seed=8, prefixed=1.0, every_tool=True) + sd.generate(20, seed=8, lexical=1.0)
+    encoded = [trainer.encode_dialogue(tok, r) for r in drills]
+    firsts = trainer.first_tokens_only(encoded)
+    for record, (ids, mask), (ids1, mask1) in zip(drills, encoded, firsts):
+        assert ids1 == ids and all(a <= b for a, b in zip(mask1, mask))
+        names = [m["tool_calls"][0]["function"]["name"] for m in record["messages"][1::2]]
+        heads = [tok.encode(n, add_special_tokens=False)[0] for n in names]
+        assert [i for i, m in zip(ids1, mask1) if m] == heads
+        assert sum(mask) > sum(mask1)  # the names were scored whole before

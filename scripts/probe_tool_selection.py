@@ -17,6 +17,8 @@ words, the request saying one tool's key word), selection with nothing to recall
   held to the listed names, as the engine's lazy tool-call grammar holds it (at each token,
   the likeliest among the names still possible), with the rate of a random pick beside it;
   split into requests that spell the function's name out ("generic") and the rest ("domain");
+  and, where the listed names part (their first differing token), the probability on the
+  tokens they go on with and the right one's share of it: naming a listed tool, and which;
 - arguments: every token of the right call's arguments is the model's argmax, given the
   dialogue up to it (teacher-forced, so a stricter measure than the engine's free decoding);
 - with ``--prefixed``, every listed name of the selection requests gets a prefix that tells
@@ -119,10 +121,13 @@ def probe(tok, trainee, records: list[dict], ablate: str | None = None) -> dict:
         call["tool_calls"][0]["function"]["name"] = name
         return encode(msgs[:k] + [call], listed)
 
-    def constrained_pick(msgs, k, listed) -> int:
+    def constrained_pick(msgs, k, listed, right=None) -> tuple[int, tuple[float, float] | None]:
         """The index of the listed tool that greedy decoding names when held to the listed
         names, as the engine's lazy tool-call grammar holds it (at each token, the likeliest
-        among the names still possible)."""
+        among the names still possible); and, given the ``right`` index, at the first token
+        where the names part: the model's probability on the tokens they go on with, and the
+        right one's share of it (a model that knows to name a listed tool but not which one
+        puts its mass there and shares it at chance)."""
         prompt = encode(msgs[:k], listed, gen=True)
         names = {}
         for i, t in enumerate(listed):
@@ -130,16 +135,21 @@ def probe(tok, trainee, records: list[dict], ablate: str | None = None) -> dict:
             full = with_name(msgs, k, name, listed)
             end = next(j for j in range(len(prompt), len(full)) if name in tok.decode(full[len(prompt): j + 1]))
             names[i] = full[len(prompt): end + 1]
-        alive, prefix, pos = names, list(prompt), 0
+        alive, prefix, pos, parting = names, list(prompt), 0, None
         while len(alive) > 1:
             last = logits(prefix)[-1]
-            best = max({v[pos] for v in alive.values() if len(v) > pos}, key=lambda t: last[t].item())
+            options = {v[pos] for v in alive.values() if len(v) > pos}
+            if parting is None and right is not None and len(options) > 1 and len(names[right]) > pos:
+                p = last.softmax(-1)
+                mass = sum(p[t].item() for t in options)
+                parting = (mass, p[names[right][pos]].item() / mass)
+            best = max(options, key=lambda t: last[t].item())
             alive = {i: v for i, v in alive.items() if len(v) > pos and v[pos] == best}
             prefix.append(best)
             pos += 1
-        return next(iter(alive))
+        return next(iter(alive)), parting
 
-    picks, chance, args_ok = defaultdict(list), defaultdict(list), []
+    picks, chance, args_ok, parted = defaultdict(list), defaultdict(list), [], defaultdict(list)
     blind_picks, kept, followed = defaultdict(list), defaultdict(list), defaultdict(list)
     for r in records:
         msgs, tools = r["messages"], r["tools"]
@@ -159,12 +169,14 @@ def probe(tok, trainee, records: list[dict], ablate: str | None = None) -> dict:
         if len(tools) < 2:
             continue
         right = [t["function"]["name"] for t in tools].index(want)
-        picked = constrained_pick(msgs, k, tools)
+        picked, parting = constrained_pick(msgs, k, tools, right)
         kind = "generic" if want.casefold() in msgs[k - 1]["content"].casefold() else "domain"
         picks[kind].append(picked == right)
+        if parting is not None:
+            parted[kind].append(parting)
         chance[kind].append(1 / len(tools))
         if ablate:
-            blind = constrained_pick(msgs, k, ablated_tools(tools, ablate))
+            blind, _ = constrained_pick(msgs, k, ablated_tools(tools, ablate))
             blind_picks[kind].append(blind == right)
             kept[kind].append(blind == picked)
             followed[kind].append(blind == (right - 1) % len(tools))  # the entry holding the right description
@@ -174,6 +186,8 @@ def probe(tok, trainee, records: list[dict], ablate: str | None = None) -> dict:
            "n_selection": len(every), "selection_generic": rate(picks["generic"]),
            "selection_domain": rate(picks["domain"]), "selection_domain_chance": rate(chance["domain"]),
            "n_domain": len(picks["domain"]),
+           "parting_mass_domain": rate([m for m, _ in parted["domain"]]),
+           "parting_share_domain": rate([r for _, r in parted["domain"]]),
            "args_exact": rate(args_ok), "n_args": len(args_ok)}
     if ablate:
         res.update(ablated=ablate, selection_ablated=rate(blind_picks["generic"] + blind_picks["domain"]),
@@ -278,6 +292,8 @@ def main(argv=None) -> int:
           f"domain {pct(res['selection_domain'])} of {res['n_domain']}, random {pct(res['selection_domain_chance'])}); "
           f"arguments exact {pct(res['args_exact'])} of {res['n_args']}; "
           f"copying {pct(res['copying'])}; lookup {pct(res['lookup'])} (random pick {pct(res['lookup_chance'])})")
+    print(f"  domain, where the listed names part: {pct(res['parting_mass_domain'])} of the probability on "
+          f"their tokens, the right one's share of it {pct(res['parting_share_domain'])}")
     if args.ablate:
         rotated = args.ablate == "rotated"
         what = "with each description moved to the previous entry" if rotated else f"without {args.ablate}"

@@ -269,6 +269,17 @@ def test_probe_ablation_decides_again_on_the_emptied_list(monkeypatch):
         assert res["same_pick"] == 1.0 and res["selection_ablated"] == res["selection"]
         seen.clear()
         probe.probe(tok, trainee, records[:1], ablate="names")
+        # Where two listed names part, the greedy pick is the one with the larger share there.
+        parted = 0
+        for r in probe.held_out_examples(200, seed=5):
+            if r["kind"] != "tool" or len(r["tools"]) != 2 or not calls_first(r):
+                continue
+            one = probe.probe(tok, trainee, [r])
+            if one["n_domain"] == 1:
+                assert 0 < one["parting_mass_domain"] <= 1
+                assert (one["selection_domain"] == 1.0) == (one["parting_share_domain"] > 0.5), one
+                parted += 1
+        assert parted >= 3
     assert any('"tool_a"' in t for t in seen) and any(records[0]["tools"][0]["function"]["name"] in t for t in seen)
 
 

@@ -168,7 +168,7 @@ def prefix_names(tools: list[dict], asks: list[str], rng: random.Random) -> tupl
 
 
 # Lexical drills (``lexical``, run 35): tools built around words drawn at random, from a pool of
-# about a thousand real words and from made-up ones (``synthetic_tools.nonce_noun``), so no tool
+# about 900 real words and from made-up ones (``synthetic_tools.nonce_noun``), so no tool
 # concept repeats often enough to be learned. Each listed tool carries a key word of its own, in
 # its name after a first word that tells nothing ("fetch_kazori", "lanternDolphin"), in its
 # description, or in both; the request says the key word and nothing else of the list. The
@@ -228,7 +228,7 @@ def lexical_record(rng: random.Random) -> dict:
         template = rng.choice(LEXICAL_BLAND if where == "name" else LEXICAL_DESCRIPTIONS)
         text = template.format(w=key, W=key.capitalize(), x=x, X=x.capitalize(), y=y)
         params = rng.sample(demo_data.GENERIC_PARAMS, rng.randint(0, 2))
-        tools.append(StdlibTool(name, text, tuple(params)).schema())
+        tools.append(StdlibTool(name, text, tuple(params)).schema())  # any tool's schema, string parameters
     target = rng.randrange(k)
     made_up = synthetic_tools.nonce_noun(rng)
     while made_up in taken:  # the value says no listed word

@@ -143,13 +143,29 @@ def first_tokens_only(examples: list[tuple[list[int], list[int]]]) -> list[tuple
     return [(ids, [int(m and not (i and mask[i - 1])) for i, m in enumerate(mask)]) for ids, mask in examples]
 
 
-def load_records(data_path: Path, make) -> list[dict]:
-    """Records kept in ``data_path``, written there by ``make()`` on the first run."""
+class StaleRecords(ValueError):
+    """A run directory's records were generated with other options than this run's."""
+
+
+def load_records(data_path: Path, make, options: dict | None = None) -> list[dict]:
+    """Records kept in ``data_path``, written there by ``make()`` on the first run.
+
+    ``options`` (what ``make`` generates from) are kept beside the records, and a later run
+    with other options stops with ``StaleRecords`` instead of silently training on the old
+    records: a resume with another ``--selection-lexical`` once reused the first run's drills.
+    Records written by another tool (``demo_data.py --json-top-up``, run 32b) have no options
+    file and are taken as they are, on purpose."""
+    kept = data_path.with_name(data_path.name + ".options.json")
     if not data_path.exists():
         from demo_data import write_jsonl
 
         data_path.parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(make(), data_path)
+        if options is not None:
+            kept.write_text(json.dumps(options, sort_keys=True))
+    elif options is not None and kept.exists() and json.loads(kept.read_text()) != options:
+        raise StaleRecords(f"{data_path} was generated with {kept.read_text()}, not {json.dumps(options, sort_keys=True)}: "
+                           f"train into a new --out, or delete {data_path.name} and its caches to regenerate it")
     return [json.loads(line) for line in data_path.read_text().splitlines()]
 
 
@@ -730,7 +746,15 @@ def main(argv=None) -> int:
 
     if args.init_from is not None and not (init_dir / "config.json").exists():
         shutil.copytree(args.init_from, init_dir)  # build() then loads its weights as the factory's
-    records = load_records(args.out / "data.jsonl", lambda: generate(args.n_dialogues, seed=args.seed, mix=args.mix))
+
+    def kept(path: Path, make, options: dict) -> list[dict]:
+        try:
+            return load_records(path, make, options)
+        except StaleRecords as e:
+            p.error(str(e))
+
+    records = kept(args.out / "data.jsonl", lambda: generate(args.n_dialogues, seed=args.seed, mix=args.mix),
+                   {"n": args.n_dialogues, "seed": args.seed, "mix": args.mix})
     trainee = build(init_dir, args.seed, records, args.word_consistent_tokenizer,
                     "factory" if args.init_from else args.init, args.rope_theta,
                     intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers)
@@ -740,11 +764,11 @@ def main(argv=None) -> int:
     examples = load_examples(tokenizer, records, args.max_len, args.out / "examples.json")
     selections = []
     if args.selection_every:
-        picks = load_records(args.out / "selections.jsonl",
-                             lambda: selection_drills.generate(args.n_selections, args.seed,
-                                                               prefixed=args.selection_prefixed,
-                                                               every_tool=args.selection_every_tool,
-                                                               lexical=args.selection_lexical))
+        drills = {"prefixed": args.selection_prefixed, "every_tool": args.selection_every_tool,
+                  "lexical": args.selection_lexical}
+        picks = kept(args.out / "selections.jsonl",
+                     lambda: selection_drills.generate(args.n_selections, args.seed, **drills),
+                     {"n": args.n_selections, "seed": args.seed, **drills})
         selections = load_examples(tokenizer, picks, args.max_len, args.out / "selection_examples.json")
         if args.selection_first_token:
             selections = first_tokens_only(selections)

@@ -556,6 +556,40 @@ def test_encoded_dialogues_cache_is_kept_per_chat_template(tmp_path):
     assert after != before and after == T.load_examples(tok, records, 4096, None)
 
 
+def test_kept_records_are_checked_against_the_options_that_made_them(tmp_path):
+    """A run directory's generated records are reused only for the options that made them: a
+    resume with another drill option stops with an error instead of training on the old drills
+    (a resume with another --selection-lexical once did). Records another tool wrote, with no
+    options beside them (``demo_data.py --json-top-up``, run 32b), are taken as they are."""
+    T = _trainer_module()
+    made = []
+
+    def make(tag):
+        made.append(tag)
+        return [{"tag": tag, "i": i} for i in range(3)]
+
+    path = tmp_path / "selections.jsonl"
+    first = T.load_records(path, lambda: make("a"), {"lexical": 0.5, "seed": 1})
+    assert first == [{"tag": "a", "i": i} for i in range(3)] and made == ["a"]
+    assert T.load_records(path, lambda: make("b"), {"seed": 1, "lexical": 0.5}) == first and made == ["a"]
+    with pytest.raises(T.StaleRecords, match="lexical"):
+        T.load_records(path, lambda: make("c"), {"lexical": 1.0, "seed": 1})
+    assert made == ["a"]
+    written = tmp_path / "data.jsonl"
+    written.write_text(json.dumps({"tag": "top-up"}) + "\n")
+    assert T.load_records(written, lambda: make("d"), {"n": 5}) == [{"tag": "top-up"}] and made == ["a"]
+
+
+def test_trainer_refuses_drills_made_with_other_options(tmp_path):
+    """The trainer turns stale records into a command-line error, naming the file."""
+    drills = ("--prepare-only", "--num-layers", "2", "--selection-every", "2", "--n-selections", "8")
+    _run(tmp_path, 1, *drills)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", "1", "--batch", "4",
+                           "--n-dialogues", "24", "--max-len", "832", *drills, "--selection-lexical", "1.0"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and "selections.jsonl was generated with" in proc.stderr
+
+
 def test_init_from_goes_on_from_an_exported_model(tmp_path):
     """--init-from starts from a run's exported weights, tokenizer and config: one step at a
     tiny learning rate stays next to them, where a fresh start is far away."""

@@ -121,14 +121,15 @@ def probe(tok, trainee, records: list[dict], ablate: str | None = None) -> dict:
         call["tool_calls"][0]["function"]["name"] = name
         return encode(msgs[:k] + [call], listed)
 
-    def constrained_pick(msgs, k, listed, right=None) -> tuple[int, tuple[float, float] | None]:
+    def constrained_pick(msgs, k, listed, right=None, prompt=None) -> tuple[int, tuple[float, float] | None]:
         """The index of the listed tool that greedy decoding names when held to the listed
         names, as the engine's lazy tool-call grammar holds it (at each token, the likeliest
         among the names still possible); and, given the ``right`` index, at the first token
         where the names part: the model's probability on the tokens they go on with, and the
         right one's share of it (a model that knows to name a listed tool but not which one
-        puts its mass there and shares it at chance)."""
-        prompt = encode(msgs[:k], listed, gen=True)
+        puts its mass there and shares it at chance). ``prompt``: ``msgs[:k]`` already encoded
+        with ``listed``."""
+        prompt = encode(msgs[:k], listed, gen=True) if prompt is None else prompt
         names = {}
         for i, t in enumerate(listed):
             name = t["function"]["name"]
@@ -169,7 +170,7 @@ def probe(tok, trainee, records: list[dict], ablate: str | None = None) -> dict:
         if len(tools) < 2:
             continue
         right = [t["function"]["name"] for t in tools].index(want)
-        picked, parting = constrained_pick(msgs, k, tools, right)
+        picked, parting = constrained_pick(msgs, k, tools, right, prompt)
         kind = "generic" if want.casefold() in msgs[k - 1]["content"].casefold() else "domain"
         picks[kind].append(picked == right)
         if parting is not None:
@@ -179,7 +180,8 @@ def probe(tok, trainee, records: list[dict], ablate: str | None = None) -> dict:
             blind, _ = constrained_pick(msgs, k, ablated_tools(tools, ablate))
             blind_picks[kind].append(blind == right)
             kept[kind].append(blind == picked)
-            followed[kind].append(blind == (right - 1) % len(tools))  # the entry holding the right description
+            if ablate == "rotated":  # the entry that now holds the right description
+                followed[kind].append(blind == (right - 1) % len(tools))
     every = picks["generic"] + picks["domain"]
     rate = lambda v: sum(v) / len(v) if v else None  # noqa: E731
     res = {"selection": rate(every), "selection_chance": rate(chance["generic"] + chance["domain"]),

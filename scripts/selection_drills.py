@@ -65,9 +65,10 @@ def tool_key_words(name: str, description: str) -> set[str]:
 
 
 @dataclass(frozen=True)
-class StdlibTool:
-    name: str         # "sqrt" or "math_sqrt"
-    description: str  # the docstring's first sentence
+class DrillTool:
+    """A listed tool of a drill, its parameters all strings: a stdlib callable or a lexical tool."""
+    name: str         # "sqrt" or "math_sqrt" for a stdlib callable
+    description: str  # the docstring's first sentence for a stdlib callable
     params: tuple[str, ...]
 
     def schema(self) -> dict:
@@ -95,7 +96,7 @@ def _clean(entry: demo_data.StdlibEntry) -> bool:
 
 
 @functools.cache
-def stdlib_tools() -> tuple[tuple[StdlibTool, StdlibTool], ...]:
+def stdlib_tools() -> tuple[tuple[DrillTool, DrillTool], ...]:
     """Each usable stdlib callable as (short-named tool, module-named tool)."""
     out = []
     for entry in demo_data.stdlib_entries():
@@ -103,8 +104,8 @@ def stdlib_tools() -> tuple[tuple[StdlibTool, StdlibTool], ...]:
             continue
         module, attr = entry.name.rsplit(".", 1)
         params = _params(entry.signature)
-        out.append((StdlibTool(attr, entry.summary, params),
-                    StdlibTool(f"{module.replace('.', '_')}_{attr}", entry.summary, params)))
+        out.append((DrillTool(attr, entry.summary, params),
+                    DrillTool(f"{module.replace('.', '_')}_{attr}", entry.summary, params)))
     return tuple(out)
 
 
@@ -113,7 +114,7 @@ def _task(summary: str) -> str:
     return summary[0].lower() + summary[1:].rstrip(".!?")
 
 
-def _stdlib_ask(target: StdlibTool, others: list[dict], rng: random.Random) -> str:
+def _stdlib_ask(target: DrillTool, others: list[dict], rng: random.Random) -> str:
     """A request for ``target`` carrying at least one of its words that no other listed tool has."""
     taken = set().union(*(tool_key_words(t["function"]["name"], t["function"]["description"]) for t in others))
     unique = target.key_words - taken
@@ -134,7 +135,7 @@ def _stdlib_ask(target: StdlibTool, others: list[dict], rng: random.Random) -> s
     return rng.choice(WORD_ASKS).format(words=" ".join(words[start: start + width]))
 
 
-def _stdlib_set(rng: random.Random, k: int) -> list[StdlibTool]:
+def _stdlib_set(rng: random.Random, k: int) -> list[DrillTool]:
     pairs = rng.sample(stdlib_tools(), k)
     tools = [pair[rng.random() < 0.3] for pair in pairs]
     names = {t.name for t in tools}
@@ -228,7 +229,7 @@ def lexical_record(rng: random.Random) -> dict:
         template = rng.choice(LEXICAL_BLAND if where == "name" else LEXICAL_DESCRIPTIONS)
         text = template.format(w=key, W=key.capitalize(), x=x, X=x.capitalize(), y=y)
         params = rng.sample(demo_data.GENERIC_PARAMS, rng.randint(0, 2))
-        tools.append(StdlibTool(name, text, tuple(params)).schema())  # any tool's schema, string parameters
+        tools.append(DrillTool(name, text, tuple(params)).schema())
     target = rng.randrange(k)
     made_up = synthetic_tools.nonce_noun(rng)
     while made_up in taken:  # the value says no listed word

@@ -213,8 +213,11 @@ def _join(parts: list[str], rng: random.Random) -> str:
     return "_".join(parts)
 
 
-def lexical_record(rng: random.Random) -> dict:
-    """One lexical drill: 2-4 tools around random key words, a request that says the target's."""
+def lexical_record(rng: random.Random, every_tool: bool = False) -> dict:
+    """One lexical drill: 2-4 tools around random key words, a request that says the target's.
+    With ``every_tool`` as many requests as tools, each followed by its call, each target
+    drawn afresh (with repeats: asking for each tool once would let the last be found by
+    elimination)."""
     k = rng.randint(2, 4)
     taken: set[str] = set()
     keys = [_lexical_word(rng, taken) for _ in range(k)]
@@ -230,15 +233,18 @@ def lexical_record(rng: random.Random) -> dict:
         text = template.format(w=key, W=key.capitalize(), x=x, X=x.capitalize(), y=y)
         params = rng.sample(demo_data.GENERIC_PARAMS, rng.randint(0, 2))
         tools.append(DrillTool(name, text, tuple(params)).schema())
-    target = rng.randrange(k)
-    made_up = synthetic_tools.nonce_noun(rng)
-    while made_up in taken:  # the value says no listed word
+    messages = []
+    for i in range(1, (k if every_tool else 1) + 1):
+        target = rng.randrange(k)
         made_up = synthetic_tools.nonce_noun(rng)
-    value = rng.choice([made_up.capitalize(), str(rng.randint(2, 999)), rng.choice(synthetic_tools.CITY_NAMES)])
-    ask = rng.choice(LEXICAL_ASKS).format(w=keys[target], v=value, V=value)
-    call = {"id": "call_1", "type": "function", "function": {"name": tools[target]["function"]["name"], "arguments": {}}}
-    return {"kind": KIND, "tools": tools,
-            "messages": [{"role": "user", "content": ask}, {"role": "assistant", "content": "", "tool_calls": [call]}]}
+        while made_up in taken:  # the value says no listed word
+            made_up = synthetic_tools.nonce_noun(rng)
+        value = rng.choice([made_up.capitalize(), str(rng.randint(2, 999)), rng.choice(synthetic_tools.CITY_NAMES)])
+        ask = rng.choice(LEXICAL_ASKS).format(w=keys[target], v=value, V=value)
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": tools[target]["function"]["name"], "arguments": {}}}
+        messages += [{"role": "user", "content": ask}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    return {"kind": KIND, "tools": tools, "messages": messages}
 
 
 def selection_record(rng: random.Random, nonce: float = 0.5, prefixed: float = 0.0, every_tool: bool = False,
@@ -250,7 +256,7 @@ def selection_record(rng: random.Random, nonce: float = 0.5, prefixed: float = 0
     several scored names for one tool list. With probability ``lexical`` the drill is a
     ``lexical_record`` instead."""
     if lexical and rng.random() < lexical:  # no draw when off: the other drills stay as they were
-        return lexical_record(rng)
+        return lexical_record(rng, every_tool)
     k = rng.randint(2, 4)
     roll = rng.random()
     if roll < 0.35:  # made-up tools only: the request as the dialogues phrase it

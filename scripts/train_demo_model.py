@@ -401,7 +401,7 @@ def training_batches(examples, *, batch_size: int, seed: int, vocab: int, pad_id
 
     Selection drills (``selection_drills``, encoded like the dialogues, in ``selections``): in
     the dialogue phase, every ``selection_every``-th step is a batch of them (unless a copy or
-    lookup drill falls on it), the loss on the tool names only.
+    lookup drill falls on it), the loss on the tool names only; every step at 1.
     """
     from copy_drills import lookup_batch, repeat_batch
 
@@ -682,7 +682,7 @@ def main(argv=None) -> int:
     p.add_argument("--selection-every", type=int, default=0,
                    help="in the dialogue phase, make every Nth step a batch of selection drills unless a copy or "
                         "lookup drill falls on it (scripts/selection_drills.py: 2-4 tools, one request, the loss "
-                        "on the name)")
+                        "on the name); 1 trains no dialogues at all, for pilots of the drills alone")
     p.add_argument("--n-selections", type=int, default=8000, help="selection drills to generate")
     p.add_argument("--selection-prefixed", type=float, default=0.0, metavar="SHARE",
                    help="the share of selection drills where every listed name starts with a prefix that tells "
@@ -724,8 +724,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()  # --time-budget counts from here
     if args.dialogue_steps is not None and args.dialogue_steps < 1:
         p.error("--dialogue-steps must be at least 1")
-    if args.selection_every < 0 or args.selection_every == 1:
-        p.error("--selection-every must be 0 (off) or at least 2")
+    if args.selection_every < 0:
+        p.error("--selection-every must be 0 (off) or at least 1 (1: drills only, no dialogues)")
     for share in ("selection_prefixed", "selection_lexical"):
         if not 0.0 <= getattr(args, share) <= 1.0:
             p.error(f"--{share.replace('_', '-')} must be a share between 0 and 1")

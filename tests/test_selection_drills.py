@@ -199,6 +199,31 @@ def test_a_lexical_request_says_a_word_only_its_tool_has_and_not_the_first_word_
     assert 0.15 < in_name_only / len(drills) < 0.35 and 0.15 < in_description_only / len(drills) < 0.35
 
 
+def test_every_tool_lexical_drills_ask_as_often_as_tools_are_listed_each_for_a_fresh_target():
+    """With every_tool a lexical drill asks once per listed tool, each request saying only its
+    own target's key word, and the targets are drawn afresh (repeats and all), so the last
+    request cannot be answered by elimination. Off, the drills are those of before."""
+    frame = {w for ask in sd.LEXICAL_ASKS for w in re.findall(r"[a-z]+", ask.lower())}
+    drills = sd.generate(400, seed=10, lexical=1.0, every_tool=True)
+    repeats = 0
+    for record in drills:
+        tools = [t["function"] for t in record["tools"]]
+        users, calls = record["messages"][0::2], record["messages"][1::2]
+        assert len(users) == len(calls) == len(tools)
+        called = [c["tool_calls"][0]["function"]["name"] for c in calls]
+        assert [c["tool_calls"][0]["id"] for c in calls] == [f"call_{i}" for i in range(1, len(calls) + 1)]
+        for user, name in zip(users, called):
+            said = set(re.findall(r"[a-z]+", user["content"].lower())) - frame
+            holders = [t["name"] for t in tools
+                       if said & (set(_name_words(t["name"])) | set(re.findall(r"[a-z]+", t["description"].lower())))]
+            assert holders == [name], (user["content"], tools)
+        repeats += len(set(called)) < len(called)
+    assert repeats > 0.3 * len(drills)  # not each tool once in turn (about 0.7 are drawn so)
+    singles = sd.generate(50, seed=10, lexical=1.0)
+    assert all(len(r["messages"]) == 2 for r in singles)
+    assert [r["tools"] for r in singles][:1] == [r["tools"] for r in drills][:1]  # the same first draws
+
+
 def test_a_lexical_share_makes_about_that_share_of_the_drills_lexical():
     frames = [re.compile(re.escape(f).replace(r"\{w\}", ".+").replace(r"\{v\}", ".+").replace(r"\{V\}", ".+") + "$")
               for f in sd.LEXICAL_ASKS]

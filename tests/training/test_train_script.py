@@ -177,6 +177,11 @@ def test_training_batches_schedule():
     assert kinds == ["copy", "dialogue", "selection", "dialogue", "copy", "dialogue", "selection", "dialogue",
                      "lookup", "dialogue", "selection", "dialogue"]
     assert all(torch.equal(t, p[0]) for (t, *_), p in zip([b for b, k in zip(picked, kinds) if k == "dialogue"], plain))
+    # At 1, every step that is not a copy or lookup drill is a batch of selection drills.
+    alone = take(8, copy_length=32, drill_every=4, selections=selections, selection_every=1)
+    kinds = ["copy" if t.shape == (8, 32) else "lookup" if t.shape == (16, T.LOOKUP_LENGTH)
+             else "selection" if ((t == 7) | (t == 0)).all() else "other" for t, *_ in alone]
+    assert kinds == ["selection"] * 3 + ["copy"] + ["selection"] * 3 + ["lookup"]
 
 
 def _probe_module():

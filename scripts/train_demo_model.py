@@ -160,9 +160,9 @@ def load_records(data_path: Path, make, options: dict | None = None) -> list[dic
         from demo_data import write_jsonl
 
         data_path.parent.mkdir(parents=True, exist_ok=True)
-        write_jsonl(make(), data_path)
-        if options is not None:
+        if options is not None:  # first: a run killed between the two writes regenerates, never skips the check
             kept.write_text(json.dumps(options, sort_keys=True))
+        write_jsonl(make(), data_path)
     elif options is not None and kept.exists() and json.loads(kept.read_text()) != options:
         raise StaleRecords(f"{data_path} was generated with {kept.read_text()}, not {json.dumps(options, sort_keys=True)}: "
                            f"train into a new --out, or delete {data_path.name} and its caches to regenerate it")

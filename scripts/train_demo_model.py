@@ -4,8 +4,33 @@ with an MTP head, on the dialogues of ``scripts/demo_data.py``.
     python scripts/train_demo_model.py --out build/demo_model            # train (resumes if interrupted)
     python scripts/train_demo_model.py --out build/demo_model --steps 5  # smoke run
 
-The defaults reproduce v2 (run 7). The shipped v4 is run 32b (docs/demo_model.md): v3, which
-is run 30 prepared on CPU and trained on a GPU, where ``build/run30`` was copied::
+The defaults reproduce v2 (run 7). The shipped v5 is v4 fine-tuned on 2 CPU cores, first on
+lexical selection drills alone, then back towards the dialogues at falling lrs (runs 36-36f
+in docs/demo_model.md, about 3 hours 30 minutes), with ``V4`` the directory of v4 (git
+history: ``src/mlx_tandem/models/tandem-demo-qwen3_5-v4``)::
+
+    SEL="--selection-every-tool --selection-first-token --drill-every 8 --batch 16"
+    python scripts/train_demo_model.py --out build/run36 --init-from $V4 $SEL --n-dialogues 200 \
+        --selection-every 1 --selection-lexical 1.0 --tools-description-first --n-selections 16000 \
+        --steps 900 --lr 1e-3 --seed 36
+    SEL="$SEL --selection-lexical 0.5"
+    python scripts/train_demo_model.py --out build/run36b --init-from build/run36/final $SEL \
+        --n-dialogues 6000 --selection-every 2 --n-selections 4000 --steps 300 --lr 3e-4 --seed 37
+    python scripts/train_demo_model.py --out build/run36c --init-from build/run36b/final $SEL \
+        --mix nonce_json2 --n-dialogues 6000 --selection-every 3 --n-selections 3000 --steps 280 \
+        --lr 1.5e-4 --seed 38
+    python scripts/train_demo_model.py --out build/run36d --init-from build/run36c/final $SEL \
+        --mix nonce_json2 --n-dialogues 10000 --selection-every 4 --n-selections 3000 --steps 700 \
+        --lr 1e-4 --seed 39
+    python scripts/train_demo_model.py --out build/run36e --init-from build/run36d/final $SEL \
+        --mix nonce_json2 --n-dialogues 10000 --selection-every 4 --n-selections 3000 --steps 700 \
+        --lr 1e-4 --seed 40
+    python scripts/train_demo_model.py --out build/run36f --init-from build/run36e/final $SEL \
+        --mix nonce_json3 --n-dialogues 6000 --selection-every 4 --n-selections 2000 --steps 320 \
+        --lr 1e-4 --seed 41
+
+v4 is run 32b: v3, which is run 30 prepared on CPU and trained on a GPU, where
+``build/run30`` was copied::
 
     OPTS="--mix nonce_json2 --word-consistent-tokenizer --init hf --lr 1e-3 --rope-theta 10000 \
         --copy-warmup-steps 800 --lookup-steps 400 --drill-every 12 --copy-warmup-until 1.0 \

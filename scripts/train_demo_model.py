@@ -19,12 +19,9 @@ history: ``src/mlx_tandem/models/tandem-demo-qwen3_5-v4``)::
     python scripts/train_demo_model.py --out build/run36c --init-from build/run36b/final $SEL \
         --mix nonce_json2 --n-dialogues 6000 --selection-every 3 --n-selections 3000 --steps 280 \
         --lr 1.5e-4 --seed 38
-    python scripts/train_demo_model.py --out build/run36d --init-from build/run36c/final $SEL \
-        --mix nonce_json2 --n-dialogues 10000 --selection-every 4 --n-selections 3000 --steps 700 \
-        --lr 1e-4 --seed 39
-    python scripts/train_demo_model.py --out build/run36e --init-from build/run36d/final $SEL \
-        --mix nonce_json2 --n-dialogues 10000 --selection-every 4 --n-selections 3000 --steps 700 \
-        --lr 1e-4 --seed 40
+    LATE="$SEL --mix nonce_json2 --n-dialogues 10000 --selection-every 4 --n-selections 3000 --steps 700 --lr 1e-4"
+    python scripts/train_demo_model.py --out build/run36d --init-from build/run36c/final $LATE --seed 39
+    python scripts/train_demo_model.py --out build/run36e --init-from build/run36d/final $LATE --seed 40
     python scripts/train_demo_model.py --out build/run36f --init-from build/run36e/final $SEL \
         --mix nonce_json3 --n-dialogues 6000 --selection-every 4 --n-selections 2000 --steps 320 \
         --lr 1e-4 --seed 41

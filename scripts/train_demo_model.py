@@ -4,10 +4,22 @@ with an MTP head, on the dialogues of ``scripts/demo_data.py``.
     python scripts/train_demo_model.py --out build/demo_model            # train (resumes if interrupted)
     python scripts/train_demo_model.py --out build/demo_model --steps 5  # smoke run
 
-The defaults reproduce v2 (run 7). The shipped v5 is v4 fine-tuned on 2 CPU cores, first on
-lexical selection drills alone, then back towards the dialogues at falling lrs (runs 36-36f
-in docs/demo_model.md, about 3 hours 30 minutes), with ``V4`` the directory of v4 (git
-history: ``src/mlx_tandem/models/tandem-demo-qwen3_5-v4``)::
+The defaults reproduce v2 (run 7). The shipped v6 is v5 fine-tuned on a lent GPU with v5's
+recipe at scale (run 37a in docs/demo_model.md: 4,032 steps of 16, 5 minutes on an H200,
+about 4 hours on 2 CPU cores), with ``V5`` the directory of v5 (git history:
+``src/mlx_tandem/models/tandem-demo-qwen3_5-v5``)::
+
+    python scripts/demo_data.py --out build/run37a/data.jsonl --n 40000 --seed 43 --mix nonce_json2 \
+        --json-top-up 4000 --top-up-seed 44
+    OPTS="--init-from $V5 --selection-every 4 --selection-lexical 0.5 --selection-every-tool \
+        --selection-first-token --n-selections 16000 --drill-every 8 --batch 16 --lr 1e-4 --seed 43"
+    python scripts/train_demo_model.py --out build/run37a $OPTS --prepare-only            # CPU
+    python scripts/train_demo_model.py --out build/run37a $OPTS --device cuda --dialogue-steps 4032
+
+(there ``--time-budget 7.5`` fitted the 4,032 steps). v5 is v4 fine-tuned on 2 CPU cores,
+first on lexical selection drills alone, then back towards the dialogues at falling lrs
+(runs 36-36f, about 3 hours 30 minutes), with ``V4`` the directory of v4 (git history:
+``src/mlx_tandem/models/tandem-demo-qwen3_5-v4``)::
 
     SEL="--selection-every-tool --selection-first-token --drill-every 8 --batch 16"
     python scripts/train_demo_model.py --out build/run36 --init-from $V4 $SEL --n-dialogues 200 \

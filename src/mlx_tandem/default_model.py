@@ -21,7 +21,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "tandem-demo-qwen3_5-v5"
+DEFAULT_MODEL_NAME = "tandem-demo-qwen3_5-v6"
 _FALLBACK_NAME = "tandem-default-qwen3_5-random-v1"
 _FALLBACK_SIZES = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64,

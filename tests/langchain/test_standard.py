@@ -104,9 +104,3 @@ class TestChatMLXDemoModelIntegration(_Capabilities, ChatModelIntegrationTests):
                               "the user's Chinese text into the arguments; see docs/demo_model.md")
     def test_unicode_tool_call_integration(self, model):
         super().test_unicode_tool_call_integration(model)
-
-    @pytest.mark.xfail(reason="v5, the demo model, loops inside the joke's setup string on this one unconstrained "
-                              "JSON-mode prompt, as v3 did (v4 passed); with a schema, as with_structured_output's "
-                              "default method gives, its answers are complete and valid (docs/demo_model.md)")
-    def test_json_mode(self, model):
-        super().test_json_mode(model)

@@ -1103,9 +1103,14 @@ def held_out_test_cases() -> list[dict]:
 
 
 def write_jsonl(records: list[dict], path: str | Path) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
+    """Write beside ``path``, then rename: a run killed mid-write leaves no partial file that a
+    resume would take as the whole data (the trainer reuses whatever ``data.jsonl`` it finds)."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as fh:
         for r in records:
             fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    partial.replace(path)
 
 
 def main(argv=None) -> None:

@@ -795,7 +795,9 @@ def main(argv=None) -> int:
     if args.tools_description_first:  # before the tokenizer loads it; exported with it
         write_description_first(init_dir)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
-    examples = load_examples(tokenizer, records, args.max_len, args.out / "examples.json")
+    # --selection-every 1 trains no dialogue step, so encoding them (minutes) would be wasted.
+    examples = [] if args.selection_every == 1 else load_examples(tokenizer, records, args.max_len,
+                                                                   args.out / "examples.json")
     selections = []
     if args.selection_every:
         drills = {"prefixed": args.selection_prefixed, "every_tool": args.selection_every_tool,

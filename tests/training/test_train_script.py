@@ -595,6 +595,35 @@ def test_trainer_refuses_drills_made_with_other_options(tmp_path):
     assert proc.returncode == 2 and "selections.jsonl was generated with" in proc.stderr
 
 
+def test_drills_alone_encode_no_dialogues(tmp_path):
+    """--selection-every 1 trains on selection drills alone: the dialogues it never uses are
+    not encoded (no cache written), while the drills are."""
+    _run(tmp_path, 1, "--prepare-only", "--num-layers", "2", "--selection-every", "1", "--n-selections", "8")
+    assert (tmp_path / "selection_examples.json").exists()
+    assert not (tmp_path / "examples.json").exists()
+    _run(tmp_path / "both", 1, "--prepare-only", "--num-layers", "2", "--selection-every", "2", "--n-selections", "8")
+    assert (tmp_path / "both" / "examples.json").exists()
+
+
+def test_write_jsonl_leaves_no_partial_file(tmp_path):
+    """A write that fails part-way leaves no data file, so the next run regenerates instead of
+    training on half the records; a whole write replaces the file."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from demo_data import write_jsonl
+
+    def failing():
+        yield {"a": 1}
+        raise RuntimeError("killed")
+
+    path = tmp_path / "data.jsonl"
+    with pytest.raises(RuntimeError):
+        write_jsonl(failing(), path)
+    assert not path.exists()
+    write_jsonl([{"a": 1}, {"b": 2}], path)
+    write_jsonl([{"c": 3}], path)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"c": 3}]
+
+
 def test_init_from_goes_on_from_an_exported_model(tmp_path):
     """--init-from starts from a run's exported weights, tokenizer and config: one step at a
     tiny learning rate stays next to them, where a fresh start is far away."""

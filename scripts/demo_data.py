@@ -1107,9 +1107,13 @@ def write_jsonl(records: list[dict], path: str | Path) -> None:
     resume would take as the whole data (the trainer reuses whatever ``data.jsonl`` it finds)."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    with open(partial, "w", encoding="utf-8") as fh:
-        for r in records:
-            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    try:
+        with open(partial, "w", encoding="utf-8") as fh:
+            for r in records:
+                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     partial.replace(path)
 
 

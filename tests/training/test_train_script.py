@@ -605,10 +605,10 @@ def test_drills_alone_encode_no_dialogues(tmp_path):
     assert (tmp_path / "both" / "examples.json").exists()
 
 
-def test_write_jsonl_leaves_no_partial_file(tmp_path):
+def test_write_jsonl_leaves_no_partial_file(tmp_path, monkeypatch):
     """A write that fails part-way leaves no data file, so the next run regenerates instead of
     training on half the records; a whole write replaces the file."""
-    sys.path.insert(0, str(SCRIPT.parent))
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
     from demo_data import write_jsonl
 
     def failing():
@@ -618,7 +618,7 @@ def test_write_jsonl_leaves_no_partial_file(tmp_path):
     path = tmp_path / "data.jsonl"
     with pytest.raises(RuntimeError):
         write_jsonl(failing(), path)
-    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []  # neither the data nor its partial write
     write_jsonl([{"a": 1}, {"b": 2}], path)
     write_jsonl([{"c": 3}], path)
     assert [json.loads(line) for line in path.read_text().splitlines()] == [{"c": 3}]

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from datetime import date, timedelta
 from decimal import Decimal
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import structured_answers  # noqa: E402  - sibling script modules
@@ -1102,7 +1102,7 @@ def held_out_test_cases() -> list[dict]:
     ]
 
 
-def write_jsonl(records: list[dict], path: str | Path) -> None:
+def write_jsonl(records: Iterable[dict], path: str | Path) -> None:
     """Write beside ``path``, then rename: a run killed mid-write leaves no partial file that a
     resume would take as the whole data (the trainer reuses whatever ``data.jsonl`` it finds)."""
     path = Path(path)

@@ -7,7 +7,7 @@ output valid even on random weights, so those suites run for real.
 
 On the embedded demo model (``ChatMLX()`` with no model), the integration suite runs whole,
 tool calling and the agent loop included: the model decides to call, and the engine's lazy
-tool-call grammar holds its calls to the bound tools. Two tests stay xfailed, with their reasons.
+tool-call grammar holds its calls to the bound tools. One test stays xfailed, with its reason.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ The model is the demo model's (a Qwen3.5 hybrid: GatedDeltaNet + attention, from
 factory, as ``scripts/train_demo_model.py`` builds it). Each step is a next-token
 cross-entropy forward, backward and AdamW update on the same random batch: MLX through
 mlx-lm's ``qwen3_5`` model, PyTorch through transformers' ``Qwen3_5ForCausalLM``. Steps
-alternate between the two so machine noise hits both; the report is the median tokens/s of
-each and their ratio.
+alternate between them so machine noise hits all; the report is the median tokens/s of
+each and their ratios. PyTorch runs twice: float32, and autocast to bfloat16 as the
+trainer's ``--bf16`` does (float32 weights and optimizer).
 
     python benchmarks/training_step.py benchmarks/results/training_step.json [--steps 6]
 """
@@ -60,17 +61,19 @@ def mlx_step_fn(init_dir: Path):
     return step
 
 
-def torch_step_fn(init_dir: Path):
+def torch_step_fn(init_dir: Path, bf16: bool = False):
+    """``bf16``: the trainer's ``--bf16``, autocast to bfloat16 with float32 weights."""
     import torch
     import torch.nn.functional as F
 
-    lm = trainer.build(init_dir, seed=0).lm.train()
+    lm = trainer.build(init_dir, seed=0, records=[]).lm.train()
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-4, weight_decay=0.01)
 
     def step(tokens: np.ndarray) -> None:
         x = torch.from_numpy(tokens)
-        logits = lm(input_ids=x[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = lm(input_ids=x[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -89,7 +92,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         init_dir = Path(tmp) / "init"
-        steps = {"torch": torch_step_fn(init_dir), "mlx": mlx_step_fn(init_dir)}
+        steps = {"torch": torch_step_fn(init_dir), "torch_bf16": torch_step_fn(init_dir, bf16=True),
+                 "mlx": mlx_step_fn(init_dir)}
         tokens = np.random.default_rng(0).integers(0, 2000, size=(args.batch, args.length)).astype(np.int64)
         for step in steps.values():  # warm-up: allocation, first-call setup
             step(tokens)
@@ -104,11 +108,13 @@ def main(argv=None) -> int:
     tok_s = {name: n / statistics.median(s) for name, s in seconds.items()}
     results = {"machine": report.machine(), "batch": args.batch, "length": args.length, "steps": args.steps,
                "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
-               "seconds_per_step": seconds, "tokens_per_s": tok_s, "torch_over_mlx": tok_s["torch"] / tok_s["mlx"]}
+               "seconds_per_step": seconds, "tokens_per_s": tok_s, "torch_over_mlx": tok_s["torch"] / tok_s["mlx"],
+               "torch_bf16_over_torch": tok_s["torch_bf16"] / tok_s["torch"]}
     print(f"\ntraining step, batch {args.batch} x {args.length} tokens, median of {args.steps}:")
     for name, v in tok_s.items():
-        print(f"  {name:6s} {v:8.0f} tokens/s")
+        print(f"  {name:10s} {v:8.0f} tokens/s")
     print(f"  PyTorch / MLX: {results['torch_over_mlx']:.2f}x")
+    print(f"  PyTorch bf16 autocast / float32: {results['torch_bf16_over_torch']:.2f}x")
 
     def draw(r, plt):
         fig, ax = plt.subplots(figsize=(4, 3))

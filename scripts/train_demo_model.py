@@ -72,8 +72,9 @@ a GPU run is not bit-reproducible.) Run 13, an earlier experiment, was::
 Why PyTorch: this is the one place the project trains, and training on CPU is bound by
 elementwise transcendental functions (exp, sigmoid) that MLX's CPU backend runs scalar and
 single-threaded (about 40 M/s, against 200 GFLOP/s for its matmuls). PyTorch's CPU kernels
-are vectorized and threaded: ``benchmarks/training_step.py`` measures the same step at 4.9x
-the tokens/s of mlx-lm's model (batch 8 x 400 tokens, 2 cores). The model is transformers' own ``Qwen3_5ForCausalLM`` (with
+are vectorized and threaded: ``benchmarks/training_step.py`` measures the same step at 4.2x
+the tokens/s of mlx-lm's model (batch 8 x 400 tokens, 2 cores), and ``--bf16`` at 1.47x
+that again on a CPU with AVX512-BF16 (no shipped model used it; run 38 did). The model is transformers' own ``Qwen3_5ForCausalLM`` (with
 its chunked gated delta rule), so there is no second implementation of the architecture to
 keep in step; the engine still serves the result with mlx-lm. ``tests/training`` checks
 that MLX reproduces the trained model's logits.

@@ -18,7 +18,8 @@ words, the request saying one tool's key word), selection with nothing to recall
   the likeliest among the names still possible), with the rate of a random pick beside it;
   split into requests that spell the function's name out ("generic") and the rest ("domain");
   and, where the listed names part (their first differing token), the probability on the
-  tokens they go on with and the right one's share of it: naming a listed tool, and which;
+  tokens they go on with and the right one's share of it: naming a listed tool, and which
+  (beside the share of a model that spreads its mass evenly over those tokens);
 - arguments: every token of the right call's arguments is the model's argmax, given the
   dialogue up to it (teacher-forced, so a stricter measure than the engine's free decoding);
 - with ``--prefixed``, every listed name of the selection requests gets a prefix that tells
@@ -121,14 +122,16 @@ def probe(tok, trainee, records: list[dict], ablate: str | None = None) -> dict:
         call["tool_calls"][0]["function"]["name"] = name
         return encode(msgs[:k] + [call], listed)
 
-    def constrained_pick(msgs, k, listed, right=None, prompt=None) -> tuple[int, tuple[float, float] | None]:
+    def constrained_pick(msgs, k, listed, right=None,
+                         prompt=None) -> tuple[int, tuple[float, float, float] | None]:
         """The index of the listed tool that greedy decoding names when held to the listed
         names, as the engine's lazy tool-call grammar holds it (at each token, the likeliest
         among the names still possible); and, given the ``right`` index, at the first token
         where the names part: the model's probability on the tokens they go on with, and the
         right one's share of it (a model that knows to name a listed tool but not which one
-        puts its mass there and shares it at chance). ``prompt``: ``msgs[:k]`` already encoded
-        with ``listed``."""
+        puts its mass there and shares it at chance), and that chance: one over the number of
+        tokens they go on with, the share of a model that spreads its mass evenly over them.
+        ``prompt``: ``msgs[:k]`` already encoded with ``listed``."""
         prompt = encode(msgs[:k], listed, gen=True) if prompt is None else prompt
         names = {}
         for i, t in enumerate(listed):
@@ -143,7 +146,7 @@ def probe(tok, trainee, records: list[dict], ablate: str | None = None) -> dict:
             if parting is None and right is not None and len(options) > 1 and len(names[right]) > pos:
                 p = last.softmax(-1)
                 mass = sum(p[t].item() for t in options)
-                parting = (mass, p[names[right][pos]].item() / mass)
+                parting = (mass, p[names[right][pos]].item() / mass, 1 / len(options))
             best = max(options, key=lambda t: last[t].item())
             alive = {i: v for i, v in alive.items() if len(v) > pos and v[pos] == best}
             prefix.append(best)
@@ -188,8 +191,9 @@ def probe(tok, trainee, records: list[dict], ablate: str | None = None) -> dict:
            "n_selection": len(every), "selection_generic": rate(picks["generic"]),
            "selection_domain": rate(picks["domain"]), "selection_domain_chance": rate(chance["domain"]),
            "n_domain": len(picks["domain"]),
-           "parting_mass_domain": rate([m for m, _ in parted["domain"]]),
-           "parting_share_domain": rate([r for _, r in parted["domain"]]),
+           "parting_mass_domain": rate([m for m, _, _ in parted["domain"]]),
+           "parting_share_domain": rate([r for _, r, _ in parted["domain"]]),
+           "parting_share_domain_chance": rate([c for _, _, c in parted["domain"]]),
            "args_exact": rate(args_ok), "n_args": len(args_ok)}
     if ablate:
         res.update(ablated=ablate, selection_ablated=rate(blind_picks["generic"] + blind_picks["domain"]),
@@ -295,7 +299,8 @@ def main(argv=None) -> int:
           f"arguments exact {pct(res['args_exact'])} of {res['n_args']}; "
           f"copying {pct(res['copying'])}; lookup {pct(res['lookup'])} (random pick {pct(res['lookup_chance'])})")
     print(f"  domain, where the listed names part: {pct(res['parting_mass_domain'])} of the probability on "
-          f"their tokens, the right one's share of it {pct(res['parting_share_domain'])}")
+          f"their tokens, the right one's share of it {pct(res['parting_share_domain'])} "
+          f"(spread evenly: {pct(res['parting_share_domain_chance'])})")
     if args.ablate:
         rotated = args.ablate == "rotated"
         what = "with each description moved to the previous entry" if rotated else f"without {args.ablate}"

@@ -316,6 +316,7 @@ def test_probe_ablation_decides_again_on_the_emptied_list(monkeypatch):
             if one["n_domain"] == 1:
                 assert 0 < one["parting_mass_domain"] <= 1
                 assert (one["selection_domain"] == 1.0) == (one["parting_share_domain"] > 0.5), one
+                assert one["parting_share_domain_chance"] == 0.5  # two names part into two tokens
                 parted += 1
         assert parted >= 3
     assert any('"tool_a"' in t for t in seen) and any(records[0]["tools"][0]["function"]["name"] in t for t in seen)

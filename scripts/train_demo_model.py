@@ -74,9 +74,10 @@ elementwise transcendental functions (exp, sigmoid) that MLX's CPU backend runs 
 single-threaded (about 40 M/s, against 200 GFLOP/s for its matmuls). PyTorch's CPU kernels
 are vectorized and threaded: ``benchmarks/training_step.py`` measures the same step at 4.2x
 the tokens/s of mlx-lm's model (batch 8 x 400 tokens, 2 cores), and ``--bf16`` at 1.47x
-that again on a CPU with AVX512-BF16 (no shipped model used it; run 38 did). The model is transformers' own ``Qwen3_5ForCausalLM`` (with
-its chunked gated delta rule), so there is no second implementation of the architecture to
-keep in step; the engine still serves the result with mlx-lm. ``tests/training`` checks
+that again on a CPU with AVX512-BF16 (no shipped model used it; run 38 did). The model is
+transformers' own ``Qwen3_5ForCausalLM`` (with its chunked gated delta rule), so there is
+no second implementation of the architecture to keep in step; the engine still serves the
+result with mlx-lm. ``tests/training`` checks
 that MLX reproduces the trained model's logits.
 
 The initial weights come from the project's model factory (the same files the engine
@@ -745,7 +746,7 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true",
                    help="autocast forward and backward to bfloat16 (weights, gradients and optimizer stay float32): "
                         "about 1.5x the tokens/s on a CPU with AVX512-BF16 or AMX "
-                        "(benchmarks/training_step.py); slower on CPUs without them")
+                        "(benchmarks/training_step.py); expected to be slower on CPUs without them")
     p.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
                    help="instead of --steps/--dialogue-steps: after the drill phases, time %d dialogue steps and "
                         "fit the dialogue phase so that this run ends its training within MINUTES of starting "

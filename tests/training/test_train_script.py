@@ -513,11 +513,45 @@ def test_time_fit_fills_what_is_left_of_the_budget():
     """--time-budget: the dialogue steps that fit in what is left, from the first timed ones."""
     T = _trainer_module()
     fit = T.TimeFit(100.0)
-    assert all(fit.record(0.5) is None for _ in range(T.FIT_PROBE_STEPS - 1))
-    fitted = fit.record(0.5)  # (100 s - the moment spent here) / 0.5 s, plus the timed steps
+    assert all(fit.record(0.5, done) is None for done in range(1, T.FIT_PROBE_STEPS))
+    fitted = fit.record(0.5, T.FIT_PROBE_STEPS)  # (100 s - the moment spent here) / 0.5 s, plus the timed steps
     assert T.FIT_PROBE_STEPS + 195 <= fitted <= T.FIT_PROBE_STEPS + 199 and fit.step_time == 0.5
     spent = T.TimeFit(60.0, started=time.perf_counter() - 61)  # the budget counts from the run's start
-    assert [spent.record(1.0) for _ in range(T.FIT_PROBE_STEPS)][-1] == T.FIT_PROBE_STEPS  # none left: the timed ones
+    assert [spent.record(1.0, d) for d in range(1, T.FIT_PROBE_STEPS + 1)][-1] == T.FIT_PROBE_STEPS  # none left
+    resumed = T.TimeFit(60.0, started=time.perf_counter() - 61)  # steps done before a resume count
+    assert [resumed.record(1.0, d) for d in range(11, T.FIT_PROBE_STEPS + 11)][-1] == T.FIT_PROBE_STEPS + 10
+
+
+def test_time_fit_refits_as_the_pace_changes():
+    """Run 39 fitted once from 20 steps and ran 7 minutes over: the fit is retaken every
+    REFIT_EVERY steps from the latest REFIT_WINDOW, so a run whose steps slow down still ends
+    within its budget, and one whose steps speed up uses what it gains."""
+    T = _trainer_module()
+    now = [0.0]
+    fit = T.TimeFit(1000.0, started=0.0, clock=lambda: now[0])
+
+    def steps(n: int, seconds: float, done: int) -> tuple[int, list]:
+        fits = []
+        for _ in range(n):
+            now[0] += seconds
+            done += 1
+            fits.append(fit.record(seconds, done))
+        return done, [f for f in fits if f is not None]
+
+    done, fits = steps(T.FIT_PROBE_STEPS, 1.0, 0)
+    assert fits == [T.FIT_PROBE_STEPS + 980]  # 980 s left at 1 s a step
+    done, fits = steps(T.REFIT_EVERY - 1, 2.0, done)
+    assert fits == []  # between refits the last fit holds
+    done, fits = steps(1, 2.0, done)
+    slow = (T.FIT_PROBE_STEPS + 2 * T.REFIT_EVERY) / (T.FIT_PROBE_STEPS + T.REFIT_EVERY)  # mean s a step
+    left = 1000.0 - now[0]
+    assert fits == [done + int(left / slow)] and fit.step_time == slow
+    assert fits[0] < T.FIT_PROBE_STEPS + 980  # slower: fewer steps
+    done, fits = steps(T.REFIT_WINDOW, 0.5, done)  # faster, and the window forgets the slow ones
+    assert fit.step_time == 0.5 and fits[-1] == done + int((1000.0 - now[0]) / 0.5)
+    now[0] = 2000.0  # over budget: no steps beyond those done
+    done, fits = steps(T.REFIT_EVERY, 0.5, done)
+    assert fits == [done]
 
 
 def test_prepare_then_train_within_a_time_budget(tmp_path):

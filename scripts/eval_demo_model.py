@@ -75,6 +75,11 @@ COMMON_PROMPTS = ["Describe a pirate.", "Tell me a joke about cats.", "Tell me a
                   "Who are you?"]
 
 
+def first_answer(record: dict) -> int:
+    """The index of a dialogue's first assistant turn: what the model is asked to write."""
+    return next(i for i, m in enumerate(record["messages"]) if m["role"] == "assistant")
+
+
 def _args(call) -> dict:
     a = call["function"]["arguments"]
     return json.loads(a) if isinstance(a, str) else a
@@ -116,7 +121,7 @@ def probe_turns(n: int, split: str, mix: str) -> list[tuple[dict, int]]:
     out = []
     while len(out) < n:
         r = tool_record(rng, split, EVAL_MIX if split == "eval" else TRAIN_MIXES[mix])
-        k = next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")
+        k = first_answer(r)
         if r["messages"][k].get("tool_calls") and len(r["tools"]) > 1:
             out.append((r, k))
     return out
@@ -166,9 +171,8 @@ async def evaluate(model, n: int, seed: int, probe: int = 0, probe_mix: str = "n
     await engine.start()
 
     async def first_turn(r):
-        msgs = r["messages"]
-        k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-        out = await engine.chat(msgs[:k], {"max_tokens": 96}, tools=r.get("tools"))
+        k = first_answer(r)
+        out = await engine.chat(r["messages"][:k], {"max_tokens": 96}, tools=r.get("tools"))
         return r, k, out
 
     results = await asyncio.gather(*(first_turn(r) for r in records))
@@ -248,7 +252,7 @@ async def evaluate(model, n: int, seed: int, probe: int = 0, probe_mix: str = "n
 
     # MTP acceptance on the model's own greedy outputs.
     mtp = {}
-    prompts = [r["messages"][: next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")]
+    prompts = [r["messages"][: first_answer(r)]
                for r in records if r["kind"] != "tool"][:64]
     for depth in (1, 2):
         engine = Engine(model, show_progress=False, mtp="on", mtp_depth=depth, max_batch_size=32)

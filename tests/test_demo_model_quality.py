@@ -34,8 +34,7 @@ def _eval_module():
 @pytest.mark.skipif(not is_packaged(), reason="a source tree without the packaged weights: the default is random")
 def test_demo_model_picks_listed_tools_from_the_request():
     ev = _eval_module()
-    turns = [(r, next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant"))
-             for r in ev.held_out_examples(200, seed=1) if r["kind"] == "tool"]
+    turns = [(r, ev.first_answer(r)) for r in ev.held_out_examples(200, seed=1) if r["kind"] == "tool"]
 
     async def run():
         async with Engine(show_progress=False, mtp="off", max_batch_size=32) as engine:

@@ -4,64 +4,11 @@ with an MTP head, on the dialogues of ``scripts/demo_data.py``.
     python scripts/train_demo_model.py --out build/demo_model            # train (resumes if interrupted)
     python scripts/train_demo_model.py --out build/demo_model --steps 5  # smoke run
 
-The defaults reproduce v2 (run 7). The shipped v6 is v5 fine-tuned on a lent GPU with v5's
-recipe at scale (run 37a in docs/demo_model.md: 4,032 steps of 16, 5 minutes on an H200,
-about 4 hours on 2 CPU cores), with ``V5`` the directory of v5 (git history:
-``src/mlx_tandem/models/tandem-demo-qwen3_5-v5``)::
-
-    python scripts/demo_data.py --out build/run37a/data.jsonl --n 40000 --seed 43 --mix nonce_json2 \
-        --json-top-up 4000 --top-up-seed 44
-    OPTS="--init-from $V5 --selection-every 4 --selection-lexical 0.5 --selection-every-tool \
-        --selection-first-token --n-selections 16000 --drill-every 8 --batch 16 --lr 1e-4 --seed 43"
-    python scripts/train_demo_model.py --out build/run37a $OPTS --prepare-only            # CPU
-    python scripts/train_demo_model.py --out build/run37a $OPTS --device cuda --dialogue-steps 4032
-
-(there ``--time-budget 7.5`` fitted the 4,032 steps). v5 is v4 fine-tuned on 2 CPU cores,
-first on lexical selection drills alone, then back towards the dialogues at falling lrs
-(runs 36-36f, about 3 hours 30 minutes), with ``V4`` the directory of v4 (git history:
-``src/mlx_tandem/models/tandem-demo-qwen3_5-v4``)::
-
-    SEL="--selection-every-tool --selection-first-token --drill-every 8 --batch 16"
-    python scripts/train_demo_model.py --out build/run36 --init-from $V4 $SEL --n-dialogues 200 \
-        --selection-every 1 --selection-lexical 1.0 --tools-description-first --n-selections 16000 \
-        --steps 900 --lr 1e-3 --seed 36
-    SEL="$SEL --selection-lexical 0.5"
-    python scripts/train_demo_model.py --out build/run36b --init-from build/run36/final $SEL \
-        --n-dialogues 6000 --selection-every 2 --n-selections 4000 --steps 300 --lr 3e-4 --seed 37
-    python scripts/train_demo_model.py --out build/run36c --init-from build/run36b/final $SEL \
-        --mix nonce_json2 --n-dialogues 6000 --selection-every 3 --n-selections 3000 --steps 280 \
-        --lr 1.5e-4 --seed 38
-    LATE="$SEL --mix nonce_json2 --n-dialogues 10000 --selection-every 4 --n-selections 3000 --steps 700 --lr 1e-4"
-    python scripts/train_demo_model.py --out build/run36d --init-from build/run36c/final $LATE --seed 39
-    python scripts/train_demo_model.py --out build/run36e --init-from build/run36d/final $LATE --seed 40
-    python scripts/train_demo_model.py --out build/run36f --init-from build/run36e/final $SEL \
-        --mix nonce_json3 --n-dialogues 6000 --selection-every 4 --n-selections 2000 --steps 320 \
-        --lr 1e-4 --seed 41
-
-v4 is run 32b: v3, which is run 30 prepared on CPU and trained on a GPU, where
-``build/run30`` was copied::
-
-    OPTS="--mix nonce_json2 --word-consistent-tokenizer --init hf --lr 1e-3 --rope-theta 10000 \
-        --copy-warmup-steps 800 --lookup-steps 400 --drill-every 12 --copy-warmup-until 1.0 \
-        --lookup-until 3.0 --lookup-max-steps 1500 --intermediate-size 1280 --num-layers 8 \
-        --n-dialogues 80000 --batch 32 --seed 7"
-    python scripts/train_demo_model.py --out build/run30 $OPTS --prepare-only              # CPU
-    python scripts/train_demo_model.py --out build/run30 $OPTS --device cuda \
-        --dialogue-steps 6916 --stop-after 5000                                            # GPU
-
-then fine-tuned on the same dialogues topped up with JSON answers, and selection drills::
-
-    python scripts/demo_data.py --out build/run32b/data.jsonl --n 80000 --seed 7 --mix nonce_json2 \
-        --json-top-up 6000 --top-up-seed 32
-    OPTS="--init-from build/run30/final --selection-every 3 --n-selections 20000 --drill-every 12 \
-        --batch 32 --seed 3 --lr 5e-4"
-    python scripts/train_demo_model.py --out build/run32b $OPTS --prepare-only            # CPU
-    python scripts/train_demo_model.py --out build/run32b $OPTS --device cuda --dialogue-steps 3844
-
-(``--time-budget`` fitted run 30's 6,916 dialogue steps, and the lease ended after step
-5,000; it fitted run 32b's 3,844. v3 itself is in git history as
-``src/mlx_tandem/models/tandem-demo-qwen3_5-v3``, up to commit ``a26ef8b``;
-a GPU run is not bit-reproducible.) Run 13, an earlier experiment, was::
+The defaults reproduce v2 (run 7), the hour recipe. The shipped v6 took nine runs of this
+script, each from the one before, on 2 CPU cores and on GPUs lent to three sessions (runs
+30-37a in docs/demo_model.md). ``scripts/reproduce_demo_model.py`` runs that lineage with the
+options each run used, in one resumable command (about 20 hours on 2 CPU cores, about 25
+minutes on a GPU); ``--list`` prints its commands. Run 13, an earlier experiment, was::
 
     python scripts/train_demo_model.py --out build/run13 --mix made_up --word-consistent-tokenizer \
         --init hf --lr 1e-3 --rope-theta 10000 --copy-warmup-steps 400 --lookup-steps 600 \

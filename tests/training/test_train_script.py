@@ -753,3 +753,58 @@ def test_tools_description_first_moves_each_description_before_its_name(tmp_path
     _run(tmp_path / "run", 1, "--num-layers", "2", "--tools-description-first")
     exported = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
     assert exported.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True) == new
+
+
+REPRODUCE = SCRIPT.with_name("reproduce_demo_model.py")
+
+
+def _reproduce(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPRODUCE), "--out", str(out), "--smoke", *extra],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_reproduce_chains_the_lineage_into_the_shipped_models_form(tmp_path, capsys):
+    """scripts/reproduce_demo_model.py runs v6's nine stages in order, each from the one before,
+    and ends in the shipped model's form: its config and its description-first chat template.
+    A second run skips the finished stages; a stage made by other commands stops it."""
+    from mlx_tandem.default_model import is_packaged, packaged_model_path
+
+    spec = importlib.util.spec_from_file_location("reproduce_demo_model", REPRODUCE)
+    R = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = R  # a dataclass looks its module up there
+    spec.loader.exec_module(R)
+    names = [s.name for s in R.LINEAGE]
+    assert [s.ships_as for s in R.LINEAGE if s.ships_as] == ["v3", "v4", "v5", "v6"]
+    assert R.main(["--list", "--until", "run32b", "--out", str(tmp_path)]) == 0  # v4's commands, nothing run
+    listed = capsys.readouterr().out.splitlines()
+    assert [line for line in listed if line.startswith("#")] == ["# run30 (v3)", "# run32b (v4)"]
+    assert len(listed) == 5 and not any(tmp_path.iterdir())
+
+    proc = _reproduce(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for before, stage in zip(names, names[1:]):
+        # --init-from copies the previous stage's export: weights and tokenizer go on.
+        for name in ("model.safetensors", "tokenizer.json"):
+            assert (tmp_path / stage / "init" / name).read_bytes() == \
+                (tmp_path / before / "final" / name).read_bytes(), (stage, name)
+    # The template changes once, where run 36 writes the descriptions first, and is kept after.
+    templates = [(tmp_path / name / "final" / "chat_template.jinja").read_text() for name in names]
+    assert [a != b for a, b in zip(templates, templates[1:])] == [name == "run36" for name in names[1:]]
+    final = tmp_path / names[-1] / "final"
+    assert (tmp_path / "run30" / "final" / "tokenizer.json").read_bytes() == (final / "tokenizer.json").read_bytes()
+    if is_packaged():  # the shipped v6: same architecture, the template run 36 wrote and the rest kept
+        shipped = packaged_model_path()
+        assert json.loads((final / "config.json").read_text()) == json.loads((shipped / "config.json").read_text())
+        assert (final / "chat_template.jinja").read_text() == (shipped / "chat_template.jinja").read_text()
+
+    again = _reproduce(tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("done before, skipped") == len(names)
+    assert "train_demo_model.py" not in again.stderr  # no stage ran again
+
+    record = tmp_path / "run36f" / "stage.json"
+    made = json.loads(record.read_text())
+    made["commands"][-1][made["commands"][-1].index("--seed") + 1] = "4"  # another recipe made this stage
+    record.write_text(json.dumps(made))
+    stopped = _reproduce(tmp_path)
+    assert stopped.returncode != 0 and "holds a stage made by other commands" in stopped.stderr

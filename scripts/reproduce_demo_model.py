@@ -15,7 +15,8 @@ counts; they are written here as the counts it fitted, so a rerun follows the sa
 Resumable at two levels: the trainer resumes a stage from its checkpoints, and a stage that
 finished (``<out>/<stage>/stage.json`` records its commands) is skipped. A stage directory
 holding other commands stops the run rather than mix recipes. ``--until`` stops after a stage
-(``--until run32b`` reproduces v4). ``--smoke`` runs every stage at a few steps on a few
+(``--until run32b`` reproduces v4). The last stage's export gets ``lineage.json``: the
+commands that made it, as the shipped v6 records its own. ``--smoke`` runs every stage at a few steps on a few
 dialogues, to check the chain, not to train. A GPU run is not bit-reproducible, and float
 results differ across torch versions and CPUs: a rerun gives a model of v6's quality, not
 its exact weights.
@@ -107,20 +108,30 @@ def _argv(options: dict) -> list[str]:
             for part in ((flag,) if value is True else (flag, str(value)))]
 
 
-def commands(stage: Stage, out: Path, extra: list[str], smoke: bool) -> list[list[str]]:
+def commands(stage: Stage, out: Path, extra: list[str], smoke: bool, scripts: Path = SCRIPTS) -> list[list[str]]:
     """The commands that make ``stage`` in ``out/stage.name``, as argument lists after the interpreter."""
     here = out / stage.name
     cmds = []
     if stage.data:
         data = _smoke(stage.data, _SMOKE_DATA) if smoke else stage.data
-        cmds.append([str(SCRIPTS / "demo_data.py"), "--out", str(here / "data.jsonl"), *_argv(data)])
+        cmds.append([str(scripts / "demo_data.py"), "--out", str(here / "data.jsonl"), *_argv(data)])
     train = _smoke(stage.train, _SMOKE_TRAIN) if smoke else dict(stage.train)
     if stage.init_from is not None:
         train["--init-from"] = str(out / stage.init_from / "final")
     if smoke:
         train["--max-len"] = 832  # a few dialogues: keep the long tool dialogues rather than run out
-    cmds.append([str(SCRIPTS / "train_demo_model.py"), "--out", str(here), *_argv(train), *extra])
+    cmds.append([str(scripts / "train_demo_model.py"), "--out", str(here), *_argv(train), *extra])
     return cmds
+
+
+def lineage(stages=LINEAGE, extra: list[str] = (), smoke: bool = False) -> dict:
+    """How a model was made, written beside its weights (``lineage.json``): each run's commands
+    as run from the repository root with the default ``--out``."""
+    return {"made_by": "scripts/reproduce_demo_model.py",
+            "runs": [{"run": s.name, "ships_as": s.ships_as,
+                      "commands": [shlex.join(["python", *cmd]) for cmd in
+                                   commands(s, Path("build/v6"), list(extra), smoke, scripts=Path("scripts"))]}
+                     for s in stages]}
 
 
 def run_stage(stage: Stage, out: Path, extra: list[str], smoke: bool) -> bool:
@@ -171,7 +182,9 @@ def main(argv=None) -> int:
         else:
             logger.info("%s: done before, skipped", label)
     last = stages[-1]
-    logger.info("%s is in %s", last.ships_as or last.name, args.out / last.name / "final")
+    final = args.out / last.name / "final"
+    (final / "lineage.json").write_text(json.dumps(lineage(stages, extra, args.smoke), indent=1) + "\n")
+    logger.info("%s is in %s", last.ships_as or last.name, final)
     return 0
 
 

@@ -796,6 +796,9 @@ def test_reproduce_chains_the_lineage_into_the_shipped_models_form(tmp_path, cap
         shipped = packaged_model_path()
         assert json.loads((final / "config.json").read_text()) == json.loads((shipped / "config.json").read_text())
         assert (final / "chat_template.jinja").read_text() == (shipped / "chat_template.jinja").read_text()
+        # The shipped model records the commands that made it; the script still runs exactly those.
+        assert json.loads((shipped / "lineage.json").read_text())["runs"] == R.lineage()["runs"]
+    assert json.loads((final / "lineage.json").read_text()) == R.lineage(smoke=True)
 
     again = _reproduce(tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -124,23 +124,28 @@ def commands(stage: Stage, out: Path, extra: list[str], smoke: bool, scripts: Pa
     return cmds
 
 
+def recipe(stage: Stage, extra: list[str] = (), smoke: bool = False) -> list[str]:
+    """``stage``'s commands as run from the repository root with the default ``--out``: the same
+    wherever the repository and the output live."""
+    return [shlex.join(["python", *cmd])
+            for cmd in commands(stage, Path("build/v6"), list(extra), smoke, scripts=Path("scripts"))]
+
+
 def lineage(stages=LINEAGE, extra: list[str] = (), smoke: bool = False) -> dict:
-    """How a model was made, written beside its weights (``lineage.json``): each run's commands
-    as run from the repository root with the default ``--out``."""
+    """How a model was made, written beside its weights (``lineage.json``)."""
     return {"made_by": "scripts/reproduce_demo_model.py",
-            "runs": [{"run": s.name, "ships_as": s.ships_as,
-                      "commands": [shlex.join(["python", *cmd]) for cmd in
-                                   commands(s, Path("build/v6"), list(extra), smoke, scripts=Path("scripts"))]}
-                     for s in stages]}
+            "runs": [{"run": s.name, "ships_as": s.ships_as, "commands": recipe(s, extra, smoke)} for s in stages]}
 
 
 def run_stage(stage: Stage, out: Path, extra: list[str], smoke: bool) -> bool:
     """Make ``stage`` unless it is done; False when it was done already."""
     here = out / stage.name
     cmds = commands(stage, out, extra, smoke)
+    # The recipe, not the device or the precision: a run begun on a CPU may end on a GPU.
+    made = {"recipe": recipe(stage, smoke=smoke), "commands": [shlex.join(["python", *c]) for c in cmds]}
     record = here / "stage.json"
     if record.exists():
-        if json.loads(record.read_text())["commands"] != cmds:
+        if json.loads(record.read_text())["recipe"] != made["recipe"]:
             raise SystemExit(f"{here} holds a stage made by other commands (see {record}): "
                              f"give another --out, or remove it to make it again")
         return False
@@ -150,8 +155,12 @@ def run_stage(stage: Stage, out: Path, extra: list[str], smoke: bool) -> bool:
             continue  # written whole or not at all (demo_data.write_jsonl)
         here.mkdir(parents=True, exist_ok=True)
         logger.info("%s: %s", stage.name, shlex.join(["python", *cmd]))
-        subprocess.run([sys.executable, *cmd], check=True, env=env)
-    record.write_text(json.dumps({"commands": cmds}, indent=1))
+        try:
+            subprocess.run([sys.executable, *cmd], check=True, env=env)
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"{stage.name} stopped (exit status {e.returncode}); run the same command again "
+                             f"to go on from its last checkpoint") from None
+    record.write_text(json.dumps(made, indent=1))
     return True
 
 

@@ -13,7 +13,8 @@ the run used, starting from the stage before. ``--time-budget`` fitted the GPU s
 counts; they are written here as the counts it fitted, so a rerun follows the same schedules.
 
 Resumable at two levels: the trainer resumes a stage from its checkpoints, and a stage that
-finished (``<out>/<stage>/stage.json`` records its commands) is skipped. A stage directory
+finished (``<out>/<stage>/stage.json`` records its commands, ``final/`` holds its export) is
+skipped. A stage directory
 holding other commands stops the run rather than mix recipes. ``--until`` stops after a stage
 (``--until run32b`` reproduces v4). The last stage's export gets ``lineage.json``: the
 commands that made it, as the shipped v6 records its own. ``--smoke`` runs every stage at a few steps on a few
@@ -144,7 +145,7 @@ def run_stage(stage: Stage, out: Path, extra: list[str], smoke: bool) -> bool:
     # The recipe, not the device or the precision: a run begun on a CPU may end on a GPU.
     made = {"recipe": recipe(stage, smoke=smoke), "commands": [shlex.join(["python", *c]) for c in cmds]}
     record = here / "stage.json"
-    if record.exists():
+    if record.exists() and (here / "final" / "model.safetensors").exists():  # else the trainer re-exports
         if json.loads(record.read_text())["recipe"] != made["recipe"]:
             raise SystemExit(f"{here} holds a stage made by other commands (see {record}): "
                              f"give another --out, or remove it to make it again")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -804,6 +805,12 @@ def test_reproduce_chains_the_lineage_into_the_shipped_models_form(tmp_path, cap
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("done before, skipped") == len(names)
     assert "train_demo_model.py" not in again.stderr  # no stage ran again
+
+    shutil.rmtree(final)  # a stage whose export is gone is made again: its trainer resumes and exports
+    remade = _reproduce(tmp_path)
+    assert remade.returncode == 0, remade.stderr[-3000:]
+    assert remade.stderr.count("done before, skipped") == len(names) - 1
+    assert json.loads((final / "lineage.json").read_text()) == R.lineage(smoke=True)
 
     record = tmp_path / "run36f" / "stage.json"
     made = json.loads(record.read_text())

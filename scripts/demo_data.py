@@ -1106,6 +1106,7 @@ def write_jsonl(records: Iterable[dict], path: str | Path) -> None:
     """Write beside ``path``, then rename: a run killed mid-write leaves no partial file that a
     resume would take as the whole data (the trainer reuses whatever ``data.jsonl`` it finds)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     try:
         with open(partial, "w", encoding="utf-8") as fh:

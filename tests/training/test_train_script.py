@@ -676,7 +676,7 @@ def test_drills_alone_encode_no_dialogues(tmp_path):
 
 def test_write_jsonl_leaves_no_partial_file(tmp_path, monkeypatch):
     """A write that fails part-way leaves no data file, so the next run regenerates instead of
-    training on half the records; a whole write replaces the file."""
+    training on half the records; a whole write replaces the file, and a missing directory is made."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     from demo_data import write_jsonl
 
@@ -691,6 +691,9 @@ def test_write_jsonl_leaves_no_partial_file(tmp_path, monkeypatch):
     write_jsonl([{"a": 1}, {"b": 2}], path)
     write_jsonl([{"c": 3}], path)
     assert [json.loads(line) for line in path.read_text().splitlines()] == [{"c": 3}]
+    nested = tmp_path / "run" / "data.jsonl"  # demo_data.py --out into a directory not made yet
+    write_jsonl([{"d": 4}], nested)
+    assert [json.loads(line) for line in nested.read_text().splitlines()] == [{"d": 4}]
 
 
 def test_init_from_goes_on_from_an_exported_model(tmp_path):

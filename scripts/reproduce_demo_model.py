@@ -18,11 +18,11 @@ skipped. A stage directory
 holding other commands stops the run rather than mix recipes. ``--until`` stops after a stage
 (``--until run32b`` reproduces v4). The last stage's export gets ``lineage.json``: the
 commands that made it, as the shipped v6 records its own. ``--smoke`` runs every stage at a few steps on a few
-dialogues, to check the chain, not to train. On the same CPU and torch a stage comes out bit
-for bit (checked on run 36b); a GPU run does not, and float results differ across torch versions and CPUs, so a
-rerun elsewhere makes other weights and a model near v6's quality, not v6: runs 36-36f made
-again on a GPU came out 8-12 points under v5 in exact arguments (docs/demo_model.md, run 41).
-Judge what it makes with ``eval_demo_model.py``.
+dialogues, to check the chain, not to train. On the same CPU and torch a stage comes out
+bit for bit (checked on run 36b); a GPU run does not, and float results differ across torch
+versions and CPUs, so a rerun elsewhere makes other weights and a model near v6's quality,
+not v6: runs 36-36f made again on a GPU came out 8-12 points under v5 in exact arguments
+(docs/demo_model.md, run 41). Judge what it makes with ``eval_demo_model.py``.
 """
 
 from __future__ import annotations

@@ -14,15 +14,15 @@ counts; they are written here as the counts it fitted, so a rerun follows the sa
 
 Resumable at two levels: the trainer resumes a stage from its checkpoints, and a stage that
 finished (``<out>/<stage>/stage.json`` records its commands, ``final/`` holds its export) is
-skipped. A stage directory
-holding other commands stops the run rather than mix recipes. ``--until`` stops after a stage
-(``--until run32b`` reproduces v4). The last stage's export gets ``lineage.json``: the
-commands that made it, as the shipped v6 records its own. ``--smoke`` runs every stage at a few steps on a few
-dialogues, to check the chain, not to train. On the same CPU and torch a stage comes out
-bit for bit (checked on run 36b); a GPU run does not, and float results differ across torch
-versions and CPUs, so a rerun elsewhere makes other weights and a model near v6's quality,
-not v6: runs 36-36f made again on a GPU came out 8-12 points under v5 in exact arguments
-(docs/demo_model.md, run 41). Judge what it makes with ``eval_demo_model.py``.
+skipped. A stage directory holding other commands stops the run rather than mix recipes.
+``--until`` stops after a stage (``--until run32b`` reproduces v4). The last stage's export
+gets ``lineage.json``: the commands that made it, as the shipped v6 records its own.
+``--smoke`` runs every stage at a few steps on a few dialogues, to check the chain, not to
+train. On the same CPU and torch a stage comes out bit for bit (checked on run 36b); a GPU
+run does not, and float results differ across torch versions and CPUs, so a rerun elsewhere
+makes other weights and a model near v6's quality, not v6: runs 36-36f made again on a GPU
+came out 8-12 points under v5 in exact arguments (docs/demo_model.md, run 41). Judge what it
+makes with ``eval_demo_model.py``.
 """
 
 from __future__ import annotations
@@ -153,10 +153,10 @@ def run_stage(stage: Stage, out: Path, extra: list[str], smoke: bool) -> bool:
                              f"give another --out, or remove it to make it again")
         return False
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # every file is local; never fall back to the hub
+    here.mkdir(parents=True, exist_ok=True)
     for cmd in cmds:
         if cmd[0].endswith("demo_data.py") and (here / "data.jsonl").exists():
             continue  # written whole or not at all (demo_data.write_jsonl)
-        here.mkdir(parents=True, exist_ok=True)
         logger.info("%s: %s", stage.name, shlex.join(["python", *cmd]))
         try:
             subprocess.run([sys.executable, *cmd], check=True, env=env)

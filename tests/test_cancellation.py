@@ -81,3 +81,23 @@ def test_closing_a_sync_stream(llama_path):
         stream.close()
         assert _running_ids(engine) == set()
         assert engine.stats()["aborted"] == 1
+
+
+async def test_collecting_a_cancelled_stream_returns_what_arrived_as_aborted(engine):
+    stream = await engine.open_chat_stream(chat_prompts(1)[0], SamplingParams(max_tokens=50))
+    first = await stream.__anext__()
+    await stream.aclose()
+    out = await stream.collect()
+    assert out.finish_reason == "abort"
+    assert out.token_ids == list(first.token_ids) and out.text == first.text
+
+
+def test_collecting_a_closed_sync_stream_returns_what_arrived_as_aborted(llama_path):
+    from mlx_tandem import Engine
+
+    with Engine(llama_path, show_progress=False) as engine:
+        stream = engine.open_chat_stream_sync(chat_prompts(1)[0], SamplingParams(max_tokens=50))
+        first = next(stream)
+        stream.close()
+        out = stream.collect()
+        assert out.finish_reason == "abort" and out.token_ids == list(first.token_ids)

@@ -17,6 +17,7 @@ from .reference import reference_greedy
     dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(max_tokens=1.5),
     dict(top_k=-1), dict(min_p=1.0), dict(repetition_penalty=0), dict(seed=-3), dict(stop=[""]),
     dict(temperature=float("nan")), dict(logits_processors=["not callable"]),
+    dict(stop=5), dict(logits_processors=5), dict(seed=2**64),
 ])
 def test_bad_sampling_params(kwargs):
     with pytest.raises(InvalidRequestError):
@@ -120,3 +121,119 @@ async def test_missing_model_is_a_load_error(tmp_path):
     engine = Engine(tmp_path / "empty", show_progress=False)
     with pytest.raises(ModelLoadError):
         await engine.start()
+
+
+async def test_malformed_inputs_are_typed_errors_and_the_engine_keeps_serving(llama_engine, llama_path):
+    engine = llama_engine
+    hi = [{"role": "user", "content": "hi"}]
+    bad_calls = [
+        engine.complete(123), engine.complete(["a"]), engine.complete([1.5]), engine.complete([None]),
+        engine.chat([{"role": "user", "content": [{"type": "text", "text": None}]}]),
+        engine.chat(hi, template_kwargs=5), engine.chat(hi, reasoning="yes"),
+        engine.chat(hi, {"max_tokens": 2}, request_id=5),
+    ]
+    errors = await asyncio.gather(*bad_calls, return_exceptions=True)
+    assert all(isinstance(e, InvalidRequestError) for e in errors), errors
+    out = await engine.chat(hi, SamplingParams(max_tokens=8))
+    assert out.token_ids == reference_greedy(llama_path, engine.apply_chat_template(hi), 8)
+
+
+async def test_top_k_at_or_above_the_vocabulary_keeps_every_token(llama_engine, llama_path):
+    # mlx-lm's top-k needs k < vocab; k >= vocab filters nothing, as k = 0 does. Seeded
+    # draws depend only on the seed, so the outputs must match token for token.
+    engine = llama_engine
+    vocab = engine.loaded.vocab_size
+    prompt, greedy_prompt = chat_prompts(2)
+    sampled = dict(max_tokens=12, temperature=1.0, seed=7)
+    outs = await asyncio.gather(
+        engine.chat(prompt, SamplingParams(top_k=vocab, **sampled)),
+        engine.chat(prompt, SamplingParams(top_k=10 * vocab, **sampled)),
+        engine.chat(greedy_prompt, SamplingParams(max_tokens=12)))
+    plain = await engine.chat(prompt, SamplingParams(top_k=0, **sampled))
+    assert outs[0].token_ids == outs[1].token_ids == plain.token_ids
+    assert outs[2].token_ids == reference_greedy(llama_path, engine.apply_chat_template(greedy_prompt), 12)
+
+
+async def test_a_sampler_failing_mid_trace_leaves_sampling_usable(llama_path, monkeypatch):
+    # mlx-lm compiles its samplers with the global PRNG state as input and output; one
+    # that raises while being traced left a placeholder there, and every later unseeded
+    # draw failed ("eval an array without a primitive"), until the engine was restarted.
+    from functools import partial
+
+    import mlx.core as mx
+    from mlx_tandem import samplers
+
+    real = samplers._shared_sampler
+
+    def shared_sampler(temperature, top_p, min_p, top_k):
+        if temperature != 0.25:
+            return real(temperature, top_p, min_p, top_k)
+
+        @partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
+        def failing(logprobs):
+            mx.random.categorical(logprobs)
+            raise ValueError("sampler failed while traced")
+
+        return failing
+
+    monkeypatch.setattr(samplers, "_shared_sampler", shared_sampler)
+    async with Engine(llama_path, show_progress=False) as engine:
+        prompt = chat_prompts(1)[0]
+        with pytest.raises(EngineStepError, match="sampler failed"):
+            await engine.chat(prompt, SamplingParams(max_tokens=4, temperature=0.25))
+        outs = await asyncio.gather(*[engine.chat(prompt, SamplingParams(max_tokens=6, temperature=0.7))
+                                      for _ in range(3)])
+        assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)
+
+
+async def test_a_request_id_in_use_is_refused_and_the_live_request_is_untouched(llama_engine, llama_path):
+    engine = llama_engine
+    prompt = chat_prompts(1)[0]
+    first = await engine.open_chat_stream(prompt, SamplingParams(max_tokens=16), request_id="same")
+    await first.__anext__()  # running
+    refused = await engine.open_chat_stream(prompt, SamplingParams(max_tokens=16), request_id="same")
+    await refused.aclose()  # its abort must not reach the live request that has the id
+    again = await engine.open_chat_stream(prompt, SamplingParams(max_tokens=4), request_id="same")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        await again.collect()
+    out = await first.collect()
+    assert out.finish_reason == "length"
+    assert out.token_ids == reference_greedy(llama_path, engine.apply_chat_template(prompt), 16)
+
+
+def test_a_submit_racing_close_ends_with_engine_closed_not_a_hang(llama_path):
+    # The owner thread's last drain of its inbox must see every request put in before it
+    # closed: a put that lands after that drain is never answered.
+    import threading
+
+    engine = Engine(llama_path, show_progress=False).start_sync()
+    core = engine._core
+    entered = threading.Event()
+
+    class SlowInbox:
+        def __init__(self, inbox):
+            self.inbox = inbox
+            self.get, self.get_nowait = inbox.get, inbox.get_nowait
+
+        def put(self, item):
+            if item[0] == "add":
+                entered.set()
+                threading.Event().wait(0.3)  # the caller is between its "closed?" check and the put
+            self.inbox.put(item)
+
+    core._inbox = SlowInbox(core._inbox)
+    result: list = []
+    caller = threading.Thread(target=lambda: result.append(_outcome(engine, chat_prompts(1)[0])))
+    caller.start()
+    entered.wait(5)
+    engine.close_sync()
+    caller.join(10)
+    assert not caller.is_alive(), "the caller was left waiting on a closed engine"
+    assert isinstance(result[0], EngineClosedError) or result[0].finish_reason == "length"
+
+
+def _outcome(engine, prompt):
+    try:
+        return engine.chat_sync(prompt, SamplingParams(max_tokens=4))
+    except TandemError as exc:
+        return exc

@@ -106,6 +106,10 @@ def plan_chat(
     tools = normalize_tools(tools)
     names = [t["function"]["name"] for t in tools]
     forced = _forced_names(tool_choice, names) if (tools or tool_choice not in (None, "auto", "none")) else None
+    if reasoning is not None and not isinstance(reasoning, bool):
+        raise InvalidRequestError(f"reasoning must be True, False or None, got {reasoning!r}")
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise InvalidRequestError(f"template_kwargs must be a dict, got {type(template_kwargs).__name__}")
     kwargs = dict(template_kwargs or {})
     if reasoning is not None and fmt.has_thinking:
         kwargs[fmt.thinking_kwarg] = bool(reasoning)

@@ -18,6 +18,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import mlx.core as mx
+
 from .detokenizer import RequestDetokenizer
 from .errors import EngineClosedError, EngineStepError, InvalidRequestError, ModelLoadError, TandemError
 from .lanes import Lane, TextLane, TokenEvent
@@ -51,6 +53,9 @@ class EngineCore:
         self._running: dict[str, Request] = {}
         self._outbox: list[tuple[Any, Any]] = []
         self._closed = threading.Event()
+        # Held while checking "closed" and putting in the inbox, and while closing before
+        # the last drain of the inbox: nothing can land in an inbox that nobody reads.
+        self._inbox_lock = threading.Lock()
 
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -65,23 +70,34 @@ class EngineCore:
         return self._closed.is_set()
 
     def submit(self, request: Request) -> None:
-        if self._closed.is_set():
-            raise EngineClosedError("the engine is closed")
+        with self._inbox_lock:
+            if self._closed.is_set():
+                raise EngineClosedError("the engine is closed")
+            self._inbox.put(("add", request))
         self.stats.count("requests_submitted")
-        self._inbox.put(("add", request))
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request: Request) -> None:
+        """Abort ``request`` (the object, not its id: a refused duplicate id aborts nothing).
+
+        No lock: streams abort from ``__del__``, which the garbage collector may run inside
+        ``submit``'s locked section on the same thread; an abort lost at close is harmless."""
         if not self._closed.is_set():
-            self._inbox.put(("abort", request_id))
+            self._inbox.put(("abort", request))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn`` on the owner thread (for hooks that touch mlx state) and return its future."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self._closed.is_set():
-            fut.set_exception(EngineClosedError("the engine is closed"))
-        else:
-            self._inbox.put(("call", (fn, fut)))
+        with self._inbox_lock:
+            if not self._closed.is_set():
+                self._inbox.put(("call", (fn, fut)))
+                return fut
+        fut.set_exception(EngineClosedError("the engine is closed"))
         return fut
+
+    def _mark_closed(self) -> None:
+        """Refuse new commands; after this the inbox only shrinks, so one drain empties it."""
+        with self._inbox_lock:
+            self._closed.set()
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         if self._thread.is_alive():
@@ -122,7 +138,7 @@ class EngineCore:
                     context_length=self.options.max_model_len or self.loaded.context_length,
                 )
         except BaseException as exc:  # noqa: BLE001 - reported through the ready future
-            self._closed.set()
+            self._mark_closed()
             self.ready.set_exception(exc)
             self._fail_inbox(exc)
             return
@@ -137,7 +153,7 @@ class EngineCore:
         except BaseException:  # noqa: BLE001 - last resort: never leave callers hanging
             logger.exception("engine loop crashed")
         finally:
-            self._closed.set()
+            self._mark_closed()
             self._fail_everything(EngineClosedError("the engine was closed"))
             for lane in self._lanes.values():
                 lane.close()
@@ -240,6 +256,12 @@ class EngineCore:
             self._flush()
 
     def _add(self, req: Request) -> None:
+        rid = req.request_id
+        if rid in self._running or any(w.request_id == rid for w in self._waiting):
+            # Not _fail: retiring it would drop the live request that owns the id.
+            self._emit(req, InvalidRequestError(f"request_id {rid!r} is already in use by a live request"))
+            self.stats.count("requests_failed")
+            return
         if len(self._waiting) >= self.options.max_waiting:
             self._fail(req, InvalidRequestError(
                 f"too many waiting requests ({self.options.max_waiting}); try again later"))
@@ -247,16 +269,15 @@ class EngineCore:
         self._waiting.append(req)
         self._update_queue_stats()
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request: Request) -> None:
         for req in self._waiting:
-            if req.request_id == request_id:
+            if req is request:
                 self._waiting.remove(req)
                 self._finish_aborted(req)
                 return
-        req = self._running.get(request_id)
-        if req is not None:
-            self._lanes[req.lane].remove([request_id])
-            self._finish_aborted(req)
+        if self._running.get(request.request_id) is request:
+            self._lanes[request.lane].remove([request.request_id])
+            self._finish_aborted(request)
 
     def _admit(self) -> None:
         """Start waiting requests, in arrival order, on lanes with a free slot; a full lane
@@ -292,9 +313,14 @@ class EngineCore:
         self._update_queue_stats()
 
     def _step_lane(self, lane: Lane) -> None:
+        # A sampler compiled with the global PRNG state as input and output (mlx-lm's) that
+        # raises mid-trace leaves a placeholder in mx.random.state (mlx 0.32), failing every
+        # later unseeded draw: a failed step puts the state back.
+        rng_key = mx.random.state[0]
         try:
             events, st = lane.step()
         except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
+            _restore_random_key(rng_key)
             logger.exception("step of lane %r failed; failing its requests and recovering", lane.name)
             self.stats.count("step_errors")
             error = EngineStepError(f"the forward step failed: {type(exc).__name__}: {exc}")
@@ -406,3 +432,14 @@ class EngineCore:
 
     def _update_queue_stats(self) -> None:
         self.stats.set_queue(running=len(self._running), waiting=len(self._waiting))
+
+
+def _restore_random_key(key: mx.array) -> None:
+    """Make ``key`` mlx's global PRNG key again. The state cannot be assigned to, but
+    ``mx.random.seed(s)`` sets the key to ``[s >> 32, s & 0xffffffff]``."""
+    try:
+        hi, lo = (int(v) for v in key.tolist())
+        mx.random.seed((hi << 32) | lo)
+    except Exception:  # noqa: BLE001 - the saved key itself unusable: any fresh state beats a broken one
+        logger.warning("could not restore the PRNG key after a failed step; reseeding", exc_info=True)
+        mx.random.seed(time.time_ns() % 2**64)

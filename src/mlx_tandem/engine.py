@@ -11,6 +11,7 @@ import asyncio
 import atexit
 import dataclasses
 import logging
+import operator
 import threading
 import time
 import weakref
@@ -95,12 +96,17 @@ class Engine:
             return self._core
 
     def _on_ready(self, loaded: LoadedModel) -> None:
-        if self._renderer is None:
-            renderer = PromptRenderer(loaded.tokenizer)
-            self._format = ChatFormat.from_tokenizer(loaded.tokenizer)
-            self._grammar = GrammarCompiler(
-                loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids, lock=renderer.lock)
-            self._renderer = renderer
+        if self._renderer is not None:
+            return
+        # Once, under the lock: callers making their first call together must end with one
+        # renderer and a grammar compiler that share its tokenizer lock.
+        with self._lock:
+            if self._renderer is None:
+                renderer = PromptRenderer(loaded.tokenizer)
+                self._format = ChatFormat.from_tokenizer(loaded.tokenizer)
+                self._grammar = GrammarCompiler(
+                    loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids, lock=renderer.lock)
+                self._renderer = renderer
 
     async def start(self) -> "Engine":
         """Load the model (on the engine thread) if it is not loaded yet."""
@@ -214,6 +220,10 @@ class Engine:
     # ------------------------------------------------------------------ front end
     def _make_request(self, spec: "_Spec", sink) -> tuple[Request, Optional[ChatOutputParser]]:
         params = SamplingParams.coerce(spec.params)
+        if params.top_k >= self.loaded.vocab_size:
+            # Keeps every token, as top_k=0 does (mlx-lm's top-k needs k < vocab, and its
+            # failure inside a compiled sampler would fail the whole batch's step).
+            params = params.with_updates(top_k=0)
         renderer = self._renderer
         parser = None
         processors: list = []
@@ -261,7 +271,10 @@ class Engine:
             if isinstance(prompt, str):
                 prompt_ids = renderer.encode(prompt)
             elif prompt is not None:
-                prompt_ids = [int(t) for t in prompt]
+                try:
+                    prompt_ids = [operator.index(t) for t in prompt]  # ints only: no floats or strings
+                except TypeError:
+                    raise InvalidRequestError("a prompt is a string or a sequence of token ids (ints)") from None
                 vocab = self.loaded.vocab_size
                 if any(t < 0 or t >= vocab for t in prompt_ids):
                     raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
@@ -281,6 +294,8 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; the context window is {ctx} "
                 "(leave room for at least one generated token)",
                 prompt_tokens=len(prompt_ids), max_context=ctx)
+        if spec.request_id is not None and not isinstance(spec.request_id, str):
+            raise InvalidRequestError(f"request_id must be a string, got {type(spec.request_id).__name__}")
         req = Request(
             request_id=spec.request_id or new_request_id(),
             prompt_ids=prompt_ids,

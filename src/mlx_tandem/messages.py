@@ -42,6 +42,8 @@ def validate_messages(messages: Any) -> list[Message]:
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or "type" not in part:
                     raise InvalidRequestError(f"messages[{i}].content[{j}] must be a dict with a 'type'")
+                if part["type"] in TEXT_PART_TYPES and not isinstance(part.get("text", ""), str):
+                    raise InvalidRequestError(f"messages[{i}].content[{j}].text must be a string")
                 if part["type"] not in TEXT_PART_TYPES and part["type"] not in MEDIA_PART_TYPES:
                     # Silently dropping a part (a PDF, say) would answer a different question.
                     raise UnsupportedContentError(

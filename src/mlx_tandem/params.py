@@ -12,6 +12,15 @@ from .errors import InvalidRequestError
 LogitsProcessor = Callable[[Any, Any], Any]
 
 
+def _as_tuple(value: Any, name: str) -> tuple:
+    if value is None:
+        return ()
+    try:
+        return tuple(value)
+    except TypeError:
+        raise InvalidRequestError(f"SamplingParams.{name}={value!r}: must be a sequence") from None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request.
@@ -42,13 +51,9 @@ class SamplingParams:
 
     def __post_init__(self):
         # Accept a single string or any sequence for stop; a list for processors.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "logits_processors", _as_tuple(self.logits_processors, "logits_processors"))
         from .spec.policy import normalize_mode
 
         object.__setattr__(self, "mtp", normalize_mode(self.mtp, what="SamplingParams.mtp"))
@@ -78,8 +83,9 @@ class SamplingParams:
             bad("repetition_context_size", "must be an integer >= 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
-            bad("seed", "must be a non-negative integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**64):
+            bad("seed", "must be an integer in [0, 2**64) or None")  # mx.random.key takes a uint64
         if self.specprefill is not None and not isinstance(self.specprefill, bool):
             bad("specprefill", "must be True, False or None")
         if self.keep_pct is not None:

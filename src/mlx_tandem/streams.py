@@ -27,6 +27,7 @@ class _StreamBase:
         self._sink = sink
         self._parser = parser
         self._done = False
+        self._last: Optional[StreamDelta] = None  # the final delta, once it arrived
         self.text_parts: list[str] = []
         self.content_parts: list[str] = []
         self.reasoning_parts: list[str] = []
@@ -70,14 +71,15 @@ class _StreamBase:
         return item
 
     def _output(self) -> RequestOutput:
+        """What arrived; a stream cancelled before its end reads as aborted there."""
         last = self._last
         req = self._req
         return RequestOutput(
             request_id=req.request_id,
             text="".join(self.text_parts),
             token_ids=self.token_ids,
-            finish_reason=last.finish_reason,
-            usage=last.usage or Usage(req.num_prompt_tokens, len(self.token_ids)),
+            finish_reason=last.finish_reason if last is not None else "abort",
+            usage=(last.usage if last is not None else None) or Usage(req.num_prompt_tokens, len(self.token_ids)),
             prompt_token_ids=req.prompt_ids,
             time_to_first_token=(req.first_token_time - req.arrival) if req.first_token_time else None,
             latency=(req.finish_time - req.arrival) if req.finish_time else None,
@@ -91,7 +93,7 @@ class _StreamBase:
         """Abort the request now: it leaves the batch within one engine step."""
         if not self._done:
             self._done = True
-            self._core.abort(self._req.request_id)
+            self._core.abort(self._req)
 
     def __del__(self):
         try:

@@ -53,3 +53,19 @@ def resolve_call(defaults: Any, kwargs: dict, *, owner: str, stop: Optional[Sequ
     if kwargs:
         raise TypeError(f"{owner} got unexpected keyword arguments {sorted(kwargs)}")
     return CallSettings(SamplingParams(**params), options, timeout)
+
+
+def model_name_alias(fields: Any) -> Any:
+    """Constructor input with ``model_name`` read as ``model``, before validation.
+
+    ``model_name`` is how LangChain (ChatOpenAI's alias) and llama-index-llms-mlx spell the
+    model; on both adapters it is a read-only property, so it cannot be a field alias.
+    """
+    if not isinstance(fields, dict) or "model_name" not in fields:
+        return fields
+    fields = dict(fields)
+    name = fields.pop("model_name")
+    if fields.get("model") not in (None, name):
+        raise ValueError(f"model={fields['model']!r} and model_name={name!r} disagree; pass one")
+    fields["model"] = name
+    return fields

@@ -441,6 +441,14 @@ class Engine:
             stream.deadline = time.monotonic() + timeout
         return stream
 
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` under the model's tokenizer, no special tokens added.
+
+        Safe from any thread: the tokenizer is shared with the engine's renderer under its lock.
+        """
+        self.start_sync()
+        return self._renderer.encode(text)
+
     def apply_chat_template(self, messages: Sequence[dict], *, tools=None, tool_choice=None,
                             response_format=None, reasoning=None, template_kwargs=None) -> list[int]:
         """The prompt token ids the engine would use for this chat."""

@@ -336,3 +336,99 @@ def test_identity_params_and_profile():
     assert llm.profile["max_input_tokens"] == ctx
     assert llm.profile["tool_calling"] is True
     assert ChatMLX().model_name == DEFAULT_MODEL_NAME
+
+
+# ---------------------------------------------------------------------- construction
+def test_model_name_is_an_alias_and_unknown_arguments_are_errors():
+    from pydantic import ValidationError
+
+    assert ChatMLX(model_name=PATHS["qwen3_5"]).model == PATHS["qwen3_5"]
+    assert ChatMLX(model=PATHS["qwen3_5"], model_name=PATHS["qwen3_5"]).model == PATHS["qwen3_5"]
+    with pytest.raises(ValidationError, match="disagree"):
+        ChatMLX(model=PATHS["qwen3_5"], model_name=PATHS["llama"])
+    with pytest.raises(ValidationError, match="max_tokns"):
+        ChatMLX(model=PATHS["qwen3_5"], max_tokns=5)
+
+
+def test_core_stream_switch_is_accepted_per_call():
+    # core routes invoke(stream=...) and then hands the keyword on to _generate/_stream
+    llm = make_llm()
+    ref = llm.invoke("Hello")
+    assert llm.invoke("Hello", stream=False).content == ref.content
+    assert llm.invoke("Hello", stream=True).content == ref.content
+    assert asyncio.run(llm.ainvoke("Hello", stream=False)).content == ref.content
+
+
+# ---------------------------------------------------------------------- token counting
+def test_token_counts_use_the_models_tokenizer_and_template():
+    from langchain_core.messages import trim_messages
+
+    llm = make_llm()
+    text = "Count these tokens, please."
+    assert llm.get_token_ids(text) == list(llm.engine.tokenizer.encode(text, add_special_tokens=False))
+    hist = [SystemMessage("be brief"), HumanMessage("first question " * 20), AIMessage("first answer " * 20),
+            HumanMessage("second question")]
+    tools = [add]
+    assert llm.get_num_tokens_from_messages(hist) == len(llm.engine.apply_chat_template(to_engine_messages(hist)))
+    with_tools = llm.engine.apply_chat_template(
+        to_engine_messages(hist), tools=[{"type": "function", "function": {
+            "name": "add", "description": "Add two integers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "required": ["a", "b"]}}}])
+    assert llm.get_num_tokens_from_messages(hist, tools=tools) == len(with_tools)
+    assert llm.get_num_tokens_from_messages([]) == 0
+
+    whole = llm.get_num_tokens_from_messages(hist)
+    kept = trim_messages(hist, token_counter=llm, max_tokens=whole - 1, strategy="last", include_system=True)
+    assert kept[0] == hist[0] and kept[-1] == hist[-1] and len(kept) < len(hist)
+    assert llm.get_num_tokens_from_messages(kept) <= whole - 1
+
+
+def test_token_count_of_a_history_the_template_refuses_is_per_message(monkeypatch):
+    from langchain_core.messages import get_buffer_string
+    from mlx_tandem.errors import TemplateError
+
+    llm = make_llm()
+    hist = [AIMessage("an answer with no question"), ToolMessage("42", tool_call_id="c1")]
+
+    def refuse(*a, **k):
+        raise TemplateError("No user query found in messages.")
+
+    monkeypatch.setattr(type(llm.engine), "apply_chat_template", refuse)
+    expected = sum(len(llm.engine.tokenizer.encode(get_buffer_string([m]), add_special_tokens=False)) for m in hist)
+    assert llm.get_num_tokens_from_messages(hist) == expected > 0
+
+
+# ---------------------------------------------------------------------- content blocks core leaves untyped
+def test_untyped_blocks_are_read_or_refused_never_dropped():
+    png = "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()
+    # The Responses API's input blocks and image_url as a bare string are read as text / image.
+    out = to_engine_messages([HumanMessage(content=[{"type": "input_text", "text": "look"},
+                                                    {"type": "input_image", "image_url": png},
+                                                    {"type": "image_url", "image_url": png}])])
+    assert out[0]["content"] == [{"type": "text", "text": "look"}, {"type": "image", "image": png},
+                                 {"type": "image", "image": png}]
+    assert to_engine_messages([HumanMessage(content=[{"type": "input_text", "text": "hi"}])]) == \
+        to_engine_messages([HumanMessage("hi")])
+    # A plain-text document block is its text.
+    doc = HumanMessage(content=[{"type": "document", "source": {"type": "text", "data": "the notes"}}])
+    assert to_engine_messages([doc])[0]["content"] == "the notes"
+    # Anything else is a typed error naming the block, on the call too: an image is never dropped.
+    with pytest.raises(UnsupportedContentError, match="'audio_ref'"):
+        to_engine_messages([HumanMessage(content=[{"type": "text", "text": "x"}, {"type": "audio_ref", "id": 1}])])
+    with pytest.raises(UnsupportedContentError, match="text-only"):
+        make_llm().invoke([HumanMessage(content=[{"type": "text", "text": "what is this"},
+                                                 {"type": "input_image", "image_url": png}])])
+
+
+def test_tool_result_blocks_without_a_type_are_shown_as_json():
+    value = {"type": "json", "json": {"temperature": 21, "unit": "C"}}
+    tool = ToolMessage(content=[value], tool_call_id="c1")
+    assert to_engine_messages([tool]) == [{"role": "tool", "content": json.dumps(value), "tool_call_id": "c1"}]
+
+
+def test_reasoning_given_as_v1_blocks_reaches_the_history_as_v0_does():
+    v1 = AIMessage(content=[{"type": "reasoning", "reasoning": "weighing it"}, {"type": "text", "text": "4"}])
+    v0 = AIMessage("4", additional_kwargs={"reasoning_content": "weighing it"})
+    assert to_engine_messages([v1]) == to_engine_messages([v0]) == [
+        {"role": "assistant", "content": "4", "reasoning_content": "weighing it"}]

@@ -139,6 +139,18 @@ def test_unknown_kwargs_and_engine_errors_are_typed():
         llm.chat(user("word " * 5000))
 
 
+def test_model_name_is_an_alias_and_unknown_constructor_arguments_are_errors():
+    from pydantic import ValidationError
+
+    assert MLXTandemLLM(model_name=PATHS["qwen3_5"]).model == PATHS["qwen3_5"]
+    with pytest.raises(ValidationError, match="disagree"):
+        MLXTandemLLM(model=PATHS["qwen3_5"], model_name=PATHS["llama"])
+    with pytest.raises(ValidationError, match="max_tokns"):
+        MLXTandemLLM(model=PATHS["qwen3_5"], max_tokns=5)
+    llm = make_llm(temperature=0.3)  # serialization still round-trips
+    assert MLXTandemLLM.from_dict(llm.to_dict()).temperature == 0.3
+
+
 # ---------------------------------------------------------------------- reasoning
 def _grammar(engine: Engine, body: str) -> dict:
     return {"type": "lark", "grammar": f"start: {body}"}

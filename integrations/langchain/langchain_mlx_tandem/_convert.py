@@ -29,7 +29,9 @@ PROVIDER = "mlx_tandem"
 
 def _block_to_part(block: dict) -> Optional[dict]:
     kind = block.get("type")
-    if kind == "text":
+    if kind == "non_standard":
+        return _non_standard_to_part(block.get("value") or {})
+    if kind in ("text", "text-plain"):  # text-plain: a plain-text document (e.g. Anthropic's)
         return {"type": "text", "text": block.get("text", "")}
     if kind in ("image", "audio", "video"):
         if block.get("base64"):
@@ -43,17 +45,37 @@ def _block_to_part(block: dict) -> Optional[dict]:
             raise InvalidRequestError(f"{kind} block without base64 data or url")
         return {"type": kind, kind: src}
     if kind in ("reasoning", "tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call",
-                "server_tool_result", "non_standard"):
+                "server_tool_result"):
         return None  # not content of a prompt turn (tool calls travel separately)
     if kind == "file":
         raise UnsupportedContentError("file/PDF content blocks are not supported by mlx-tandem models")
     raise UnsupportedContentError(f"unsupported content block type {kind!r}")
 
 
+def _non_standard_to_part(value: dict) -> dict:
+    """Blocks core does not translate arrive as ``non_standard``. Read the common ones (the
+    Responses API's input blocks, ``image_url`` given as a bare string); refuse the rest
+    rather than drop them: a silently dropped image or text gets an answer to a different
+    prompt."""
+    kind = value.get("type")
+    if kind == "input_text":
+        return {"type": "text", "text": value.get("text", "")}
+    url = value.get("image_url")
+    if kind in ("input_image", "image_url") and isinstance(url, str) and url:
+        return {"type": "image", "image": url}
+    raise UnsupportedContentError(f"unsupported content block type {kind!r}")
+
+
 def _content(message: BaseMessage) -> str | list[dict]:
     if isinstance(message.content, str):
         return message.content
-    parts = [p for p in (_block_to_part(b) for b in message.content_blocks) if p is not None]
+    blocks = message.content_blocks
+    if isinstance(message, ToolMessage):
+        # A tool's output is data for the model: a block core has no type for (e.g. a
+        # tool returning [{"type": "json", ...}]) is shown as its JSON text, not refused.
+        blocks = [{"type": "text", "text": json.dumps(b.get("value"), ensure_ascii=False)}
+                  if b.get("type") == "non_standard" else b for b in blocks]
+    parts = [p for p in (_block_to_part(b) for b in blocks) if p is not None]
     if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
     return parts
@@ -75,7 +97,10 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
                      "function": {"name": tc["name"], "arguments": json.dumps(tc["args"], ensure_ascii=False)}}
                     for i, tc in enumerate(m.tool_calls)
                 ]
-            reasoning = m.additional_kwargs.get("reasoning_content")
+            # v0 keeps reasoning in additional_kwargs; v1 messages (and other providers')
+            # may carry it only as reasoning content blocks.
+            reasoning = m.additional_kwargs.get("reasoning_content") or "".join(
+                b.get("reasoning", "") for b in m.content_blocks if b.get("type") == "reasoning")
             if reasoning:
                 d["reasoning_content"] = reasoning
         elif isinstance(m, ToolMessage):

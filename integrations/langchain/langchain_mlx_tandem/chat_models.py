@@ -14,17 +14,19 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.messages.utils import convert_to_messages
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from mlx_tandem import Engine
-from mlx_tandem.call_options import merge_stops, resolve_call
+from mlx_tandem.call_options import merge_stops, model_name_alias, resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
+from mlx_tandem.errors import TemplateError
 
 from ._convert import PROVIDER, ChunkBuilder, to_ai_message, to_engine_messages
 
@@ -40,8 +42,11 @@ class ChatMLX(BaseChatModel):
             llm = ChatMLX(model="mlx-community/Qwen3.5-0.8B-4bit", max_tokens=256)
             llm.invoke("Hello!")
 
-    ``model`` is a local checkpoint directory or a hub repo id; None runs the embedded
-    default model. ``engine_options`` go to ``Engine.shared`` (e.g. ``max_batch_size``).
+    ``model`` (or its alias ``model_name``) is a local checkpoint directory or a hub repo id;
+    None runs the embedded default model. ``engine_options`` go to ``Engine.shared`` (e.g.
+    ``max_batch_size``). An unknown constructor argument is an error, as an unknown call
+    option is: there is no provider API to pass it on to, and a misspelt option that is
+    silently dropped runs the wrong model or budget.
     """
 
     model: Optional[str] = None
@@ -69,7 +74,12 @@ class ChatMLX(BaseChatModel):
     max_retries: int = 0
     """Accepted for LangChain compatibility; local inference has no transient failures to retry."""
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_name_alias(cls, data: Any) -> Any:
+        return model_name_alias(data)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -130,9 +140,30 @@ class ChatMLX(BaseChatModel):
     def _request(self, messages: list[BaseMessage], stop: Optional[list[str]], kwargs: dict):
         kwargs = dict(kwargs)
         kwargs.pop("ls_structured_output_format", None)
+        kwargs.pop("stream", None)  # core's per-call streaming switch, already acted on
         engine, model_name = self._engine_for(kwargs)
         call = resolve_call(self, kwargs, owner="ChatMLX", stop=stop)
         return engine, model_name, to_engine_messages(messages), call.params, call.options, call.timeout
+
+    # ------------------------------------------------------------------ token counting
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids under the model's own tokenizer (core's default is GPT-2's)."""
+        return self.engine.encode(text)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage],
+                                     tools: Optional[Sequence] = None) -> int:
+        """Prompt tokens the engine would use for ``messages`` (and ``tools``): the chat
+        template rendered, generation prompt included, so ``trim_messages(token_counter=llm)``
+        trims to what the model sees. A partial history that the template refuses (e.g. no
+        user turn, which Qwen templates reject) is counted message by message instead."""
+        messages = convert_to_messages(messages)
+        if not messages:
+            return 0
+        formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
+        try:
+            return len(self.engine.apply_chat_template(to_engine_messages(messages), tools=formatted))
+        except TemplateError:
+            return super().get_num_tokens_from_messages(messages, tools)
 
     # ------------------------------------------------------------------ generation
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,

@@ -23,7 +23,7 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import BaseModel, Field, ValidationError
+from llama_index.core.bridge.pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.llm import (
     LLMStructuredPredictEndEvent,
@@ -39,7 +39,7 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import PydanticProgramMode
 
 from mlx_tandem import Engine, SamplingParams
-from mlx_tandem.call_options import resolve_call
+from mlx_tandem.call_options import model_name_alias, resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 
 from ._convert import StreamAccumulator, to_chat_response, to_completion_response, to_engine_messages
@@ -59,9 +59,14 @@ class MLXTandemLLM(FunctionCallingLLM):
             llm = MLXTandemLLM(model="mlx-community/Qwen3.5-0.8B-4bit", max_tokens=256)
             print(llm.complete("Hello!"))
 
-    ``model`` is a local checkpoint directory or a hub repo id; None runs the embedded
-    default model. ``engine_options`` go to ``Engine.shared`` (e.g. ``max_batch_size``).
+    ``model`` (or its alias ``model_name``, as llama-index-llms-mlx spells it) is a local
+    checkpoint directory or a hub repo id; None runs the embedded default model.
+    ``engine_options`` go to ``Engine.shared`` (e.g. ``max_batch_size``). An unknown
+    constructor argument is an error, as an unknown call option is: a misspelt option that
+    is silently dropped runs the wrong model or budget.
     """
+
+    model_config = ConfigDict(extra="forbid")
 
     model: Optional[str] = Field(default=None, description="Checkpoint directory or hub repo id; None = default model.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 samples greedily.")
@@ -88,6 +93,11 @@ class MLXTandemLLM(FunctionCallingLLM):
     engine_options: dict[str, Any] = Field(default_factory=dict, description="Options for Engine.shared.")
     timeout: Optional[float] = Field(
         default=None, description="Seconds per call; the request is cancelled (its slot freed) and TimeoutError raised.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_name_alias(cls, data: Any) -> Any:
+        return model_name_alias(data)
 
     @classmethod
     def class_name(cls) -> str:

@@ -106,3 +106,32 @@ async def test_stream_deadlines_cancel_and_free_the_slot(llama_engine):
     ref = await llama_engine.chat(msgs, {"max_tokens": 8})
     stream = await llama_engine.open_chat_stream(msgs, {"max_tokens": 8}, timeout=60)
     assert (await stream.collect()).text == ref.text
+
+
+async def test_preparing_a_request_leaves_the_event_loop_free(llama_engine, llama_path, monkeypatch):
+    # Templating a long prompt or decoding images must not stall the caller's event loop:
+    # the render below only proceeds once a coroutine on that loop has run.
+    import threading
+
+    from mlx_tandem.prompt import PromptRenderer
+
+    from .reference import reference_greedy
+
+    engine = llama_engine
+    prompt = chat_prompts(1)[0]
+    expected = reference_greedy(llama_path, engine.apply_chat_template(prompt), 6)
+    real = PromptRenderer.render_with_text
+    loop_ran = threading.Event()
+
+    def gated(self, *args, **kwargs):
+        if not loop_ran.wait(5):
+            raise AssertionError("the request was prepared on the event loop, which was blocked")
+        return real(self, *args, **kwargs)
+
+    async def tick():
+        await asyncio.sleep(0.02)
+        loop_ran.set()
+
+    monkeypatch.setattr(PromptRenderer, "render_with_text", gated)
+    out, _ = await asyncio.gather(engine.chat(prompt, SamplingParams(max_tokens=6)), tick())
+    assert out.token_ids == expected

@@ -328,7 +328,10 @@ class Engine:
     async def _astream(self, spec: "_Spec") -> "AsyncStream":
         await self.start()
         sink = AsyncSink(asyncio.get_running_loop())
-        req, parser = self._make_request(spec, sink)
+        # Off the event loop: templating a long prompt, compiling a grammar and decoding (or
+        # fetching) images take milliseconds to seconds, and every other stream on this loop
+        # would wait for them. No mlx here (the owner thread makes the arrays).
+        req, parser = await asyncio.to_thread(self._make_request, spec, sink)
         self._core.submit(req)
         return AsyncStream(self._core, req, sink, parser)
 

@@ -135,3 +135,29 @@ async def test_preparing_a_request_leaves_the_event_loop_free(llama_engine, llam
     monkeypatch.setattr(PromptRenderer, "render_with_text", gated)
     out, _ = await asyncio.gather(engine.chat(prompt, SamplingParams(max_tokens=6)), tick())
     assert out.token_ids == expected
+
+
+async def test_a_shared_engine_whose_load_failed_is_replaced_on_the_next_call(tmp_path, llama_path):
+    # e.g. a checkpoint directory still being copied: once its files are there, the next
+    # call loads it, instead of raising the first load's error for the life of the process.
+    import shutil
+
+    from mlx_tandem import ModelLoadError
+
+    path = tmp_path / "arriving"
+    path.mkdir()
+    first = Engine.shared(path, show_progress=False)
+    with pytest.raises(ModelLoadError):
+        await first.start()
+    assert first.closed
+    for f in llama_path.iterdir():
+        shutil.copy(f, path / f.name)
+    second = Engine.shared(path, show_progress=False)
+    try:
+        assert second is not first
+        prompt = chat_prompts(1)[0]
+        out = await second.chat(prompt, SamplingParams(max_tokens=5))
+        with Engine(llama_path, show_progress=False) as ref:
+            assert out.token_ids == ref.chat_sync(prompt, SamplingParams(max_tokens=5)).token_ids
+    finally:
+        second.close_sync()

@@ -80,7 +80,7 @@ class Engine:
         key = (_model_key(model), opts)
         with cls._shared_lock:
             engine = cls._shared.get(key)
-            if engine is None or engine._closed:
+            if engine is None or engine.closed:
                 engine = cls(model, **options)
                 cls._shared[key] = engine
             return engine
@@ -147,7 +147,10 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        """Closed by the caller, or its engine thread ended (a failed load, a crashed loop):
+        ``Engine.shared`` then makes a new engine rather than hand out a dead one."""
+        core = self._core
+        return self._closed or (core is not None and core.closed)
 
     # ------------------------------------------------------------------ information
     @property

@@ -75,6 +75,21 @@ def test_max_tokens_and_eos_exact_with_multi_token_steps(qwen3_5_mtp_path):
     assert stats["mtp"]["accepted"] > 0
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2, 7])
+def test_acceptance_counts_only_drafts_that_reached_the_output(qwen3_5_mtp_path, max_tokens):
+    # Every row drafts in every step (greedy, mtp="on"), and a step emits the pending token
+    # plus the accepted drafts, so the output is exactly one token per row-step plus the
+    # accepted drafts; drafts accepted past max_tokens are dropped and must not count.
+    async def run():
+        async with Engine(qwen3_5_mtp_path, show_progress=False, mtp="on", mtp_depth=3) as engine:
+            outs = await asyncio.gather(*(engine.complete(p, {"max_tokens": max_tokens}) for p in TRAINED[:8]))
+            return sum(o.usage.completion_tokens for o in outs), engine.stats()["mtp"]
+
+    emitted, mtp = asyncio.run(run())
+    assert mtp["plain_steps"] == 0 and mtp["spec_steps"] > 0
+    assert emitted == mtp["draft_rows"] + mtp["accepted"], mtp
+
+
 def test_rows_with_processors_and_seeded_rows_match_plain_decoding(qwen3_5_mtp_path):
     """Rows that cannot draft (logits processors; seeded sampling under "auto") share the
     speculative batch and still produce exactly their plain-decoding output."""

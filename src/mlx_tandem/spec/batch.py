@@ -242,14 +242,17 @@ class MTPGenerationBatch(GenerationBatch):
         write_accepted(spec.head, embed, mtp, drafts, hidden, acc)
         mtp[0].pending = mx.take_along_axis(hidden, accepted.reshape(B, 1, 1).astype(mx.int32), axis=1)
 
-        n_draft_rows = sum(drafting)
-        spec.stats.drafted += k * n_draft_rows
-        spec.stats.accepted += sum(a for a, d in zip(acc, drafting) if d)
-        spec.stats.draft_rows += n_draft_rows
-
         self._next_tokens = nxt
         self._next_logprobs = [None] * B
-        return self._emit(inputs.tolist(), acc), 1.0 + sum(acc) / B
+        responses, emitted = self._emit(inputs.tolist(), acc)
+
+        # Count what reached the output: drafts accepted past a row's max_tokens or stop
+        # are dropped, and counting them would flatter both the stats and the auto policy.
+        n_draft_rows = sum(drafting)
+        spec.stats.drafted += k * n_draft_rows
+        spec.stats.accepted += sum(e - 1 for e, d in zip(emitted, drafting) if d)
+        spec.stats.draft_rows += n_draft_rows
+        return responses, sum(emitted) / B
 
     def _plain_rows_next(self, drafting: list[bool], logits0: mx.array, x: mx.array, nxt: mx.array) -> mx.array:
         """Rows that do not draft take their next token exactly as a plain step would:
@@ -301,8 +304,9 @@ class MTPGenerationBatch(GenerationBatch):
             mx.eval(nxt)
         return mx.array(acc), nxt
 
-    def _emit(self, blocks: list[list[int]], accepted: list[int]):
-        responses, keep = [], []
+    def _emit(self, blocks: list[list[int]], accepted: list[int]) -> tuple[list, list[int]]:
+        """Responses for each row's kept tokens, up to its finish; and how many each emitted."""
+        responses, keep, emitted = [], [], []
         for i, uid in enumerate(self.uids):
             finish = None
             kept = blocks[i][: accepted[i] + 1]
@@ -322,11 +326,12 @@ class MTPGenerationBatch(GenerationBatch):
                     all_tokens=self.tokens[i] if exact else None))
                 if finish:
                     break
+            emitted.append(j + 1)
             if finish is None:
                 keep.append(i)
         if len(keep) < len(self.uids):
             self.filter(keep)
-        return responses
+        return responses, emitted
 
 
 class SpecBatchGenerator(BatchGenerator):

@@ -222,6 +222,8 @@ class Engine:
 
     # ------------------------------------------------------------------ front end
     def _make_request(self, spec: "_Spec", sink) -> tuple[Request, Optional[ChatOutputParser]]:
+        if spec.request_id is not None and not isinstance(spec.request_id, str):
+            raise InvalidRequestError(f"request_id must be a string, got {type(spec.request_id).__name__}")
         params = SamplingParams.coerce(spec.params)
         if params.top_k >= self.loaded.vocab_size:
             # Keeps every token, as top_k=0 does (mlx-lm's top-k needs k < vocab, and its
@@ -297,8 +299,6 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; the context window is {ctx} "
                 "(leave room for at least one generated token)",
                 prompt_tokens=len(prompt_ids), max_context=ctx)
-        if spec.request_id is not None and not isinstance(spec.request_id, str):
-            raise InvalidRequestError(f"request_id must be a string, got {type(spec.request_id).__name__}")
         req = Request(
             request_id=spec.request_id or new_request_id(),
             prompt_ids=prompt_ids,

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from mlx_tandem import Engine, InvalidRequestError, SamplingParams
-from mlx_tandem.errors import ModelLoadError
+from mlx_tandem.errors import EngineStepError, ModelLoadError
 from mlx_tandem.spec.mtp_cache import MTPKVCache
 from mlx_tandem.specprefill.job import SparsePrefill
 from mlx_tandem.specprefill.positions import PositionedKVCache, positioned
@@ -273,3 +273,23 @@ async def test_cancelling_during_the_sparse_prefill_frees_the_request(llama_path
         out = await engine.complete(_prompt(400, seed=10), {"max_tokens": 4, "keep_pct": 1.0})
         assert out.token_ids == reference_greedy(llama_path, _prompt(400, seed=10), 4)
         assert engine.stats()["specprefill"]["requests"] == 1
+
+
+async def test_a_failed_sparse_prefill_fails_its_request_only(llama_path, draft_path, monkeypatch):
+    """An error inside SpecPrefill is the engine's (EngineStepError naming SpecPrefill), not
+    the request's; a request decoding beside it and later SpecPrefill requests are unaffected."""
+    async with _engine(llama_path, draft_path) as engine:
+        beside = await engine.open_complete_stream(_prompt(40, seed=3), {"max_tokens": 12})
+        advance = SparsePrefill.advance
+
+        def broken(self):
+            raise RuntimeError("draft scoring broke")
+
+        monkeypatch.setattr(SparsePrefill, "advance", broken)
+        with pytest.raises(EngineStepError, match="SpecPrefill failed: RuntimeError: draft scoring broke") as info:
+            await engine.complete(_prompt(600, seed=4), {"max_tokens": 4})
+        assert isinstance(info.value.__cause__, RuntimeError)
+        monkeypatch.setattr(SparsePrefill, "advance", advance)
+        assert (await beside.collect()).token_ids == reference_greedy(llama_path, _prompt(40, seed=3), 12)
+        out = await engine.complete(_prompt(600, seed=4), {"max_tokens": 4, "keep_pct": 1.0})
+        assert out.token_ids == reference_greedy(llama_path, _prompt(600, seed=4), 4)

@@ -352,8 +352,10 @@ class EngineCore:
         if req is None:
             return
         if ev.error is not None:
-            err = ev.error if isinstance(ev.error, TandemError) else InvalidRequestError(
-                f"logits processor failed: {type(ev.error).__name__}: {ev.error}")
+            err = ev.error
+            if not isinstance(err, TandemError):  # lanes type their errors; this is a backstop
+                err = EngineStepError(f"the request failed: {type(ev.error).__name__}: {ev.error}")
+                err.__cause__ = ev.error
             self._fail(req, err)
             return
         now = time.perf_counter()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
+from ..errors import InvalidRequestError, TandemError
 from ..request import Request
 
 
@@ -75,7 +76,16 @@ def fail_errored(events: list[TokenEvent], errors: list, remove) -> list[TokenEv
     errors.clear()
     remove(list(failed))
     events = [e for e in events if e.request_id not in failed]
-    return events + [TokenEvent(rid, [], "error", exc) for rid, exc in failed.items()]
+    return events + [TokenEvent(rid, [], "error", _processor_error(exc)) for rid, exc in failed.items()]
+
+
+def _processor_error(exc: BaseException) -> TandemError:
+    """A request's own logits processor raised: its input's fault, typed as such."""
+    if isinstance(exc, TandemError):
+        return exc
+    error = InvalidRequestError(f"logits processor failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 class Lane(Protocol):

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..errors import EngineStepError
 from ..prefix_cache import PrefixCache
 from ..request import Request
 from ..samplers import SeededSampler, make_request_processors, make_request_sampler
@@ -232,7 +233,9 @@ class TextLane:
         except Exception as exc:  # noqa: BLE001 - this request fails, the lane goes on
             logger.exception("SpecPrefill of %s failed", rid)
             self._sparse.pop(rid, None)
-            return [TokenEvent(rid, [], "error", exc)], 0, 0.0
+            error = EngineStepError(f"SpecPrefill failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            return [TokenEvent(rid, [], "error", error)], 0, 0.0
         return [], fed, time.perf_counter() - tic
 
     def specprefill_stats(self) -> dict | None:

@@ -119,6 +119,26 @@ def test_invoke_and_stream_equal_engine_output():
     assert chunks[-1].response_metadata["finish_reason"] == ref.finish_reason
 
 
+def test_generate_fills_llm_output_with_summed_usage():
+    """Callback handlers read usage from ``LLMResult.llm_output`` (ChatOpenAI's keys)."""
+    prompts = ["Hello", "What is 2 + 3?"]
+    llm = make_llm(max_tokens=12)
+    refs = [llm.engine.chat_sync([{"role": "user", "content": p}], {"max_tokens": 12}) for p in prompts]
+    result = llm.generate([[HumanMessage(p)] for p in prompts])
+    assert result.llm_output == {
+        "model_name": PATHS["qwen3_5"],
+        "token_usage": {"prompt_tokens": sum(r.usage.prompt_tokens for r in refs),
+                        "completion_tokens": sum(r.usage.completion_tokens for r in refs),
+                        "total_tokens": sum(r.usage.total_tokens for r in refs)}}
+    assert [g[0].message.usage_metadata["output_tokens"] for g in result.generations] == [
+        r.usage.completion_tokens for r in refs]
+    # Streamed, core assembles each result from chunks and gives no llm_output to sum.
+    streamed = make_llm(max_tokens=12, streaming=True).generate([[HumanMessage(p)] for p in prompts])
+    assert streamed.llm_output == {"model_name": PATHS["qwen3_5"]}
+    assert [g[0].message.usage_metadata for g in streamed.generations] == [
+        g[0].message.usage_metadata for g in result.generations]
+
+
 async def test_concurrent_astream_equals_one_at_a_time():
     llm = make_llm(max_tokens=16)
     prompts = [f"question number {i}" for i in range(8)]

@@ -166,13 +166,28 @@ class ChatMLX(BaseChatModel):
             return super().get_num_tokens_from_messages(messages, tools)
 
     # ------------------------------------------------------------------ generation
+    def _combine_llm_outputs(self, llm_outputs: list[Optional[dict]]) -> dict:
+        """``generate()`` over several prompts: token usage summed, as ChatOpenAI does. Under
+        ``streaming=True`` core builds each result from the chunks with no ``llm_output``; the
+        usage is then on each message's ``usage_metadata`` only."""
+        totals: dict[str, int] = {}
+        for output in llm_outputs:
+            for key, value in ((output or {}).get("token_usage") or {}).items():
+                totals[key] = totals.get(key, 0) + value
+        model_name = next((o["model_name"] for o in llm_outputs if o and o.get("model_name")),
+                          self.model_name)
+        combined: dict[str, Any] = {"model_name": model_name}
+        if totals:
+            combined["token_usage"] = totals
+        return combined
+
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
         if self.streaming:
             return _collect(self._stream(messages, stop=stop, run_manager=run_manager, **kwargs))
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
         out = engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options).collect()
-        return ChatResult(generations=[ChatGeneration(message=to_ai_message(out, model_name))])
+        return _result(to_ai_message(out, model_name))
 
     async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                          run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
@@ -182,7 +197,7 @@ class ChatMLX(BaseChatModel):
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
         stream = await engine.open_chat_stream(msgs, params, timeout=timeout, **options)
         out = await stream.collect()
-        return ChatResult(generations=[ChatGeneration(message=to_ai_message(out, model_name))])
+        return _result(to_ai_message(out, model_name))
 
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
@@ -300,7 +315,19 @@ def _collect(chunks: Iterator[ChatGenerationChunk]) -> ChatResult:
         content=msg.content, additional_kwargs=msg.additional_kwargs, tool_calls=msg.tool_calls,
         invalid_tool_calls=msg.invalid_tool_calls, usage_metadata=msg.usage_metadata,
         response_metadata=msg.response_metadata, id=msg.id)
-    return ChatResult(generations=[ChatGeneration(message=message)])
+    return _result(message)
+
+
+def _result(message: AIMessage) -> ChatResult:
+    """One generation, with ``llm_output`` as ChatOpenAI fills it (model name, token usage
+    in OpenAI's keys): callback handlers written for ``on_llm_end`` read usage there."""
+    llm_output: dict[str, Any] = {"model_name": message.response_metadata.get("model_name")}
+    if message.usage_metadata:
+        usage = message.usage_metadata
+        llm_output["token_usage"] = {"prompt_tokens": usage["input_tokens"],
+                                     "completion_tokens": usage["output_tokens"],
+                                     "total_tokens": usage["total_tokens"]}
+    return ChatResult(generations=[ChatGeneration(message=message)], llm_output=llm_output)
 
 
 def _profile(engine: Engine) -> dict:

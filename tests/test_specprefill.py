@@ -96,17 +96,45 @@ def test_kept_tokens_are_prefilled_at_their_original_positions(kind, request, dr
     assert row[layer].offset + row[layer].position_shift == len(prompt) - 1
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_a_job_keeping_everything_decodes_as_a_full_prefill(kind, request, draft_path):
+    """The sparse machinery (pieces, positioned batch-of-one caches, the row's true position)
+    loses nothing when nothing is dropped: greedy decoding from the job's cache equals
+    decoding after a plain full prefill."""
+    path = request.getfixturevalue(f"{kind}_path")
+    model, _ = load(str(path))
+    draft, _ = load(str(draft_path))
+    prompt = _prompt(300, seed=7)
+    job = SparsePrefill(model, draft, prompt, None, start=0, dense_end=40, keep_pct=1.0,
+                        chunk_size=16, lookahead=4, step_size=50)
+    while not job.done:
+        job.advance()
+    assert job.runs == [(0, len(prompt) - 1)] and job.scorer is None
+    cache, token, got = job.row_cache(), prompt[-1], []
+    for _ in range(12):
+        token = int(mx.argmax(model(mx.array([[token]]), cache=cache)[0, -1]).item())
+        got.append(token)
+    assert got == reference_greedy(path, prompt, 12)[: len(got)]
+
+
 # --------------------------------------------------------------------------- in the engine
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
-async def test_keep_all_equals_full_prefill(kind, request, draft_path):
+async def test_keep_all_takes_the_plain_prefill_and_is_cached(kind, request, draft_path):
+    """keep_pct 1.0 drops nothing, so the request is prefilled as any other: exact, batched,
+    and its final cache kept (a sparse row's cannot be), so a follow-up hits the cache."""
     path = request.getfixturevalue(f"{kind}_path")
     prompts = [_prompt(400, seed) for seed in range(3)]
     expected = [reference_greedy(path, p, 16) for p in prompts]
     async with _engine(path, draft_path, specprefill_keep_pct=1.0) as engine:
-        outs = await asyncio.gather(*[engine.complete(p, {"max_tokens": 16}) for p in prompts])
+        outs = await asyncio.gather(*[engine.complete(p, {"max_tokens": 16, "specprefill": True})
+                                      for p in prompts])
+        follow_up = prompts[0] + expected[0] + _prompt(8, seed=9)
+        again = await engine.complete(follow_up, {"max_tokens": 4, "specprefill": True})
         stats = engine.stats()["specprefill"]
     assert [o.token_ids for o in outs] == expected
-    assert stats["requests"] == 3 and stats["kept_tokens"] == stats["sparse_tokens"] == 3 * 399
+    assert stats["requests"] == 0 and stats["sparse_tokens"] == 0
+    assert again.usage.cached_tokens >= len(prompts[0]) + len(expected[0]) - 1
+    assert again.token_ids == reference_greedy(path, follow_up, 4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
@@ -172,15 +200,18 @@ def _gauge_reports() -> list[list[dict]]:
 async def test_only_the_uncached_suffix_is_scored_and_filled_sparsely(kind, request, draft_path):
     path = request.getfixturevalue(f"{kind}_path")
     chats = _gauge_reports()
-    async with _engine(path, draft_path, specprefill_keep_pct=1.0) as engine:
+    short = [chats[0][0], {"role": "user", "content": "Any floods?"}]
+    async with _engine(path, draft_path, specprefill_keep_pct=0.5) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
         boundary = {k: n for n, k in engine._renderer.cache_points(chats[1], ids[1])}["system"]
-        expected = [reference_greedy(path, p, 10) for p in ids]
-        first = await engine.chat(chats[0], {"max_tokens": 10})
+        await engine.chat(chats[0], {"max_tokens": 10})
         after_first = engine.stats()["specprefill"]
         second = await engine.chat(chats[1], {"max_tokens": 10})
         stats = engine.stats()
-    assert [first.token_ids, second.token_ids] == expected
+        # The system prompt's snapshot, written by a sparse job, is its exact state: a plain
+        # request that restores it answers as a cold full prefill does.
+        plain = await engine.chat(short, {"max_tokens": 10, "specprefill": False})
+        short_ids = engine.apply_chat_template(short)
     # The first request filled the system prompt densely (and cached it), the rest sparsely.
     assert after_first["sparse_tokens"] == len(ids[0]) - 1 - boundary
     # The second reused the system prompt: only its own suffix went through SpecPrefill.
@@ -188,6 +219,8 @@ async def test_only_the_uncached_suffix_is_scored_and_filled_sparsely(kind, requ
     assert stats["specprefill"]["sparse_tokens"] - after_first["sparse_tokens"] == \
         len(ids[1]) - 1 - second.usage.cached_tokens
     assert stats["prefix_cache"]["hits_by_kind"]["system"] >= 1
+    assert plain.usage.cached_tokens >= boundary
+    assert plain.token_ids == reference_greedy(path, short_ids, 10)
 
 
 async def test_the_draft_scores_only_what_its_own_cache_does_not_hold(qwen3_5_path, draft_path):
@@ -270,9 +303,11 @@ async def test_cancelling_during_the_sparse_prefill_frees_the_request(llama_path
         stream.cancel()  # the abort reaches the engine thread before the next call below
         assert engine.run_on_owner_thread(lambda: (len(lane._sparse), lane.num_active)) == (0, 0)
         # The engine goes on serving, SpecPrefill included.
-        out = await engine.complete(_prompt(400, seed=10), {"max_tokens": 4, "keep_pct": 1.0})
-        assert out.token_ids == reference_greedy(llama_path, _prompt(400, seed=10), 4)
+        out = await engine.complete(_prompt(400, seed=10), {"max_tokens": 4, "keep_pct": 0.5})
+        assert out.usage.completion_tokens == 4
         assert engine.stats()["specprefill"]["requests"] == 1
+        plain = await engine.complete(_prompt(60, seed=11), {"max_tokens": 4})
+        assert plain.token_ids == reference_greedy(llama_path, _prompt(60, seed=11), 4)
 
 
 async def test_a_failed_sparse_prefill_fails_its_request_only(llama_path, draft_path, monkeypatch):
@@ -291,5 +326,6 @@ async def test_a_failed_sparse_prefill_fails_its_request_only(llama_path, draft_
         assert isinstance(info.value.__cause__, RuntimeError)
         monkeypatch.setattr(SparsePrefill, "advance", advance)
         assert (await beside.collect()).token_ids == reference_greedy(llama_path, _prompt(40, seed=3), 12)
-        out = await engine.complete(_prompt(600, seed=4), {"max_tokens": 4, "keep_pct": 1.0})
-        assert out.token_ids == reference_greedy(llama_path, _prompt(600, seed=4), 4)
+        out = await engine.complete(_prompt(600, seed=4), {"max_tokens": 4})
+        assert out.usage.completion_tokens == 4
+        assert engine.stats()["specprefill"]["requests"] == 1

@@ -195,18 +195,22 @@ class TextLane:
         The prompt up to its system-prompt boundary is prefilled densely (and snapshotted),
         so the next request with that system prompt hits the cache; the rest is scored by
         the draft and prefilled sparsely when it is at least ``threshold`` tokens long (or
-        the request asks for SpecPrefill).
+        the request asks for SpecPrefill). ``keep_pct`` 1.0 drops nothing, so such a request
+        takes the plain path: batched with others, and its snapshots stored, which a
+        sparse row's (not the exact state of its tokens) cannot be.
         """
         sp = self.specprefill
         want = request.params.specprefill
         if sp is None or want is False:
+            return None
+        keep = request.params.keep_pct if request.params.keep_pct is not None else sp.keep_pct
+        if keep >= 1.0:  # keeping every token is a plain prefill: exact, batched, and cached
             return None
         n = len(request.prompt_ids)
         system = max((p for p, k in request.cache_points if k == "system" and p < n - 1), default=0)
         dense_end = max(start, system)
         if n - 1 - dense_end < (1 if want else sp.threshold):
             return None
-        keep = request.params.keep_pct if request.params.keep_pct is not None else sp.keep_pct
         return SparsePrefill(
             self._gen.model, sp.draft, request.prompt_ids, cache, start=start, dense_end=dense_end,
             keep_pct=keep, chunk_size=sp.chunk_size, lookahead=sp.lookahead,

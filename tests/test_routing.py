@@ -146,6 +146,39 @@ def test_mixed_traffic_and_image_output_equals_mlx_vlm_generate(vl_engine, qwen3
         assert o.text == ref.text, (o.text, ref.text)
 
 
+def test_an_image_request_joins_a_running_image_batch(qwen3_5_vl_path):
+    """Continuous batching on the vision lane: a request that arrives while another image
+    request decodes starts at once (mlx-vlm admits only when a whole prefill batch of rows is
+    free, which with max_batch_size <= prefill_batch_size meant waiting for the batch to
+    drain), and gives its one-at-a-time output."""
+    engine = Engine(qwen3_5_vl_path, show_progress=False, max_batch_size=2)
+
+    def never_stop(tokens, logits):  # keep the first request decoding to its budget
+        banned = mx.zeros((logits.shape[-1],), dtype=mx.bool_)
+        banned[never_stop.eos] = True
+        return mx.where(banned, mx.array(-1e9, logits.dtype), logits)
+
+    long_msgs = [_user(_img_part(_data_uri(_image(6, 64))), _text("Describe it at length."))]
+    short_msgs = [_user(_img_part(_data_uri(_image(7, 64))), _text("Describe it."))]
+
+    async def run():
+        await engine.start()
+        never_stop.eos = mx.array(sorted(engine.loaded.eos_token_ids))
+        alone = await engine.chat(short_msgs, {"max_tokens": MAX})
+        long_stream = await engine.open_chat_stream(long_msgs, {"max_tokens": 3000,
+                                                                "logits_processors": [never_stop]})
+        await long_stream.__anext__()  # decoding
+        joined = await engine.chat(short_msgs, {"max_tokens": MAX})
+        long_running = engine.run_on_owner_thread(lambda: engine._core._lanes["vision"].num_active)
+        await long_stream.aclose()
+        await engine.close()
+        return alone, joined, long_running
+
+    alone, joined, long_running = asyncio.run(run())
+    assert long_running == 1  # the long request was still decoding when the joiner finished
+    assert joined.token_ids == alone.token_ids
+
+
 def test_bad_images_fail_their_own_request_only(qwen3_5_vl_path, tmp_path):
     engine = Engine(qwen3_5_vl_path, show_progress=False, max_image_pixels=64 * 64)
 

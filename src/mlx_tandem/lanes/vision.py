@@ -48,8 +48,12 @@ class VisionLane:
         self.processor = processor
         self._eos = set(int(t) for t in eos_token_ids)
         self._context_length = context_length
-        self._opts = dict(completion_batch_size=max_batch_size,
-                          prefill_batch_size=min(prefill_batch_size, max_batch_size),
+        # mlx-vlm 0.7.10 starts a prefill only when completion_batch_size minus the decoding
+        # rows is at least prefill_batch_size, so with completion == max_batch_size a new image
+        # request waited for the batch to drain. The core already caps this lane's rows at
+        # max_batch_size, so the generator's own cap is raised to admit whenever a row is free.
+        prefill = min(prefill_batch_size, max_batch_size)
+        self._opts = dict(completion_batch_size=max_batch_size + prefill - 1, prefill_batch_size=prefill,
                           prefill_step_size=prefill_step_size, compute_logprobs=False)
         self._gen = self._new_generator()
         self._rows = RowIds()

@@ -63,6 +63,21 @@ def test_list_content_merges_keep_every_part_and_input_is_untouched():
     assert out[0]["content"][-1] == {"type": "text", "text": "and this"}
 
 
+def test_image_payloads_that_cannot_be_deep_copied_are_kept_as_given():
+    """The structure is copied (the caller's messages stay as they were); payloads are not:
+    a memoryview cannot be deep-copied, and copying a PIL image or bytes would be waste."""
+    payload = memoryview(b"\x89PNG fake bytes")
+    msgs = [{"role": "user", "content": [{"type": "image", "image": payload}]},
+            {"role": "user", "content": [{"type": "text", "text": "and this?"}]},
+            {"role": "system", "content": "Be brief."}]
+    before = copy.copy(msgs)
+    out = normalize_messages(msgs)
+    assert [m["role"] for m in out] == ["system", "user"]
+    assert out[1]["content"][0]["image"] is payload
+    assert out[1]["content"] is not msgs[0]["content"] and msgs == before
+    assert len(msgs[0]["content"]) == 1
+
+
 def test_different_names_are_not_merged():
     msgs = [{"role": "user", "name": "alice", "content": "a"}, {"role": "user", "name": "bob", "content": "b"}]
     assert len(normalize_messages(msgs)) == 2

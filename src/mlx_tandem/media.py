@@ -1,7 +1,8 @@
 """Images in chat messages: find them, read them, check them. Caller's thread, no mlx.
 
 Accepted sources for an image part (``image``, ``image_url`` or ``input_image``):
-bytes, a PIL image, a data URI, a bare base64 string, a local path (or ``file://`` URI), and
+bytes, a PIL image, a data URI, a bare base64 string (standard or URL-safe, line breaks
+allowed), a local path (or ``file://`` URI), and
 ``http(s)://`` URLs only when the engine option ``allow_remote_images`` is on (off by
 default: a prompt must not make the engine fetch arbitrary URLs). Every image is decoded
 here, so a bad or oversized image fails its own request at the call site, before anything
@@ -14,11 +15,13 @@ import base64
 import binascii
 import io
 import os
+import time
 import urllib.parse
 import urllib.request
 from typing import Any, Iterable
 
 from .errors import InvalidRequestError, UnsupportedContentError
+from .messages import ROLE_ALIASES
 
 IMAGE_PART_TYPES = frozenset({"image", "image_url", "input_image"})
 _REMOTE_TIMEOUT_S = 20
@@ -38,11 +41,38 @@ def _source_of(part: dict) -> Any:
 
 
 def _read_remote(url: str) -> bytes:
+    # The socket timeout bounds each read; the deadline bounds the whole download, so a
+    # server that drips bytes cannot hold the caller's thread.
+    deadline = time.monotonic() + _REMOTE_TIMEOUT_S
+    chunks, size = [], 0
     with urllib.request.urlopen(url, timeout=_REMOTE_TIMEOUT_S) as resp:  # noqa: S310 - opt-in
-        data = resp.read(_REMOTE_MAX_BYTES + 1)
-    if len(data) > _REMOTE_MAX_BYTES:
-        raise InvalidRequestError(f"image at {url} is larger than {_REMOTE_MAX_BYTES} bytes")
-    return data
+        while chunk := resp.read(1 << 16):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > _REMOTE_MAX_BYTES:
+                raise InvalidRequestError(f"image at {url} is larger than {_REMOTE_MAX_BYTES} bytes")
+            if time.monotonic() > deadline:
+                raise InvalidRequestError(f"image at {url} took more than {_REMOTE_TIMEOUT_S} s to fetch")
+    return b"".join(chunks)
+
+
+def _b64decode(text: str) -> bytes:
+    """Standard or URL-safe base64, with or without line breaks (MIME) and padding."""
+    compact = "".join(text.split()).translate(_URLSAFE)
+    return base64.b64decode(compact + "=" * (-len(compact) % 4), validate=True)
+
+
+_URLSAFE = str.maketrans("-_", "+/")
+
+
+def _local_path(source: str) -> str:
+    """A path from a plain path or a ``file://`` URI (percent-encoded, host empty or localhost)."""
+    if not source.startswith("file://"):
+        return source
+    url = urllib.parse.urlparse(source)
+    if url.netloc not in ("", "localhost"):
+        raise InvalidRequestError(f"file URI on another host: {source}")
+    return urllib.request.url2pathname(url.path)
 
 
 def _bytes_of(source: Any, *, allow_remote: bool) -> Any:
@@ -67,15 +97,17 @@ def _bytes_of(source: Any, *, allow_remote: bool) -> Any:
                 "create the engine with allow_remote_images=True")
         try:
             return _read_remote(source)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a malformed URL
             raise InvalidRequestError(f"could not fetch image {source}: {exc}") from exc
     else:
-        path = source[len("file://"):] if source.startswith("file://") else source
+        path = _local_path(source)
         if len(path) < 4096 and os.path.isfile(path):
             with open(path, "rb") as f:
                 return f.read()
+        if source.startswith("file://"):
+            raise InvalidRequestError(f"no such image file: {path}")
     try:
-        return base64.b64decode(source, validate=True)
+        return _b64decode(source)
     except (binascii.Error, ValueError):
         raise InvalidRequestError(
             "image is not bytes, a data URI, base64, an existing file or an http(s) URL") from None
@@ -107,9 +139,14 @@ def load_image(source: Any, *, allow_remote: bool = False, max_pixels: int = 409
 
 
 def load_images(messages: Iterable[dict], *, allow_remote: bool, max_pixels: int) -> list:
-    """The images of a conversation in the order the chat template renders them."""
+    """The images of a conversation in the order the chat template renders them: system (and
+    developer) messages first, as ``normalize_messages`` hoists them. Errors name the
+    caller's message index."""
+    indexed = list(enumerate(messages))
+    hoisted = [ROLE_ALIASES.get(m.get("role"), m.get("role")) == "system" for _, m in indexed]
+    ordered = [im for im, h in zip(indexed, hoisted) if h] + [im for im, h in zip(indexed, hoisted) if not h]
     images = []
-    for i, m in enumerate(messages):
+    for i, m in ordered:
         content = m.get("content")
         if not isinstance(content, list):
             continue

@@ -8,7 +8,6 @@ consecutive same-role plain messages merged. A message that carries ``tool_calls
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Iterable
 
 from .errors import InvalidRequestError, UnsupportedContentError
@@ -75,15 +74,26 @@ def _is_plain(m: Message) -> bool:
     return not m.get("tool_calls") and not m.get("tool_call_id") and m["role"] != "tool"
 
 
+def _copy(obj: Any) -> Any:
+    """A copy of the message structure (dicts, lists, tuples); leaves are shared. Leaves are
+    never mutated, and some cannot be deep-copied (a memoryview of image bytes) or are
+    costly to (PIL images)."""
+    if isinstance(obj, dict):
+        return {k: _copy(v) for k, v in obj.items()}
+    if isinstance(obj, list) or type(obj) is tuple:
+        return type(obj)(_copy(v) for v in obj)
+    return obj
+
+
 def _merge_content(a: Any, b: Any) -> Any:
     if a is None or a == "":
-        return copy.deepcopy(b)
+        return _copy(b)
     if b is None or b == "":
         return a
     if isinstance(a, str) and isinstance(b, str):
         return a + _SEPARATOR + b
     parts_a = [{"type": "text", "text": a}] if isinstance(a, str) else list(a)
-    parts_b = [{"type": "text", "text": b}] if isinstance(b, str) else copy.deepcopy(b)
+    parts_b = [{"type": "text", "text": b}] if isinstance(b, str) else _copy(b)
     return parts_a + [{"type": "text", "text": _SEPARATOR}] + parts_b
 
 
@@ -95,7 +105,7 @@ def normalize_messages(messages: Iterable[Message]) -> list[Message]:
     3. Consecutive messages of the same role are merged when neither carries
        ``tool_calls``/``tool_call_id`` and neither has a ``name`` that differs.
     """
-    msgs = [copy.deepcopy(m) for m in validate_messages(messages)]
+    msgs = [_copy(m) for m in validate_messages(messages)]
     for m in msgs:
         m["role"] = ROLE_ALIASES.get(m["role"], m["role"])
 

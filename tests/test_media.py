@@ -1,0 +1,103 @@
+"""Image sources in chat messages (media.py): every accepted form decodes to the same pixels,
+bad ones are typed errors, and images come in the order the chat template renders them."""
+
+from __future__ import annotations
+
+import base64
+import io
+import urllib.request
+
+import numpy as np
+import pytest
+
+from mlx_tandem import media
+from mlx_tandem.errors import InvalidRequestError
+from mlx_tandem.media import load_image, load_images
+
+
+def _image(seed: int, size: int = 24):
+    from PIL import Image
+
+    return Image.fromarray((np.random.default_rng(seed).random((size, size, 3)) * 255).astype("uint8"))
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _pixels(img) -> np.ndarray:
+    return np.asarray(img.convert("RGB"))
+
+
+def test_every_accepted_source_gives_the_same_pixels(tmp_path):
+    img = _image(1)
+    data = _png(img)
+    b64 = base64.b64encode(data).decode()
+    path = tmp_path / "my image.png"
+    path.write_bytes(data)
+    sources = {
+        "bytes": data,
+        "memoryview": memoryview(data),
+        "PIL": img,
+        "data URI": "data:image/png;base64," + b64,
+        "base64": b64,
+        "MIME base64 (line breaks)": base64.encodebytes(data).decode(),
+        "data URI with line breaks": "data:image/png;base64," + base64.encodebytes(data).decode(),
+        "URL-safe base64, unpadded": base64.urlsafe_b64encode(data).decode().rstrip("="),
+        "path": str(path),
+        "pathlib": path,
+        "file URI, percent-encoded": path.as_uri(),
+        "file URI on localhost": "file://localhost" + urllib.request.pathname2url(str(path)),
+    }
+    for name, source in sources.items():
+        np.testing.assert_array_equal(_pixels(load_image(source)), _pixels(img), err_msg=name)
+
+
+@pytest.mark.parametrize("source", [
+    "this is neither a path nor base64!",
+    "data:image/png;base64,bm90IGFuIGltYWdl",  # "not an image"
+    "file:///no/such/image.png",
+    "file://elsewhere.example/image.png",
+    b"",
+    5,
+])
+def test_bad_sources_are_typed_errors(source):
+    with pytest.raises(InvalidRequestError):
+        load_image(source)
+
+
+def test_malformed_and_slow_remote_urls_are_typed_errors(monkeypatch):
+    with pytest.raises(InvalidRequestError, match="could not fetch"):
+        load_image("http://[::1/a.png", allow_remote=True)  # urllib raises ValueError
+
+    class Drip:  # a server that sends a byte at a time, each read within the socket timeout
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self, n):
+            return b"x"
+
+    clock = iter(range(0, 10_000, 1))
+    monkeypatch.setattr(media.urllib.request, "urlopen", lambda url, timeout: Drip())
+    monkeypatch.setattr(media.time, "monotonic", lambda: next(clock))
+    with pytest.raises(InvalidRequestError, match="took more than"):
+        load_image("https://example.com/slow.png", allow_remote=True)
+
+
+def test_images_come_in_the_templates_order_with_system_messages_first():
+    a, b, c = _image(1), _image(2), _image(3)
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "what?"}]},
+        {"role": "developer", "content": [{"type": "image", "image": b}, {"type": "text", "text": "ref"}]},
+        {"role": "user", "content": [{"type": "image", "image": c}]},
+    ]
+    got = load_images(messages, allow_remote=False, max_pixels=10**6)
+    assert [_pixels(g).tolist() for g in got] == [_pixels(x).tolist() for x in (b, a, c)]
+    messages[2]["content"][0]["image"] = "not an image"
+    with pytest.raises(InvalidRequestError, match=r"messages\[2\]\.content\[0\]"):  # the caller's index
+        load_images(messages, allow_remote=False, max_pixels=10**6)

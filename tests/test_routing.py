@@ -8,6 +8,7 @@ import base64
 import io
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -55,14 +56,26 @@ def vl_engine(qwen3_5_vl_path):
     engine.close_sync()
 
 
-def test_text_model_shares_every_array_with_the_vlm(qwen3_5_vl_path):
+@pytest.fixture(scope="module")
+def qwen3_5_vl_4bit_path(qwen3_5_vl_path, tmp_path_factory):
+    """The factory VLM quantized by mlx-vlm's converter: the form most published VLMs take."""
+    from mlx_vlm import convert
+
+    path = tmp_path_factory.mktemp("vl4") / "qwen3_5_vl_4bit"
+    convert(str(qwen3_5_vl_path), mlx_path=str(path), quantize=True, q_bits=4, q_group_size=32)
+    return path
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3_5_vl_path", "qwen3_5_vl_4bit_path"])
+def test_text_model_shares_every_array_with_the_vlm(checkpoint, request):
     import json
 
     from mlx_vlm import load
 
-    vlm, _ = load(str(qwen3_5_vl_path))
+    path = request.getfixturevalue(checkpoint)
+    vlm, _ = load(str(path))
     mx.eval(vlm.parameters())
-    config = json.loads((qwen3_5_vl_path / "config.json").read_text())
+    config = json.loads((path / "config.json").read_text())
     before = mx.get_active_memory()
     text = text_model_from_vlm(vlm, config)
     mx.eval(text.parameters())
@@ -73,6 +86,12 @@ def test_text_model_shares_every_array_with_the_vlm(qwen3_5_vl_path):
     assert all(ours[k] is theirs[k] for k in ours)  # the same objects, not equal copies
     total = sum(v.nbytes for _, v in tree_flatten(vlm.parameters()))
     assert grown < 0.01 * total, (grown, total)
+    # And the same function: the text model's logits are the VLM language model's.
+    tokens = mx.array([[3, 14, 15, 92, 65, 35]])
+    np.testing.assert_allclose(np.array(text(tokens)), np.array(vlm.language_model(tokens).logits),
+                               rtol=1e-4, atol=1e-4)
+    if "4bit" in checkpoint:
+        assert sum(isinstance(m, nn.QuantizedLinear) for _, m in text.named_modules()) > 4
 
 
 def test_engine_text_lane_runs_on_the_vlm_arrays(vl_engine):

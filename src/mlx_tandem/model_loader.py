@@ -96,12 +96,30 @@ def text_model_from_vlm(vlm, config: dict):
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     shared = [("language_model." + k, v) for k, v in tree_flatten(vlm.language_model.parameters())]
+    _quantize_like(model, vlm, {k for k, _ in shared})
     try:
         model.load_weights(shared, strict=True)
     except ValueError as exc:
         raise ModelLoadError(f"cannot build a text model on this VLM's weights: {exc}") from exc
     model.eval()
     return model
+
+
+def _quantize_like(model, vlm, names: set[str]) -> None:
+    """Quantize the text model's layers as mlx-vlm quantized the VLM's (a quantized
+    checkpoint, e.g. 4-bit), each with that layer's own bits, group size and mode, so the
+    packed weights, scales and biases are shared as they are."""
+    import mlx.nn as nn
+
+    vlm_modules = dict(vlm.named_modules())
+
+    def quantized_as(path: str, module):
+        source = vlm_modules.get(path)
+        if f"{path}.scales" not in names or source is None or not hasattr(module, "to_quantized"):
+            return False
+        return {"group_size": source.group_size, "bits": source.bits, "mode": getattr(source, "mode", "affine")}
+
+    nn.quantize(model, class_predicate=quantized_as)
 
 
 def _load_vision(path: Path):

@@ -198,6 +198,31 @@ def test_an_image_request_joins_a_running_image_batch(qwen3_5_vl_path):
     assert joined.token_ids == alone.token_ids
 
 
+def test_structured_output_on_an_image_closes_within_the_expanded_prompts_room(qwen3_5_vl_path):
+    """The grammar's budget is the room left after the images are expanded (known only in
+    the vision lane), not the room the one-placeholder prompt seemed to leave."""
+    import json
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a", "b"]}
+    msgs = [_user(_img_part(_data_uri(_image(1, 128))), _text("give json"))]
+    probe = Engine(qwen3_5_vl_path, show_progress=False)
+    try:
+        placeholder = len(probe.apply_chat_template(msgs))
+        expanded = probe.chat_sync(msgs, {"max_tokens": 1}).usage.prompt_tokens
+    finally:
+        probe.close_sync()
+    assert expanded > placeholder + 8
+    engine = Engine(qwen3_5_vl_path, show_progress=False, max_model_len=expanded + 25)
+    try:
+        out = engine.chat_sync(msgs, {"max_tokens": 1000},
+                               response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    finally:
+        engine.close_sync()
+    assert len(out.token_ids) <= 25 and out.finish_reason == "stop"
+    assert set(json.loads(out.text)) == {"a", "b"}
+
+
 def test_bad_images_fail_their_own_request_only(qwen3_5_vl_path, tmp_path):
     engine = Engine(qwen3_5_vl_path, show_progress=False, max_image_pixels=64 * 64)
 

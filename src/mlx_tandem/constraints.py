@@ -342,6 +342,11 @@ class GrammarProcessor:
         self._checking = True
         self.closed_early = False
 
+    def cap_budget(self, max_tokens: int) -> None:
+        """Lower the row's token budget before it starts (the vision lane learns the real
+        one only once the images are expanded), so the answer still closes within it."""
+        self._max_tokens = min(self._max_tokens, int(max_tokens))
+
     def __call__(self, tokens, logits):
         if self._calls > 0:
             self.consume(int(tokens[-1].item()))

@@ -48,6 +48,11 @@ class LazyToolCallGrammar:
         self._seen = 0
         self._open: Optional[GrammarProcessor] = None
 
+    def cap_budget(self, max_tokens: int) -> None:
+        """Lower the row's token budget before it starts (the vision lane learns the real
+        one only once the images are expanded)."""
+        self._max_tokens = min(self._max_tokens, int(max_tokens))
+
     @property
     def is_open(self) -> bool:
         """A call is open: every token goes through the mask."""

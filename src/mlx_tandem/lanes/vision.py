@@ -97,6 +97,9 @@ class VisionLane:
                 f"{self._context_length}", prompt_tokens=len(ids), max_context=self._context_length)
         request.prompt_ids = ids  # usage counts the expanded image tokens
         request.max_tokens = min(request.max_tokens, self._context_length - len(ids))
+        for p in request.processors:  # grammars plan their closing within the real budget
+            if hasattr(p, "cap_budget"):
+                p.cap_budget(request.max_tokens)
         rid = request.request_id
         processors = make_request_processors(
             request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc)),

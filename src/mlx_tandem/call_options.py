@@ -24,9 +24,11 @@ class CallSettings:
 
 
 def merge_stops(*lists: Optional[Sequence[str]]) -> list[str]:
+    """The union of stop lists, in order; a lone string is one stop (as OpenAI's ``stop``
+    and SamplingParams take it), never its characters."""
     out: list[str] = []
     for stops in lists:
-        for s in stops or []:
+        for s in [stops] if isinstance(stops, str) else stops or []:
             if s not in out:
                 out.append(s)
     return out

@@ -21,6 +21,7 @@ from langgraph.prebuilt import ToolNode
 from langchain_mlx_tandem import ChatMLX
 from langchain_mlx_tandem._convert import to_engine_messages
 from mlx_tandem import Engine
+from mlx_tandem.call_options import resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 from mlx_tandem.errors import ConstraintError, ContextLengthError, TandemError, UnsupportedContentError
 
@@ -181,6 +182,9 @@ def test_stop_sequences_from_constructor_and_call():
     cut = full[: full.index(stop)]
     assert make_llm(max_tokens=24, stop=[stop]).invoke("Hello").content == cut
     assert llm.invoke("Hello", stop=[stop]).content == cut
+    # A lone string is one stop sequence (as OpenAI takes it), never a set of characters.
+    assert resolve_call(llm, {"stop": "END"}, owner="ChatMLX", stop="STOP").params.stop == ("STOP", "END")
+    assert llm.invoke("Hello", stop=stop).content == cut
 
 
 def test_model_override_runs_the_other_model():

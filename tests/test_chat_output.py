@@ -198,6 +198,19 @@ def test_two_tool_calls():
     assert r.content == "" and r.invalid_tool_calls == []
 
 
+def test_one_call_allowed_ends_the_answer_at_its_first_valid_call():
+    """parallel_tool_calls=False: what follows the first valid call is dropped, for any
+    split of the stream; an invalid call does not use up the allowance."""
+    text = ("Let me check." + call("get_weather", {"city": "Paris"}) + "\nand more text"
+            + call("add", {"a": 1, "b": 2}) + "trailing")
+    r = parse_every_split(text, parse_tool_calls=True, max_tool_calls=1)
+    assert _calls(r) == [("get_weather", {"city": "Paris"})] and r.content == "Let me check."
+    text = "<tool_call>\nnot json\n</tool_call>" + call("add", {"a": 1, "b": 2}) + "then"
+    r = parse_every_split(text, parse_tool_calls=True, max_tool_calls=1)
+    assert _calls(r) == [("add", {"a": 1, "b": 2})] and len(r.invalid_tool_calls) == 1
+    assert _calls(parse_every_split(text, parse_tool_calls=True)) == [("add", {"a": 1, "b": 2})]
+
+
 def test_content_reasoning_and_calls_together():
     text = ("<think>\nThe user wants weather.\n</think>\n\nLet me check.\n"
             + call("get_weather", {"city": "東京 🙂"}) + "\n\nDone.")

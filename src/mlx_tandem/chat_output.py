@@ -72,8 +72,12 @@ class ChatOutputParser:
         parse_tool_calls: bool = False,
         starts_in_reasoning: bool = False,
         forced_json_calls: bool = False,
+        max_tool_calls: Optional[int] = None,
     ):
         self._fmt = fmt
+        self._max_calls = max_tool_calls
+        #: The answer has made its last allowed call; everything after it is dropped.
+        self.calls_exhausted = False
         self._tools = list(tools or [])
         self._parse_tools = parse_tool_calls and fmt.has_tool_calling
         self._forced_json = forced_json_calls
@@ -113,6 +117,8 @@ class ChatOutputParser:
     # ------------------------------------------------------------------ feeding
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
+        if self.calls_exhausted:
+            return out
         self._buf += text
         while True:
             markers = self._markers()
@@ -132,9 +138,14 @@ class ChatOutputParser:
             self._take(self._buf[:i], out)
             self._buf = self._buf[i + len(marker):]
             self._switch(marker, out)
+            if self.calls_exhausted:
+                self._buf = ""
+                return out
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
+        if self.calls_exhausted:
+            return out
         rest, self._buf = self._buf, ""
         self._take(rest, out)
         if self._state == TOOL_CALL:  # stopped inside a call: parse what there is
@@ -179,9 +190,12 @@ class ChatOutputParser:
         self._state = CONTENT
         self._content.strip_leading = True
         for item in self._parse_call(body):
+            if self.calls_exhausted:
+                break
             if isinstance(item, ToolCall):
                 out.tool_calls.append(item)
                 self.num_tool_calls += 1
+                self.calls_exhausted = self._max_calls is not None and self.num_tool_calls >= self._max_calls
             else:
                 out.invalid_tool_calls.append(item)
 

@@ -13,7 +13,9 @@ Decisions (see docs/design.md, "Tools and structured output"):
   off: a grammar constrains the answer from its first token.
 - A forced tool_choice forces exactly one call unless ``parallel_tool_calls=True`` is given:
   the grammar governs the whole answer, and an open-ended list of calls lets a weak model
-  loop until its budget runs out. Under "auto" the model may make any number of calls.
+  loop until its budget runs out. Under "auto" the model may make any number of calls,
+  unless ``parallel_tool_calls=False``: then the answer ends at its first valid call
+  (finish_reason "tool_calls", the row freed at once), as OpenAI's API does.
 - Under "auto", a call the model opens is held to the listed tools and their schemas by a
   lazy grammar (tool_call_grammar.py), where the format's call body is JSON and the engine
   option ``constrain_tool_calls`` is on (the default). Not with a response_format, whose
@@ -41,6 +43,7 @@ class ChatPlan:
     # "auto" with a lazy grammar: the rest of a call, applied once the model emits start_id.
     open_call: Optional[Constraint] = None
     call_start_id: Optional[int] = None
+    max_tool_calls: Optional[int] = None  # 1 under parallel_tool_calls=False; None: any number
 
 
 def normalize_tools(tools: Optional[Sequence[Any]]) -> list[dict]:
@@ -144,4 +147,6 @@ def plan_chat(
         forced_json_calls=bool(forced) and fmt.tool_format != "json_tools",
         open_call=open_call,
         call_start_id=start_id,
+        # A forced call's grammar already ends the answer after one call.
+        max_tool_calls=1 if parallel_tool_calls is False and tools and not forced else None,
     )

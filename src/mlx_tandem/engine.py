@@ -262,7 +262,7 @@ class Engine:
             fmt = self._format
             parser = ChatOutputParser(
                 fmt, tools=plan.tools, parse_tool_calls=plan.parse_tool_calls,
-                forced_json_calls=plan.forced_json_calls,
+                forced_json_calls=plan.forced_json_calls, max_tool_calls=plan.max_tool_calls,
                 starts_in_reasoning=fmt.has_thinking and text.rstrip().endswith(fmt.think_start))
             if plan.banned_token_ids:
                 processors.append(TokenBan(plan.banned_token_ids))

@@ -56,10 +56,16 @@ class _StreamBase:
                 parsed.reasoning += end.reasoning
                 parsed.tool_calls += end.tool_calls
                 parsed.invalid_tool_calls += end.invalid_tool_calls
+            usage = item.usage
+            if finish is None and self._parser.calls_exhausted:
+                # parallel_tool_calls=False: the answer ends at its call; free the row now.
+                self._core.abort(self._req)
+                finish = "tool_calls"
+                usage = Usage(self._req.num_prompt_tokens, len(self.token_ids), self._req.cached_tokens)
             if finish == "stop" and (self.tool_calls or parsed.tool_calls):
                 finish = "tool_calls"
             item = dataclasses.replace(
-                item, content=parsed.content, reasoning=parsed.reasoning, finish_reason=finish,
+                item, content=parsed.content, reasoning=parsed.reasoning, finish_reason=finish, usage=usage,
                 tool_calls=tuple(parsed.tool_calls), invalid_tool_calls=tuple(parsed.invalid_tool_calls))
         self.content_parts.append(item.content)
         self.reasoning_parts.append(item.reasoning)

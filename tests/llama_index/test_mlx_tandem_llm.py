@@ -193,6 +193,12 @@ def _two_calls_format(engine: Engine) -> dict:
     return _grammar(engine, f'{call("add", 2, 3)} "\\n" {call("multiply", 4, 5)}')
 
 
+def _collect_async(agen_coro) -> list:
+    async def run():
+        return [c async for c in await agen_coro]
+    return asyncio.run(run())
+
+
 def test_unforced_tool_calls_are_parsed_and_trimmed_unless_parallel():
     llm = make_llm(max_tokens=80)
     llm.engine.start_sync()
@@ -210,6 +216,16 @@ def test_unforced_tool_calls_are_parsed_and_trimmed_unless_parallel():
                                                response_format=fmt))
     counts = [len(llm.get_tool_calls_from_response(c, error_on_no_tool_call=False)) for c in streamed]
     assert counts == sorted(counts) and counts[-1] == 2  # calls appear as they complete
+    # Streamed without parallel calls (FunctionAgent's default), the answer ends at its first
+    # call, as the non-streamed one is trimmed to it; the row is freed at once.
+    for stream in (llm.stream_chat_with_tools(tools, user_msg="go", response_format=fmt),
+                   _collect_async(llm.astream_chat_with_tools(tools, user_msg="go", response_format=fmt))):
+        chunks = list(stream)
+        assert [c.tool_name for c in llm.get_tool_calls_from_response(chunks[-1])] == ["add"]
+        assert chunks[-1].raw["finish_reason"] == "tool_calls"
+        assert chunks[-1].raw["usage"]["completion_tokens"] < both.raw["usage"]["completion_tokens"]
+    llm.engine.run_on_owner_thread(lambda: None)  # the owner thread has read the aborts queued before
+    assert llm.engine.stats()["running"] == 0
     # The calls round-trip: sent back, they render as the model wrote them.
     back = to_engine_messages([both.message])[0]["tool_calls"]
     assert [json.loads(c["function"]["arguments"]) for c in back] == [{"a": 2, "b": 3}, {"a": 4, "b": 5}]

@@ -12,6 +12,7 @@ from llama_index.core.base.llms.types import (
     CachePoint,
     CacheControl,
     ChatMessage,
+    ChatResponse,
     DocumentBlock,
     ImageBlock,
     TextBlock,
@@ -118,6 +119,10 @@ def test_formatted_complete_continues_the_raw_prompt():
     llm = make_llm()
     raw = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert llm.complete(raw, formatted=True).text == llm.engine.complete_sync(raw, {"max_tokens": 16}).text
+    # Options that shape the template's rendering cannot apply to a rendered prompt: refused.
+    for option in ({"reasoning": True}, {"parallel_tool_calls": True}, {"chat_template_kwargs": {"x": 1}}):
+        with pytest.raises(TypeError, match="formatted=True"):
+            llm.complete(raw, formatted=True, **option)
     assert llm.complete("Hi").text == llm.engine.chat_sync([{"role": "user", "content": "Hi"}],
                                                            {"max_tokens": 16}).content
 
@@ -229,6 +234,16 @@ def test_unforced_tool_calls_are_parsed_and_trimmed_unless_parallel():
     # The calls round-trip: sent back, they render as the model wrote them.
     back = to_engine_messages([both.message])[0]["tool_calls"]
     assert [json.loads(c["function"]["arguments"]) for c in back] == [{"a": 2, "b": 3}, {"a": 4, "b": 5}]
+
+
+def test_string_arguments_from_other_integrations_are_read_leniently():
+    """As the OpenAI LLM reads them: a truncated object keeps its complete fields."""
+    llm = make_llm()
+    blocks = [ToolCallBlock(tool_call_id="c1", tool_name="add", tool_kwargs='{"a": 2, "b": 3'),
+              ToolCallBlock(tool_call_id="c2", tool_name="add", tool_kwargs="not json")]
+    response = ChatResponse(message=ChatMessage(role="assistant", blocks=blocks))
+    calls = llm.get_tool_calls_from_response(response)
+    assert [(c.tool_id, c.tool_kwargs) for c in calls] == [("c1", {"a": 2, "b": 3}), ("c2", {})]
 
 
 def test_tool_required_forces_a_valid_call_in_a_batch():

@@ -8,7 +8,6 @@ the model loads on the first call.
 
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncGenerator, Generator, Optional, Sequence, Type, Union
 
 from llama_index.core.base.llms.types import (
@@ -141,6 +140,9 @@ class MLXTandemLLM(FunctionCallingLLM):
         if formatted:
             if options.pop("tools", None) or options.get("tool_choice") not in (None, "auto", "none"):
                 raise TypeError("tools need a chat; formatted=True continues a raw prompt")
+            templated = sorted({"parallel_tool_calls", "reasoning", "chat_template_kwargs"} & set(kwargs))
+            if templated:  # they shape the chat template's rendering, which a raw prompt skips
+                raise TypeError(f"{templated} need a chat; formatted=True continues a raw prompt")
             options = {k: v for k, v in options.items() if k == "response_format"}
             return None, prompt, params, options, timeout
         return [{"role": "user", "content": prompt}], None, params, options, timeout
@@ -378,10 +380,12 @@ class MLXTandemLLM(FunctionCallingLLM):
 
 # ---------------------------------------------------------------------- helpers
 def _kwargs_dict(args: Union[dict, str]) -> dict:
+    """A call's arguments; a string (a block from another integration) is parsed as the
+    OpenAI LLM does, leniently (a truncated object keeps its complete fields), else ``{}``."""
     if isinstance(args, dict):
         return args
     try:
-        parsed = json.loads(args)
+        parsed = parse_partial_json(args)
     except (TypeError, ValueError):
         return {}
     return parsed if isinstance(parsed, dict) else {}

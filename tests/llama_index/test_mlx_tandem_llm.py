@@ -27,7 +27,7 @@ from llama_index.llms.mlx_tandem import MLXTandemLLM
 from llama_index.llms.mlx_tandem._convert import to_engine_messages
 from mlx_tandem import Engine
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
-from mlx_tandem.errors import ContextLengthError, UnsupportedContentError
+from mlx_tandem.errors import ContextLengthError, InvalidRequestError, UnsupportedContentError
 
 from .conformance import Person, add, multiply, user
 from .conftest import PATHS
@@ -73,6 +73,21 @@ def test_message_conversion(tmp_path):
     assert out[5] == {"role": "assistant", "content": "line one"}
     with pytest.raises(UnsupportedContentError):
         to_engine_messages([ChatMessage(role="user", blocks=[DocumentBlock(data=b"%PDF-1.4")])])
+
+
+def test_plain_text_documents_are_read_as_text(tmp_path):
+    notes = tmp_path / "notes.md"
+    notes.write_text("Gauge 7 reads 4.2 m.", encoding="utf-8")
+    blocks = [TextBlock(text="Summarise:"),
+              DocumentBlock(data="Pump 3 is offline. Ünïcode ok.".encode(), document_mimetype="text/plain"),
+              DocumentBlock(path=notes)]
+    content = to_engine_messages([ChatMessage(role="user", blocks=blocks)])[0]["content"]
+    assert content == "Summarise:\nPump 3 is offline. Ünïcode ok.\nGauge 7 reads 4.2 m."
+    for bad, error in ((DocumentBlock(url="https://example.com/a.txt", document_mimetype="text/plain"),
+                        UnsupportedContentError),
+                       (DocumentBlock(data=b"\xff\xfe\x00bad", document_mimetype="text/plain"), InvalidRequestError)):
+        with pytest.raises(error):
+            to_engine_messages([ChatMessage(role="user", blocks=[bad])])
 
 
 def test_images_on_text_model_are_a_typed_error_and_the_engine_keeps_serving():

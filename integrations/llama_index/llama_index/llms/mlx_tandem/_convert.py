@@ -7,6 +7,7 @@ decides whether the model can take them (a text-only model raises UnsupportedCon
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from llama_index.core.base.llms.types import (
@@ -79,10 +80,31 @@ def _parts(blocks: Sequence[Any]) -> tuple[list[dict], list[dict], list[str]]:
         elif isinstance(block, CachePoint):
             continue  # a provider caching hint; the engine's prefix cache needs none
         elif isinstance(block, DocumentBlock):
-            raise UnsupportedContentError("document/PDF blocks are not supported by mlx-tandem models")
+            parts.append({"type": "text", "text": _document_text(block)})
         else:
             raise UnsupportedContentError(f"unsupported content block {type(block).__name__}")
     return parts, calls, reasoning
+
+
+_TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown", ".rst", ".csv", ".tsv", ".json", ".log"})
+
+
+def _document_text(block: DocumentBlock) -> str:
+    """A plain-text document's text, read from its bytes or local path (as LangChain's
+    ``text-plain`` blocks are read). PDFs and other binary formats need a parser first;
+    remote documents are not fetched (a prompt must not make the engine fetch URLs)."""
+    mime = block.document_mimetype or ""
+    suffix = Path(str(block.path or block.title or "")).suffix.lower()
+    if not (mime.startswith("text/") or (not mime and suffix in _TEXT_SUFFIXES)):
+        raise UnsupportedContentError(
+            f"document blocks of type {mime or suffix or 'unknown'} are not supported; plain-text ones "
+            "are (parse a PDF into text first, e.g. with a LlamaIndex reader)")
+    if block.data is None and block.path is None:
+        raise UnsupportedContentError("remote documents are not fetched; pass the text as data or a path")
+    try:
+        return block.resolve_document().read().decode("utf-8")
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise InvalidRequestError(f"could not read document {block.title!r} as UTF-8 text: {exc}") from exc
 
 
 def _legacy_tool_calls(raw: Any) -> list[dict]:

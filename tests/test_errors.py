@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from mlx_tandem import (ContextLengthError, Engine, EngineClosedError, EngineStepError, InvalidRequestError,
-                        SamplingParams, TandemError, UnsupportedContentError)
+                        QueueFullError, SamplingParams, TandemError, UnsupportedContentError)
 
 from .prompts import chat_prompts
 from .reference import reference_greedy
@@ -237,3 +237,36 @@ def _outcome(engine, prompt):
         return engine.chat_sync(prompt, SamplingParams(max_tokens=4))
     except TandemError as exc:
         return exc
+
+
+def test_a_burst_fills_free_slots_before_the_waiting_limit_applies(llama_path):
+    """max_waiting bounds the requests that wait for a slot, not a burst that free slots take:
+    six requests drained in one go by an idle engine with 32 slots and max_waiting=2 all run.
+    With every slot busy, the next request past the limit is a QueueFullError (overload, not
+    a bad request), and the engine keeps serving."""
+    import threading
+
+    engine = Engine(llama_path, show_progress=False, max_waiting=2, max_batch_size=32).start_sync()
+    try:
+        release = threading.Event()
+        held = engine._core.call(release.wait)  # the owner thread waits: the burst queues up
+        streams = [engine.open_complete_stream_sync("hi", SamplingParams(max_tokens=4)) for _ in range(6)]
+        release.set()
+        held.result(10)
+        outs = [s.collect() for s in streams]
+        assert [o.finish_reason for o in outs] == ["length"] * 6
+    finally:
+        engine.close_sync()
+
+    engine = Engine(llama_path, show_progress=False, max_waiting=1, max_batch_size=1).start_sync()
+    try:
+        busy = engine.open_complete_stream_sync("hi", SamplingParams(max_tokens=2000))
+        next(busy)  # running: the one slot is taken
+        waiting = engine.open_complete_stream_sync("hi", SamplingParams(max_tokens=4))
+        with pytest.raises(QueueFullError, match="max_waiting"):
+            engine.complete_sync("hi", SamplingParams(max_tokens=4))
+        assert not isinstance(QueueFullError("x"), InvalidRequestError)
+        busy.cancel()
+        assert waiting.collect().finish_reason == "length"
+    finally:
+        engine.close_sync()

@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from .detokenizer import RequestDetokenizer
-from .errors import EngineClosedError, EngineStepError, InvalidRequestError, ModelLoadError, TandemError
+from .errors import (EngineClosedError, EngineStepError, InvalidRequestError, ModelLoadError, QueueFullError,
+                     TandemError)
 from .lanes import Lane, TextLane, TokenEvent
 from .model_loader import LoadedModel, load_mtp_head, load_text_model, resolve_model_path
 from .options import EngineOptions
@@ -263,8 +264,11 @@ class EngineCore:
             self.stats.count("requests_failed")
             return
         if len(self._waiting) >= self.options.max_waiting:
-            self._fail(req, InvalidRequestError(
-                f"too many waiting requests ({self.options.max_waiting}); try again later"))
+            self._admit()  # a burst drained in one go: start what free slots can take first
+        if len(self._waiting) >= self.options.max_waiting:
+            self._fail(req, QueueFullError(
+                f"every batch slot is busy and {self.options.max_waiting} requests already wait "
+                "(engine option max_waiting); try again later"))
             return
         self._waiting.append(req)
         self._update_queue_stats()

@@ -40,6 +40,11 @@ class EngineClosedError(TandemError):
     """The engine was closed before or while the request ran."""
 
 
+class QueueFullError(TandemError):
+    """Every batch slot is taken and ``max_waiting`` requests already wait: the engine is
+    overloaded, the request is fine. Retry later (or raise ``max_waiting``)."""
+
+
 class EngineStepError(TandemError):
     """A forward step failed unexpectedly; the requests in it were failed, the engine recovered."""
 

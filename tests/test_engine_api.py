@@ -108,6 +108,26 @@ async def test_stream_deadlines_cancel_and_free_the_slot(llama_engine):
     assert (await stream.collect()).text == ref.text
 
 
+def test_an_unread_stream_past_its_deadline_leaves_its_slot(llama_path):
+    """The engine enforces the deadline, not only the reader: a stream held but not read
+    loses its slot (here the only one, so the waiting request can start), and its reader
+    then gets TimeoutError, not the output of a request that ran on."""
+    import time
+
+    engine = Engine(llama_path, show_progress=False, max_batch_size=1).start_sync()
+    try:
+        held = engine.open_complete_stream_sync("go on", {"max_tokens": 100_000}, timeout=0.3)
+        started = time.monotonic()
+        queued = engine.complete_sync("hi", {"max_tokens": 4})  # waits for the one slot
+        assert queued.finish_reason == "length"
+        assert time.monotonic() - started < 30  # freed at the deadline, not after 100k tokens
+        with pytest.raises(TimeoutError):
+            held.collect()
+        assert engine.stats()["running"] == 0
+    finally:
+        engine.close_sync()
+
+
 async def test_preparing_a_request_leaves_the_event_loop_free(llama_engine, llama_path, monkeypatch):
     # Templating a long prompt or decoding images must not stall the caller's event loop:
     # the render below only proceeds once a coroutine on that loop has run.

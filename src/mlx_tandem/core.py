@@ -231,6 +231,7 @@ class EngineCore:
             for lane in self._lanes.values():
                 if lane.has_work():
                     self._step_lane(lane)
+            self._expire()
             self._flush()
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -274,14 +275,28 @@ class EngineCore:
         self._update_queue_stats()
 
     def _abort(self, request: Request) -> None:
-        for req in self._waiting:
+        if self._take_out(request):
+            self._finish_aborted(request)
+
+    def _take_out(self, request: Request) -> bool:
+        """Remove a live request from the queue or its lane; False if it is not live."""
+        for i, req in enumerate(self._waiting):  # by identity: Requests compare by fields
             if req is request:
-                self._waiting.remove(req)
-                self._finish_aborted(req)
-                return
+                del self._waiting[i]
+                return True
         if self._running.get(request.request_id) is request:
             self._lanes[request.lane].remove([request.request_id])
-            self._finish_aborted(request)
+            return True
+        return False
+
+    def _expire(self) -> None:
+        """Requests past their deadline leave now, whether or not their stream is being read:
+        a caller holding an unread stream must not keep a slot."""
+        now = time.monotonic()
+        late = [r for r in (*self._waiting, *self._running.values()) if r.deadline is not None and now > r.deadline]
+        for req in late:
+            self._take_out(req)
+            self._fail(req, TimeoutError(f"request {req.request_id} exceeded its timeout"))
 
     def _admit(self) -> None:
         """Start waiting requests, in arrival order, on lanes with a free slot; a full lane

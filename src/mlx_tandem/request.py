@@ -114,6 +114,8 @@ class Request:
     cache_points: list = field(default_factory=list)
     # Prompt tokens served from the prefix cache (set by the lane when admitted).
     cached_tokens: int = 0
+    # time.monotonic() past which the engine fails the request with TimeoutError (None: never).
+    deadline: Optional[float] = None
 
     @property
     def num_prompt_tokens(self) -> int:

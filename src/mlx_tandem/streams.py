@@ -39,6 +39,16 @@ class _StreamBase:
     def request_id(self) -> str:
         return self._req.request_id
 
+    @property
+    def deadline(self) -> Optional[float]:
+        """time.monotonic() past which the request is cancelled: the reader gets TimeoutError,
+        and the engine frees the slot even if nobody reads."""
+        return self._req.deadline
+
+    @deadline.setter
+    def deadline(self, value: Optional[float]) -> None:
+        self._req.deadline = value
+
     def _accept(self, item) -> StreamDelta:
         if isinstance(item, BaseException):
             self._done = True
@@ -109,8 +119,6 @@ class _StreamBase:
 
 
 class AsyncStream(_StreamBase):
-    deadline: Optional[float] = None  # time.monotonic() past which the request is cancelled
-
     def __aiter__(self):
         return self
 
@@ -148,8 +156,6 @@ class AsyncStream(_StreamBase):
 
 
 class SyncStream(_StreamBase):
-    deadline: Optional[float] = None  # time.monotonic() past which the request is cancelled
-
     def __iter__(self):
         return self
 

@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	# PyPI's Linux torch wheel pulls in CUDA (GBs): prefer the CPU build (2.13.0+cpu sorts above
 	# 2.13.0 where a CPU wheel is on the index or in find-links; elsewhere this is PyPI's 2.13).
+	# Elsewhere: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
 	if [ "$$(uname -s)" = Linux ]; then $(VENV)/bin/pip install -q "torch>=2.13,<2.14"; fi
 	$(VENV)/bin/pip install -q -e ".[dev]"
 	touch $@

@@ -167,6 +167,9 @@ def main(argv=None) -> int:
               f"{r['raw_batch_generator_tps']:>17.1f} {r['ratio_b_over_a']:>8.2f} {r['ratio_b_over_c']:>8.2f}  "
               f"{r['outputs_identical']}")
     report.write(results, args.output, plot)
+    if not all(r["outputs_identical"] for r in results["runs"]):
+        print("FAILED: batched greedy outputs differ from one-at-a-time greedy", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -296,6 +296,10 @@ def main(argv=None) -> int:
               f"{r['with_cache']['ttft_per_turn_s'][-1]:.3f}s with it: {r['turn5_speedup']:.1f}x "
               f"({r['with_cache']['prompt_tokens_last_turn']} prompt tokens)")
     report.write(results, args.output, plot)
+    if not all(r["identical_outputs"] for r in results["system_cache"]):
+        print("FAILED: a prefix-cache hit answered differently from a miss (the cache must be exact)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

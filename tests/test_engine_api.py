@@ -53,6 +53,27 @@ async def test_template_kwargs_reach_the_template(llama_engine):
     assert off[: len(on)] == on and len(off) > len(on)
 
 
+async def test_a_final_assistant_message_is_continued_only_when_asked(llama_engine, llama_path):
+    """By default a final assistant message is history and a new turn follows (OpenAI); with
+    continue_final_message (transformers, vLLM) the answer goes on inside it."""
+    from mlx_tandem import InvalidRequestError
+
+    from .reference import reference_greedy
+
+    msgs = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one two"}]
+    cont = {"continue_final_message": True}
+    closed = llama_engine.tokenizer.decode(llama_engine.apply_chat_template(msgs))
+    opened_ids = llama_engine.apply_chat_template(msgs, template_kwargs=cont)
+    opened = llama_engine.tokenizer.decode(opened_ids)
+    assert closed.endswith("one two<|im_end|>\n<|im_start|>assistant\n")
+    assert opened.endswith("one two") and closed.startswith(opened)
+    out = await llama_engine.chat(msgs, SamplingParams(max_tokens=6), template_kwargs=cont)
+    assert out.prompt_token_ids == opened_ids
+    assert out.token_ids == reference_greedy(llama_path, opened_ids, 6)
+    with pytest.raises(InvalidRequestError, match="ends with an assistant"):
+        await llama_engine.chat(msgs[:1], SamplingParams(max_tokens=2), template_kwargs=cont)
+
+
 async def test_tools_reach_the_template(llama_engine):
     tools = [{"type": "function", "function": {"name": "lookup_capital", "description": "capital of a country",
                                                "parameters": {"type": "object", "properties": {"country": {"type": "string"}}}}}]

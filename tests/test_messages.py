@@ -78,6 +78,17 @@ def test_image_payloads_that_cannot_be_deep_copied_are_kept_as_given():
     assert len(msgs[0]["content"]) == 1
 
 
+def test_merged_assistant_messages_keep_every_reasoning_and_other_fields_stay_apart():
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a1", "reasoning_content": "R1"},
+            {"role": "assistant", "content": "a2", "reasoning_content": "R2"},
+            {"role": "user", "content": "q2", "cache_hint": 1},
+            {"role": "user", "content": "q3", "cache_hint": 2}]
+    out = normalize_messages(msgs)
+    assert out[1] == {"role": "assistant", "content": "a1\n\na2", "reasoning_content": "R1\n\nR2"}
+    assert [m["content"] for m in out[2:]] == ["q2", "q3"]  # a field a merge cannot join: kept apart
+
+
 def test_different_names_are_not_merged():
     msgs = [{"role": "user", "name": "alice", "content": "a"}, {"role": "user", "name": "bob", "content": "b"}]
     assert len(normalize_messages(msgs)) == 2

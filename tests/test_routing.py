@@ -165,6 +165,14 @@ def test_mixed_traffic_and_image_output_equals_mlx_vlm_generate(vl_engine, qwen3
         assert o.text == ref.text, (o.text, ref.text)
 
 
+def test_responses_api_text_parts_beside_an_image_reach_the_prompt(vl_engine):
+    img = _img_part(_data_uri(_image(8, 32)))
+    as_text = vl_engine.apply_chat_template([_user(img, _text("Describe this picture please"))])
+    for kind in ("input_text", "output_text"):
+        msgs = [_user(img, {"type": kind, "text": "Describe this picture please"})]
+        assert vl_engine.apply_chat_template(msgs) == as_text, kind
+
+
 def test_an_image_request_joins_a_running_image_batch(qwen3_5_vl_path):
     """Continuous batching on the vision lane: a request that arrives while another image
     request decodes starts at once (mlx-vlm admits only when a whole prefill batch of rows is

@@ -74,6 +74,15 @@ def _is_plain(m: Message) -> bool:
     return not m.get("tool_calls") and not m.get("tool_call_id") and m["role"] != "tool"
 
 
+_MERGED_FIELDS = frozenset({"role", "content", "reasoning_content"})
+
+
+def _same_extras(a: Message, b: Message) -> bool:
+    """Whether two messages agree on every field a merge does not join (``name``, ...)."""
+    keys = (set(a) | set(b)) - _MERGED_FIELDS
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
 def _copy(obj: Any) -> Any:
     """A copy of the message structure (dicts, lists, tuples); leaves are shared. Leaves are
     never mutated, and some cannot be deep-copied (a memoryview of image bytes) or are
@@ -103,7 +112,9 @@ def normalize_messages(messages: Iterable[Message]) -> list[Message]:
     1. ``developer`` becomes ``system``.
     2. All system messages are hoisted to the front and merged into one, in order.
     3. Consecutive messages of the same role are merged when neither carries
-       ``tool_calls``/``tool_call_id`` and neither has a ``name`` that differs.
+       ``tool_calls``/``tool_call_id``, their ``name`` is the same, and they carry no other
+       field that differs; their ``content`` and ``reasoning_content`` are joined. Nothing
+       else is dropped: messages that cannot be merged whole stay apart.
     """
     msgs = [_copy(m) for m in validate_messages(messages)]
     for m in msgs:
@@ -128,9 +139,11 @@ def normalize_messages(messages: Iterable[Message]) -> list[Message]:
             and prev["role"] != "system"
             and _is_plain(prev)
             and _is_plain(m)
-            and prev.get("name") == m.get("name")
+            and _same_extras(prev, m)
         ):
             prev["content"] = _merge_content(prev.get("content"), m.get("content"))
+            if m.get("reasoning_content"):
+                prev["reasoning_content"] = _merge_content(prev.get("reasoning_content"), m["reasoning_content"])
             continue
         out.append(m)
     return out

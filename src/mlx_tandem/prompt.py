@@ -19,8 +19,10 @@ from .messages import Message, normalize_messages, text_of, TEXT_PART_TYPES
 def _template_ready(messages: list[Message]) -> list[Message]:
     """Shape messages the way HF chat templates expect them.
 
-    Text-only part lists become strings (many templates only render string content), and
-    tool-call arguments given as JSON strings (OpenAI style) become dicts (HF style).
+    Text-only part lists become strings (many templates only render string content); in
+    lists with media, the Responses API's ``input_text``/``output_text`` parts become
+    ``text`` parts (templates render only those); and tool-call arguments given as JSON
+    strings (OpenAI style) become dicts (HF style).
     """
     out = []
     for m in messages:
@@ -28,6 +30,8 @@ def _template_ready(messages: list[Message]) -> list[Message]:
         content = m.get("content")
         if isinstance(content, list) and all(p.get("type") in TEXT_PART_TYPES for p in content):
             m["content"] = text_of(content)
+        elif isinstance(content, list):
+            m["content"] = [{**p, "type": "text"} if p.get("type") in TEXT_PART_TYPES else p for p in content]
         if m.get("content") is None:
             m["content"] = ""
         if m.get("tool_calls"):
@@ -88,8 +92,16 @@ class PromptRenderer:
         add_generation_prompt: bool = True,
         template_kwargs: Optional[dict[str, Any]] = None,
     ) -> tuple[str, list[int]]:
-        """The rendered prompt text and its token ids."""
+        """The rendered prompt text and its token ids.
+
+        ``template_kwargs={"continue_final_message": True}`` (as in transformers and vLLM)
+        leaves a final assistant message open, so the answer continues it (a prefill that
+        steers the answer); by default a final assistant message is history, closed, and a
+        new assistant turn follows, as OpenAI's API does.
+        """
         msgs = _template_ready(normalize_messages(messages))
+        if (template_kwargs or {}).get("continue_final_message") and (not msgs or msgs[-1]["role"] != "assistant"):
+            raise InvalidRequestError("continue_final_message needs a chat that ends with an assistant message")
         text = self._apply(msgs, tools, add_generation_prompt, template_kwargs)
         return text, self.encode(text)
 
@@ -97,6 +109,8 @@ class PromptRenderer:
         kwargs = dict(template_kwargs or {})
         if tools:
             kwargs["tools"] = list(tools)
+        if kwargs.get("continue_final_message"):
+            add_generation_prompt = False  # the answer goes on inside the final message
         try:
             with self.lock:
                 return self._tokenizer.apply_chat_template(
@@ -128,6 +142,8 @@ class PromptRenderer:
         not share is cut back to the common prefix.
         """
         msgs = _template_ready(normalize_messages(messages))
+        # The probes and the history end elsewhere than the prompt: no final message to continue.
+        template_kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "continue_final_message"}
         points = []
         n_system = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
         if n_system or tools:

@@ -21,7 +21,7 @@ import urllib.request
 from typing import Any, Iterable
 
 from .errors import InvalidRequestError, UnsupportedContentError
-from .messages import ROLE_ALIASES
+from .messages import hoisted_order
 
 IMAGE_PART_TYPES = frozenset({"image", "image_url", "input_image"})
 _REMOTE_TIMEOUT_S = 20
@@ -142,11 +142,8 @@ def load_images(messages: Iterable[dict], *, allow_remote: bool, max_pixels: int
     """The images of a conversation in the order the chat template renders them: system (and
     developer) messages first, as ``normalize_messages`` hoists them. Errors name the
     caller's message index."""
-    indexed = list(enumerate(messages))
-    hoisted = [ROLE_ALIASES.get(m.get("role"), m.get("role")) == "system" for _, m in indexed]
-    ordered = [im for im, h in zip(indexed, hoisted) if h] + [im for im, h in zip(indexed, hoisted) if not h]
     images = []
-    for i, m in ordered:
+    for i, m in hoisted_order(list(messages)):
         content = m.get("content")
         if not isinstance(content, list):
             continue

@@ -8,7 +8,7 @@ consecutive same-role plain messages merged. A message that carries ``tool_calls
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from .errors import InvalidRequestError, UnsupportedContentError
 
@@ -74,6 +74,17 @@ def _is_plain(m: Message) -> bool:
     return not m.get("tool_calls") and not m.get("tool_call_id") and m["role"] != "tool"
 
 
+def _is_system(m: Message) -> bool:
+    return ROLE_ALIASES.get(m.get("role"), m.get("role")) == "system"
+
+
+def hoisted_order(messages: Sequence[Message]) -> list[tuple[int, Message]]:
+    """(index, message) in the order ``normalize_messages`` renders them: system and
+    developer messages first, each group in its own order."""
+    indexed = list(enumerate(messages))
+    return [im for im in indexed if _is_system(im[1])] + [im for im in indexed if not _is_system(im[1])]
+
+
 _MERGED_FIELDS = frozenset({"role", "content", "reasoning_content"})
 
 
@@ -120,8 +131,8 @@ def normalize_messages(messages: Iterable[Message]) -> list[Message]:
     for m in msgs:
         m["role"] = ROLE_ALIASES.get(m["role"], m["role"])
 
-    system = [m for m in msgs if m["role"] == "system"]
-    rest = [m for m in msgs if m["role"] != "system"]
+    system = [m for m in msgs if _is_system(m)]
+    rest = [m for m in msgs if not _is_system(m)]
     out: list[Message] = []
     if system:
         head = {"role": "system", "content": None}

@@ -22,8 +22,9 @@ import mlx.core as mx
 
 from .detokenizer import RequestDetokenizer
 from .errors import (EngineClosedError, EngineStepError, InvalidRequestError, ModelLoadError, QueueFullError,
-                     TandemError)
+                     RequestTooLargeError, TandemError)
 from .lanes import Lane, TextLane, TokenEvent
+from .memory import CacheFootprint, MemoryLedger, derive_budget, device_memory_bytes, probe_footprint
 from .model_loader import LoadedModel, load_mtp_head, load_text_model, resolve_model_path
 from .options import EngineOptions
 from .outputs import StreamDelta, Usage
@@ -52,6 +53,8 @@ class EngineCore:
         self._lanes: dict[str, Lane] = {}
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}
+        self._memory = MemoryLedger(CacheFootprint(0), budget=0)  # the real one is made at load
+        self._held_for_memory = 0
         self._outbox: list[tuple[Any, Any]] = []
         self._closed = threading.Event()
         # Held while checking "closed" and putting in the inbox, and while closing before
@@ -113,13 +116,14 @@ class EngineCore:
             # Resolved here, not by the caller: building the default model uses mlx.
             self.model_path = resolve_model_path(self.model)
             self.loaded = load_text_model(self.model_path, show_progress=self.options.show_progress)
+            mtp_head = load_mtp_head(self.loaded, self.options.mtp)
             self._lanes["text"] = TextLane(
                 self.loaded.model,
                 eos_token_ids=self.loaded.eos_token_ids,
                 max_batch_size=self.options.max_batch_size,
                 prefill_batch_size=self.options.prefill_batch_size,
                 prefill_step_size=self.options.prefill_step_size,
-                mtp_head=load_mtp_head(self.loaded, self.options.mtp),
+                mtp_head=mtp_head,
                 mtp_mode=self.options.mtp,
                 mtp_depth=self.options.mtp_depth,
                 prefix_cache=(PrefixCache(self.options.prefix_cache_bytes,
@@ -138,6 +142,8 @@ class EngineCore:
                     prefill_step_size=self.options.prefill_step_size,
                     context_length=self.options.max_model_len or self.loaded.context_length,
                 )
+            self._memory = self._make_ledger(mtp_head)
+            self._update_queue_stats()
         except BaseException as exc:  # noqa: BLE001 - reported through the ready future
             self._mark_closed()
             self.ready.set_exception(exc)
@@ -173,6 +179,29 @@ class EngineCore:
         return SpecPrefillConfig(draft=draft.model, threshold=opts.specprefill_threshold,
                                  keep_pct=opts.specprefill_keep_pct, chunk_size=opts.specprefill_chunk_size,
                                  lookahead=opts.specprefill_lookahead)
+
+    def _make_ledger(self, mtp_head) -> MemoryLedger:
+        """Probe one row's cache and set the running requests' budget (after every model,
+        head and draft is loaded, so that they count as memory in use)."""
+        opts = self.options
+        layers = len(mtp_head.layers) if mtp_head is not None else 0
+        try:
+            footprint = probe_footprint(self.loaded.model, mtp_layers=layers, mtp_depth=opts.mtp_depth)
+        except Exception:  # noqa: BLE001 - an exotic model: serve it, bounded by batch slots alone
+            logger.warning("could not probe %s's cache size; memory-aware admission is off",
+                           self.loaded.path.name, exc_info=True)
+            footprint = CacheFootprint(0)
+        budget = derive_budget(opts.request_memory_bytes, opts.memory_fraction, in_use=mx.get_active_memory(),
+                               prefix_cache_bytes=opts.prefix_cache_bytes, device_bytes=device_memory_bytes())
+        ledger = MemoryLedger(footprint, budget, overshoot=opts.mtp_depth + 1 if layers else 0)
+        full_context = ledger.alone_bytes(opts.max_model_len or self.loaded.context_length)
+        logger.info("request memory budget %.1f MiB: a row costs %d B/token + %d B of state; "
+                    "%d full-context rows fit", budget / 2**20, footprint.kv_bytes_per_token,
+                    footprint.state_bytes_per_row, budget // max(full_context, 1))
+        if budget < ledger.alone_bytes(1):
+            logger.warning("the request memory budget (%d B) cannot hold one row's cache: every request will "
+                           "fail; lower prefix_cache_bytes or set request_memory_bytes", budget)
+        return ledger
 
     @staticmethod
     def _drain_device() -> None:
@@ -264,6 +293,10 @@ class EngineCore:
             self._emit(req, InvalidRequestError(f"request_id {rid!r} is already in use by a live request"))
             self.stats.count("requests_failed")
             return
+        need = self._memory.alone_bytes(self._memory.request_tokens(req.num_prompt_tokens, req.max_tokens))
+        if need > self._memory.budget:
+            self._fail(req, self._too_large(req, need))
+            return
         if len(self._waiting) >= self.options.max_waiting:
             self._admit()  # a burst drained in one go: start what free slots can take first
         if len(self._waiting) >= self.options.max_waiting:
@@ -298,16 +331,37 @@ class EngineCore:
             self._take_out(req)
             self._fail(req, TimeoutError(f"request {req.request_id} exceeded its timeout"))
 
+    def _too_large(self, req: Request, need: int) -> RequestTooLargeError:
+        return RequestTooLargeError(
+            f"request {req.request_id}: its cache ({req.num_prompt_tokens} prompt tokens + max_tokens "
+            f"{req.max_tokens}) needs {need} bytes, over the engine's request memory budget of "
+            f"{self._memory.budget} bytes; lower max_tokens or raise the engine option request_memory_bytes")
+
     def _admit(self) -> None:
-        """Start waiting requests, in arrival order, on lanes with a free slot; a full lane
-        does not hold back requests for another lane."""
+        """Start waiting requests, in arrival order, on lanes with a free slot while their
+        caches fit the memory budget (memory.py). A full lane does not hold back requests for
+        another lane; a request waiting for memory holds back every later one (memory is
+        shared, and letting small requests pass would starve a large one)."""
         full: set[str] = set()
         kept: deque[Request] = deque()
+        memory = self._memory
+        held = 0  # requests kept because the memory budget is reached (the first and all after it)
         while self._waiting:
             req = self._waiting.popleft()
             lane = self._lanes.get(req.lane)
-            if lane is not None and (req.lane in full or lane.num_active >= self.options.max_batch_size):
-                full.add(req.lane)
+            if lane is not None and not held:
+                if req.lane in full or lane.num_active >= self.options.max_batch_size:
+                    full.add(req.lane)
+                    kept.append(req)
+                    continue
+                if not memory.fits(req.lane, memory.request_tokens(req.num_prompt_tokens, req.max_tokens)):
+                    held = 1
+                    self._hold_for_memory(req)
+                    kept.append(req)
+                    continue
+            elif lane is not None:
+                held += 1
+                self._hold_for_memory(req)
                 kept.append(req)
                 continue
             try:
@@ -315,6 +369,12 @@ class EngineCore:
                     raise InvalidRequestError(f"this model has no {req.lane} lane")
                 req.detokenizer = RequestDetokenizer(self._decode, req.params.stop)
                 lane.add(req)
+                # After add: the vision lane has expanded the prompt's images by now.
+                tokens = memory.request_tokens(req.num_prompt_tokens, req.max_tokens)
+                if memory.alone_bytes(tokens) > memory.budget:
+                    lane.remove([req.request_id])
+                    raise self._too_large(req, memory.alone_bytes(tokens))
+                memory.reserve(req.request_id, req.lane, tokens)
             except TandemError as exc:
                 self._fail(req, exc)
                 continue
@@ -329,7 +389,13 @@ class EngineCore:
             if req.extra.get("constrained"):
                 self.stats.count("constrained_requests")
         self._waiting = kept
+        self._held_for_memory = held
         self._update_queue_stats()
+
+    def _hold_for_memory(self, req: Request) -> None:
+        if not req.extra.get("waited_for_memory"):
+            req.extra["waited_for_memory"] = True
+            self.stats.count("memory_waits")
 
     def _step_lane(self, lane: Lane) -> None:
         # A sampler compiled with the global PRNG state as input and output (mlx-lm's) that
@@ -419,6 +485,7 @@ class EngineCore:
     def _retire(self, req: Request) -> None:
         req.state = RequestState.FINISHED
         self._running.pop(req.request_id, None)
+        self._memory.release(req.request_id)
         self._update_queue_stats()
 
     def _fail(self, req: Request, exc: BaseException) -> None:
@@ -453,6 +520,7 @@ class EngineCore:
 
     def _update_queue_stats(self) -> None:
         self.stats.set_queue(running=len(self._running), waiting=len(self._waiting))
+        self.stats.set_section("memory", {**self._memory.snapshot(), "waiting_for_memory": self._held_for_memory})
 
 
 def _restore_random_key(key: mx.array) -> None:

@@ -24,6 +24,12 @@ class ContextLengthError(InvalidRequestError):
         self.max_context = max_context
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """The request's cache (its prompt plus ``max_tokens``) alone exceeds the engine's
+    memory budget for running requests, so it could never be admitted. Lower ``max_tokens``
+    or raise the engine option ``request_memory_bytes``."""
+
+
 class UnsupportedContentError(InvalidRequestError):
     """The request carries content this model cannot take (e.g. an image on a text model)."""
 

@@ -25,6 +25,12 @@ class EngineOptions:
     max_model_len: Optional[int] = None
     #: Requests allowed to wait for a batch slot; beyond that, submissions are refused.
     max_waiting: int = 4096
+    #: Bytes the caches of running requests may reserve together; a request waits while its
+    #: batch would not fit. None: derived at load, ``memory_fraction`` of the device's memory
+    #: less what is in use (weights) and ``prefix_cache_bytes``.
+    request_memory_bytes: Optional[int] = None
+    #: Share of the device's memory the engine plans to use when it derives the budget above.
+    memory_fraction: float = 0.9
     #: When idle and a request arrives, wait this long for more before the first step.
     coalesce_ms: float = 5.0
     #: Show a progress bar while loading.
@@ -69,6 +75,10 @@ class EngineOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 1")
+        v = self.request_memory_bytes
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise InvalidRequestError(f"engine option request_memory_bytes={v!r}: must be None or an integer >= 1")
+        check_keep_pct(self.memory_fraction, "engine option memory_fraction")
         check_keep_pct(self.specprefill_keep_pct, "engine option specprefill_keep_pct")
         if self.specprefill_draft is not None:
             object.__setattr__(self, "specprefill_draft", str(self.specprefill_draft))

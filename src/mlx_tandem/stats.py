@@ -11,6 +11,10 @@ _EMPTY_PREFIX_CACHE = {"hits": 0, "misses": 0, "hit_tokens": 0, "stored": 0, "ev
                        "entries": 0, "bytes": 0}
 
 
+_EMPTY_MEMORY = {"budget_bytes": 0, "reserved_bytes": 0, "kv_bytes_per_token": 0, "state_bytes_per_row": 0,
+                 "waiting_for_memory": 0}
+
+
 _EMPTY_SPECPREFILL = {"requests": 0, "sparse_tokens": 0, "kept_tokens": 0, "keep_ratio": 0.0,
                       "draft_tokens": 0, "draft_time_s": 0.0, "target_time_s": 0.0}
 
@@ -30,6 +34,7 @@ class EngineStats:
         self.decode_steps = 0
         self.step_errors = 0
         self.constrained_requests = 0  # grammar-constrained (forced tool call, response_format)
+        self.memory_waits = 0  # requests that waited for the memory budget before they started
         self.prompt_tokens = 0  # the prompts of admitted requests
         self.prefill_tokens = 0  # tokens the forward passes prefilled (for the rate)
         self.prompt_time = 0.0
@@ -113,4 +118,5 @@ class EngineStats:
                 "lane_requests": dict(self.lane_requests),
                 "prefix_cache": dict(self.sections.get("prefix_cache") or _EMPTY_PREFIX_CACHE),
                 "specprefill": dict(self.sections.get("specprefill") or _EMPTY_SPECPREFILL),
+                "memory": {**(self.sections.get("memory") or _EMPTY_MEMORY), "waits": self.memory_waits},
             }

@@ -1,0 +1,161 @@
+"""Memory-aware admission: what a request's cache will cost, and a ledger that admits a
+request only while the running requests' caches fit the engine's budget.
+
+Why a ledger and not a measurement: MLX allocates lazily and a request's cache grows token
+by token, so the memory in use when a request is admitted says little about the memory its
+batch will need at the end. The ledger reserves each request's worst case up front, from a
+footprint probed on the model itself, so an admitted batch can always finish.
+
+The batch layout it models is mlx-lm's (0.32) and mlx-vlm's: a lane decodes its rows in one
+rectangular cache, every row right-aligned to the longest (``BatchKVCache.extend`` and
+``merge`` pad the shorter rows), allocated in steps of 256 tokens. So a lane of ``n`` rows
+whose longest row may reach ``L`` tokens holds ``n`` times the cache of one ``L``-token row:
+one long request makes every row of its batch as long. Recurrent state (GatedDeltaNet's
+``ArraysCache``) is a fixed size per row, and speculative verification keeps one copy per
+verified position besides (``spec/verify.py``).
+
+Not counted: a step's transient activations and the copy while a prefill joins the batch;
+``memory_fraction`` below 1 leaves room for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+#: mlx-lm's KVCache / BatchKVCache allocate their buffers in steps of this many tokens.
+CACHE_STEP = 256
+
+
+@dataclass(frozen=True)
+class CacheFootprint:
+    """The cache one row of a batch holds, per layer kind (bytes)."""
+
+    #: Attention layers whose cache grows with every token (KVCache).
+    kv_bytes_per_token: int
+    #: Sliding-window layers: (bytes per token, window), capped at the window.
+    windowed: tuple[tuple[int, int], ...] = ()
+    #: Fixed-size state per row (recurrent ArraysCache layers, and caches of unknown kind).
+    state_bytes_per_row: int = 0
+
+    def row_bytes(self, tokens: int) -> int:
+        """One row's cache in a batch whose longest row holds ``tokens`` tokens."""
+        slots = -(-max(tokens, 1) // CACHE_STEP) * CACHE_STEP
+        windowed = sum(b * min(slots, w) for b, w in self.windowed)
+        return self.state_bytes_per_row + self.kv_bytes_per_token * slots + windowed
+
+    def lane_bytes(self, rows: int, longest: int) -> int:
+        """A lane's rectangular batch cache: ``rows`` rows as long as the longest."""
+        return rows * self.row_bytes(longest) if rows else 0
+
+
+def probe_footprint(model: Any, *, mtp_layers: int = 0, mtp_depth: int = 0) -> CacheFootprint:
+    """Measure one row's cache by running one token through ``model`` (owner thread only).
+
+    Generic over mlx-lm models: the cache kinds are read from the caches the model makes,
+    not from its config. ``mtp_layers`` attention layers of an MTP head add to the per-token
+    cost, and speculative verification of ``mtp_depth`` drafts keeps ``mtp_depth + 1`` more
+    copies of the recurrent state while it runs.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    per_token = attention_layers = state = 0
+    windowed = []
+    for c in cache:
+        if isinstance(c, RotatingKVCache):
+            windowed.append((_kv_per_token(c), c.max_size))
+        elif isinstance(c, KVCache):
+            per_token += _kv_per_token(c)
+            attention_layers += 1
+        elif isinstance(c, ArraysCache):
+            state += sum(a.nbytes for a in c.cache if a is not None)
+        else:  # a cache kind this module does not know: count what one token made, per row
+            logger.warning("memory admission: unknown cache kind %s counted as fixed state",
+                           type(c).__name__)
+            state += int(getattr(c, "nbytes", 0))
+    if mtp_layers and attention_layers:
+        per_token += mtp_layers * (per_token // attention_layers)
+    state *= 1 + (mtp_depth + 1 if mtp_layers else 0)
+    return CacheFootprint(kv_bytes_per_token=per_token, windowed=tuple(windowed), state_bytes_per_row=state)
+
+
+def _kv_per_token(c) -> int:
+    k, v = c.keys, c.values  # (batch 1, kv heads, slots, head dim)
+    return k.shape[1] * k.shape[3] * k.dtype.size + v.shape[1] * v.shape[3] * v.dtype.size
+
+
+def device_memory_bytes() -> int:
+    """Memory the device can give this process: Metal's recommended working set, or the
+    machine's physical memory on the CPU backend."""
+    import mlx.core as mx
+
+    info_fn = getattr(mx, "device_info", None) or getattr(getattr(mx, "metal", None), "device_info", None)
+    info = info_fn() if info_fn is not None else {}
+    for key in ("max_recommended_working_set_size", "memory_size"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class _Row:
+    lane: str
+    longest: int  # tokens the row may reach: prompt + max_tokens (+ speculative overshoot)
+
+
+@dataclass
+class MemoryLedger:
+    """Reservations of the running requests' caches against ``budget`` bytes (owner thread)."""
+
+    footprint: CacheFootprint
+    budget: int
+    #: Tokens a row may hold past prompt + max_tokens (a verify step's drafts).
+    overshoot: int = 0
+    _rows: dict[str, _Row] = field(default_factory=dict)
+
+    def request_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
+        return prompt_tokens + max_tokens + self.overshoot
+
+    def alone_bytes(self, tokens: int) -> int:
+        return self.footprint.lane_bytes(1, tokens)
+
+    def reserved(self) -> int:
+        return sum(self._lane_bytes(lane) for lane in {r.lane for r in self._rows.values()})
+
+    def fits(self, lane: str, tokens: int) -> bool:
+        """Would a new row of ``tokens`` on ``lane`` keep every lane's batch within budget?"""
+        rows = [r.longest for r in self._rows.values() if r.lane == lane]
+        after = self.footprint.lane_bytes(len(rows) + 1, max(rows + [tokens]))
+        return self.reserved() - self._lane_bytes(lane) + after <= self.budget
+
+    def reserve(self, request_id: str, lane: str, tokens: int) -> None:
+        self._rows[request_id] = _Row(lane, tokens)
+
+    def release(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+
+    def _lane_bytes(self, lane: str) -> int:
+        rows = [r.longest for r in self._rows.values() if r.lane == lane]
+        return self.footprint.lane_bytes(len(rows), max(rows, default=0))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"budget_bytes": self.budget, "reserved_bytes": self.reserved(),
+                "kv_bytes_per_token": self.footprint.kv_bytes_per_token,
+                "state_bytes_per_row": self.footprint.state_bytes_per_row}
+
+
+def derive_budget(explicit: Optional[int], fraction: float, *, in_use: int, prefix_cache_bytes: int,
+                  device_bytes: int) -> int:
+    """The running requests' share: ``explicit`` if given, else ``fraction`` of the device's
+    memory less what is already in use (weights, heads, drafts) and the prefix cache's budget."""
+    if explicit is not None:
+        return explicit
+    return max(0, int(fraction * device_bytes) - in_use - prefix_cache_bytes)

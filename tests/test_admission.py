@@ -1,0 +1,229 @@
+"""Memory-aware admission: requests wait while their batch's caches would pass the budget,
+the reservation covers what mlx-lm's batch caches really hold, and a request too large for
+the budget alone fails with a typed error while the others run."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mlx_tandem import Engine, InvalidRequestError, RequestTooLargeError, SamplingParams
+from mlx_tandem.memory import CACHE_STEP, MemoryLedger, derive_budget, device_memory_bytes
+
+from .reference import reference_greedy
+
+
+def _prompt(n: int, start: int = 100) -> list[int]:
+    return [start + (i * 7) % 900 for i in range(n)]
+
+
+def _ledger(path, **opts) -> MemoryLedger:
+    """The ledger an engine on ``path`` builds (its footprint probe), with no budget applied."""
+    engine = Engine(str(path), show_progress=False, **opts).start_sync()
+    try:
+        return engine._core._memory
+    finally:
+        engine.close_sync()
+
+
+class _Recorder:
+    """Wraps the text lane to record, after every step, who runs and what the caches hold."""
+
+    def __init__(self, engine: Engine):
+        self.core = engine._core
+        self.lane = self.core._lanes["text"]
+        self.steps: list[tuple[frozenset, int, int]] = []  # (running ids, real bytes, reserved bytes)
+        self.added: list[str] = []
+        step, add = self.lane.step, self.lane.add
+
+        def recording_step():
+            out = step()
+            gen = self.lane._gen
+            real = sum(c.nbytes for c in (gen._generation_batch.prompt_cache or []))
+            self.steps.append((frozenset(self.core._running), real, self.core._memory.reserved()))
+            return out
+
+        def recording_add(request):
+            add(request)
+            self.added.append(request.request_id)
+
+        self.lane.step, self.lane.add = recording_step, recording_add
+
+    def max_running(self, *, while_running: str | None = None) -> int:
+        return max((len(ids) for ids, _, _ in self.steps if while_running is None or while_running in ids),
+                   default=0)
+
+
+def _burst(engine: Engine, requests: list[tuple[str, list[int], int]]):
+    """Submit ``(request_id, prompt ids, max_tokens)`` so that the owner thread takes them in one go."""
+    release = threading.Event()
+    held = engine._core.call(release.wait)
+    streams = [engine.open_complete_stream_sync(ids, SamplingParams(max_tokens=n), request_id=rid)
+               for rid, ids, n in requests]
+    release.set()
+    held.result(10)
+    # The loop takes the burst, then admits, then reads its inbox again: the second call
+    # runs after the burst's first admission.
+    engine._core.call(lambda: None).result(10)
+    engine._core.call(lambda: None).result(10)
+    return streams
+
+
+@pytest.mark.parametrize("kind,mtp", [("llama", "off"), ("qwen3_5", "off"), ("qwen3_5", "on")])
+def test_the_reservation_covers_what_the_batch_caches_hold(kind, mtp, tiny_models):
+    """Against mlx-lm's real batch caches (right-aligned rows, 256-token steps, recurrent
+    state, the MTP head's cache), step by step: the ledger never reserves less than the
+    caches hold."""
+    path = tiny_models.get(kind)
+    engine = Engine(str(path), show_progress=False, mtp=mtp).start_sync()
+    try:
+        rec = _Recorder(engine)
+        sizes = [(5, 30), (40, 200), (300, 60), (700, 100), (20, 250), (90, 10)]
+        streams = _burst(engine, [(f"r{i}", _prompt(n, 100 + i), m) for i, (n, m) in enumerate(sizes)])
+        for s in streams:
+            s.collect()
+        live = [(real, reserved) for ids, real, reserved in rec.steps if ids and real]
+        assert live and all(real <= reserved for real, reserved in live), live
+        assert max(len(ids) for ids, _, _ in rec.steps) == len(sizes)  # they ran together
+        # Not wildly conservative either: at some step the caches fill most of the reservation
+        # (the rest is the 256-token block not yet used, and speculation's recurrent copies).
+        assert max(real / reserved for real, reserved in live) > 0.7
+        assert engine.stats()["memory"]["reserved_bytes"] == 0
+    finally:
+        engine.close_sync()
+
+
+def test_requests_wait_for_memory_and_answer_as_if_alone(qwen3_5_path):
+    """Five requests, a budget for two of their batch rows: never more than two run, the
+    others wait (counted), and every answer equals the one-at-a-time greedy reference."""
+    ledger = _ledger(qwen3_5_path)
+    prompts = [_prompt(20 + 9 * i, 200 + i) for i in range(5)]
+    longest = max(ledger.request_tokens(len(p), 24) for p in prompts)
+    budget = ledger.footprint.lane_bytes(2, longest)
+    expected = [reference_greedy(qwen3_5_path, p, 24) for p in prompts]
+
+    engine = Engine(str(qwen3_5_path), show_progress=False, request_memory_bytes=budget).start_sync()
+    try:
+        rec = _Recorder(engine)
+        streams = _burst(engine, [(f"r{i}", p, 24) for i, p in enumerate(prompts)])
+        assert engine.stats()["memory"]["waiting_for_memory"] == 3
+        outs = [s.collect() for s in streams]
+        assert [o.token_ids for o in outs] == expected
+        assert rec.max_running() == 2
+        mem = engine.stats()["memory"]
+        assert (mem["budget_bytes"], mem["waits"], mem["reserved_bytes"], mem["waiting_for_memory"]) == (budget, 3, 0, 0)
+    finally:
+        engine.close_sync()
+
+
+def test_one_long_request_makes_its_whole_batch_long(qwen3_5_path):
+    """mlx-lm pads every row of a batch to the longest, so while a long request runs fewer
+    short ones fit beside it than fit on their own."""
+    ledger = _ledger(qwen3_5_path)
+    short = ledger.request_tokens(10, 16)
+    long = ledger.request_tokens(400, 16)
+    assert short <= CACHE_STEP < long <= 2 * CACHE_STEP
+    budget = ledger.footprint.lane_bytes(4, short)
+    beside_long = max(n for n in range(1, 5) if ledger.footprint.lane_bytes(n, long) <= budget)
+    assert beside_long < 4
+
+    engine = Engine(str(qwen3_5_path), show_progress=False, request_memory_bytes=budget).start_sync()
+    try:
+        rec = _Recorder(engine)
+        reqs = [("long", _prompt(400), 16)] + [(f"s{i}", _prompt(10, 300 + i), 16) for i in range(6)]
+        for s in _burst(engine, reqs):
+            assert s.collect().finish_reason in ("length", "stop")
+        assert rec.max_running(while_running="long") == beside_long
+        assert rec.max_running() == 4
+        assert all(real <= reserved for _, real, reserved in rec.steps)
+    finally:
+        engine.close_sync()
+
+
+def test_small_requests_do_not_overtake_one_waiting_for_memory(qwen3_5_path):
+    """First come, first served: a large request waiting for memory holds back a small one
+    behind it that would fit now, so large requests are never starved."""
+    ledger = _ledger(qwen3_5_path)
+    small = ledger.request_tokens(10, 200)
+    big = ledger.request_tokens(400, 8)
+    budget = ledger.footprint.lane_bytes(2, small)
+    assert ledger.footprint.lane_bytes(2, big) > budget >= ledger.alone_bytes(big)
+
+    engine = Engine(str(qwen3_5_path), show_progress=False, request_memory_bytes=budget).start_sync()
+    try:
+        rec = _Recorder(engine)
+        first = engine.open_complete_stream_sync(_prompt(10), SamplingParams(max_tokens=200), request_id="A")
+        next(iter(first))  # A runs
+        later = _burst(engine, [("B", _prompt(400, 150), 8), ("C", _prompt(10, 500), 8)])
+        for s in [first, *later]:
+            s.collect()
+        assert rec.added == ["A", "B", "C"]
+        assert not any({"A", "C"} <= ids for ids, _, _ in rec.steps)  # C fitted beside A, yet waited
+    finally:
+        engine.close_sync()
+
+
+def test_a_request_too_large_for_the_budget_fails_alone(qwen3_5_path):
+    ledger = _ledger(qwen3_5_path)
+    budget = ledger.alone_bytes(ledger.request_tokens(10, 64))
+    engine = Engine(str(qwen3_5_path), show_progress=False, request_memory_bytes=budget).start_sync()
+    try:
+        ok = engine.open_complete_stream_sync(_prompt(10), SamplingParams(max_tokens=64))
+        with pytest.raises(RequestTooLargeError, match="request_memory_bytes") as info:
+            engine.complete_sync(_prompt(10), SamplingParams(max_tokens=2 * CACHE_STEP))
+        assert isinstance(info.value, InvalidRequestError)
+        assert ok.collect().token_ids == reference_greedy(qwen3_5_path, _prompt(10), 64)
+        assert engine.complete_sync(_prompt(10), SamplingParams(max_tokens=4)).finish_reason in ("length", "stop")
+    finally:
+        engine.close_sync()
+
+
+def test_the_default_budget_is_the_device_share_left_after_the_weights(llama_path):
+    engine = Engine(str(llama_path), show_progress=False, memory_fraction=0.5, prefix_cache_bytes=1 << 20).start_sync()
+    try:
+        budget = engine.stats()["memory"]["budget_bytes"]
+        device = device_memory_bytes()
+        # The weights (and anything else alive in this process) are what separates them.
+        assert device // 2 - (1 << 20) - (1 << 30) < budget < device // 2 - (1 << 20)
+    finally:
+        engine.close_sync()
+    assert derive_budget(None, 0.5, in_use=100, prefix_cache_bytes=50, device_bytes=1000) == 350
+    assert derive_budget(None, 0.1, in_use=100, prefix_cache_bytes=50, device_bytes=1000) == 0
+    assert derive_budget(12345, 0.1, in_use=100, prefix_cache_bytes=50, device_bytes=1000) == 12345
+
+
+@pytest.mark.parametrize("opts", [dict(request_memory_bytes=0), dict(request_memory_bytes=1.5),
+                                  dict(request_memory_bytes=True), dict(memory_fraction=0),
+                                  dict(memory_fraction=1.5)])
+def test_bad_memory_options(opts):
+    with pytest.raises(InvalidRequestError):
+        Engine("x", **opts)
+
+
+def test_an_image_request_is_measured_with_its_expanded_prompt(qwen3_5_vl_path):
+    """The vision lane learns a prompt's image tokens only when it takes the request: one
+    that fits before the images are expanded and not after fails typed, leaves nothing
+    behind in the lane, and the engine keeps serving both lanes."""
+    import numpy as np
+    from PIL import Image
+
+    img = Image.fromarray((np.random.default_rng(0).random((128, 128, 3)) * 255).astype("uint8"))
+    msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what?"}]}]
+    ledger = _ledger(qwen3_5_vl_path)
+    engine = Engine(str(qwen3_5_vl_path), show_progress=False,
+                    request_memory_bytes=ledger.alone_bytes(CACHE_STEP)).start_sync()
+    try:
+        small = engine.chat_sync(msgs, SamplingParams(max_tokens=4))
+        image_tokens = small.usage.prompt_tokens - len(engine.apply_chat_template(msgs))
+        assert image_tokens > 0
+        # Before expansion it ends inside the first 256-token block, after it in the second.
+        max_tokens = CACHE_STEP - ledger.request_tokens(len(engine.apply_chat_template(msgs)), 0) - image_tokens // 2
+        with pytest.raises(RequestTooLargeError):
+            engine.chat_sync(msgs, SamplingParams(max_tokens=max_tokens))
+        assert engine._core._lanes["vision"].num_active == 0
+        assert engine.chat_sync(msgs, SamplingParams(max_tokens=4)).token_ids == small.token_ids
+        assert engine.complete_sync(_prompt(10), SamplingParams(max_tokens=4)).finish_reason in ("length", "stop")
+        assert engine.stats()["memory"]["reserved_bytes"] == 0
+    finally:
+        engine.close_sync()

@@ -27,11 +27,13 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/batching.py benchmarks/results/batching.json
 	$(PY) benchmarks/mtp.py benchmarks/results/mtp.json
 	$(PY) benchmarks/long_prompts.py benchmarks/results/long_prompts.json
+	$(PY) benchmarks/admission.py benchmarks/results/admission.json
 
 bench-quick: $(VENV)/.installed
 	$(PY) benchmarks/batching.py benchmarks/results/batching-quick.json --quick
 	$(PY) benchmarks/mtp.py benchmarks/results/mtp-quick.json --quick
 	$(PY) benchmarks/long_prompts.py benchmarks/results/long_prompts-quick.json --quick
+	$(PY) benchmarks/admission.py benchmarks/results/admission-quick.json --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache benchmarks/results

@@ -27,21 +27,34 @@ def _ledger(path, **opts) -> MemoryLedger:
         engine.close_sync()
 
 
-class _Recorder:
-    """Wraps the text lane to record, after every step, who runs and what the caches hold."""
+def _cache_bytes(lane) -> int:
+    """What a lane's batch caches hold now: the decode batch, the prompt batch, and (text
+    lane) prompt caches restored from the prefix cache that wait for their prefill."""
+    gen = lane._gen
+    caches = [c for batch in (gen._generation_batch, gen._prompt_batch) if batch is not None
+              for c in (batch.prompt_cache or [])]
+    if lane.name == "text":  # mlx-lm's queue entries: (uid, tokens, max_tokens, cache, ...)
+        caches += [c for seq in gen._unprocessed_sequences for c in (seq[3] or [])]
+    return sum(c.nbytes for c in caches)
 
-    def __init__(self, engine: Engine):
+
+class _Recorder:
+    """Wraps a lane to record, after every step, who runs, what the caches of every lane
+    hold and what the ledger reserves; checks that the reservation never passes the budget."""
+
+    def __init__(self, engine: Engine, lane: str = "text"):
         self.core = engine._core
-        self.lane = self.core._lanes["text"]
+        self.lane = self.core._lanes[lane]
         self.steps: list[tuple[frozenset, int, int]] = []  # (running ids, real bytes, reserved bytes)
         self.added: list[str] = []
         step, add = self.lane.step, self.lane.add
 
         def recording_step():
             out = step()
-            gen = self.lane._gen
-            real = sum(c.nbytes for c in (gen._generation_batch.prompt_cache or []))
-            self.steps.append((frozenset(self.core._running), real, self.core._memory.reserved()))
+            real = sum(_cache_bytes(lane) for lane in self.core._lanes.values())
+            memory = self.core._memory
+            assert memory.reserved() <= memory.budget
+            self.steps.append((frozenset(self.core._running), real, memory.reserved()))
             return out
 
         def recording_add(request):
@@ -90,6 +103,51 @@ def test_the_reservation_covers_what_the_batch_caches_hold(kind, mtp, tiny_model
         # (the rest is the 256-token block not yet used, and speculation's recurrent copies).
         assert max(real / reserved for real, reserved in live) > 0.7
         assert engine.stats()["memory"]["reserved_bytes"] == 0
+    finally:
+        engine.close_sync()
+
+
+def _pause_after_first_step(lane):
+    """Make the lane's first step wait until released, so a request can join mid-prefill."""
+    step, paused, resume, steps = lane.step, threading.Event(), threading.Event(), [0]
+
+    def pausing_step():
+        out = step()
+        steps[0] += 1
+        if steps[0] == 1:
+            paused.set()
+            resume.wait(10)
+        return out
+
+    lane.step = pausing_step
+    return paused, resume
+
+
+@pytest.mark.parametrize("case", ["prefix_point", "row_leaves", "joins_mid_prefill"])
+def test_the_reservation_covers_buffers_grown_from_uneven_ends(case, llama_path):
+    """mlx-lm grows a batch buffer in 256-slot steps from wherever its last chunk ended, and
+    ``filter`` keeps the spare slots of a row that left, so a buffer can hold up to 255 slots
+    past its longest row. Three ways to get there, none covered by rounding to 256:
+    a prompt prefilled in two pieces cut at its system-prompt cache point; a short row left
+    with a long row's spare slots; a row joining another's prefill between its chunks."""
+    engine = Engine(str(llama_path), show_progress=False, mtp="off").start_sync()
+    try:
+        rec = _Recorder(engine)
+        if case == "prefix_point":
+            msgs = [{"role": "system", "content": "a" * 80}, {"role": "user", "content": "b" * 280}]
+            engine.chat_sync(msgs, SamplingParams(max_tokens=4))
+        elif case == "row_leaves":
+            for s in _burst(engine, [("A", _prompt(513), 10), ("B", _prompt(240, 300), 15)]):
+                s.collect()
+        else:
+            paused, resume = _pause_after_first_step(rec.lane)
+            b = engine.open_complete_stream_sync(_prompt(787), SamplingParams(max_tokens=17), request_id="B")
+            assert paused.wait(10)
+            a = engine.open_complete_stream_sync(_prompt(600, 300), SamplingParams(max_tokens=10), request_id="A")
+            resume.set()
+            a.collect(), b.collect()
+        live = [(real, reserved) for _, real, reserved in rec.steps if real]
+        assert live and all(real <= reserved for real, reserved in live), live
     finally:
         engine.close_sync()
 
@@ -225,5 +283,39 @@ def test_an_image_request_is_measured_with_its_expanded_prompt(qwen3_5_vl_path):
         assert engine.chat_sync(msgs, SamplingParams(max_tokens=4)).token_ids == small.token_ids
         assert engine.complete_sync(_prompt(10), SamplingParams(max_tokens=4)).finish_reason in ("length", "stop")
         assert engine.stats()["memory"]["reserved_bytes"] == 0
+    finally:
+        engine.close_sync()
+
+
+def test_an_image_request_waits_when_its_expanded_prompt_does_not_fit_beside_others(qwen3_5_vl_path):
+    """Measured again after its images expand, an image request that fits alone but not
+    beside a running text request goes back to its place and runs when the text request
+    is done, with the answer it gives alone; the reservation never passes the budget."""
+    import numpy as np
+    from PIL import Image
+
+    img = Image.fromarray((np.random.default_rng(1).random((128, 128, 3)) * 255).astype("uint8"))
+    msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what?"}]}]
+    ledger = _ledger(qwen3_5_vl_path)
+    text_tokens = ledger.request_tokens(10, 200)
+    engine = Engine(str(qwen3_5_vl_path), show_progress=False).start_sync()
+    try:
+        alone = engine.chat_sync(msgs, SamplingParams(max_tokens=8))
+        unexpanded = len(engine.apply_chat_template(msgs))
+    finally:
+        engine.close_sync()
+    assert alone.usage.prompt_tokens > unexpanded
+    budget = ledger.alone_bytes(text_tokens) + ledger.alone_bytes(ledger.request_tokens(unexpanded, 8))
+
+    engine = Engine(str(qwen3_5_vl_path), show_progress=False, request_memory_bytes=budget).start_sync()
+    try:
+        recs = [_Recorder(engine, "text"), _Recorder(engine, "vision")]
+        text = engine.open_complete_stream_sync(_prompt(10), SamplingParams(max_tokens=200), request_id="T")
+        next(iter(text))  # T runs
+        image = engine.open_chat_stream_sync(msgs, SamplingParams(max_tokens=8), request_id="V")
+        assert text.collect().finish_reason == "length"
+        assert image.collect().token_ids == alone.token_ids
+        assert not any({"T", "V"} <= ids for rec in recs for ids, _, _ in rec.steps)
+        assert engine.stats()["memory"]["waits"] == 1
     finally:
         engine.close_sync()

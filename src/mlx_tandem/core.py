@@ -191,8 +191,11 @@ class EngineCore:
             logger.warning("could not probe %s's cache size; memory-aware admission is off",
                            self.loaded.path.name, exc_info=True)
             footprint = CacheFootprint(0)
+        prefix_bytes = opts.prefix_cache_bytes
+        if opts.specprefill_draft is not None:
+            prefix_bytes += prefix_bytes // 8  # the draft's own snapshots (lanes/text.py)
         budget = derive_budget(opts.request_memory_bytes, opts.memory_fraction, in_use=mx.get_active_memory(),
-                               prefix_cache_bytes=opts.prefix_cache_bytes, device_bytes=device_memory_bytes())
+                               prefix_cache_bytes=prefix_bytes, device_bytes=device_memory_bytes())
         ledger = MemoryLedger(footprint, budget, overshoot=opts.mtp_depth + 1 if layers else 0)
         full_context = ledger.alone_bytes(opts.max_model_len or self.loaded.context_length)
         logger.info("request memory budget %.1f MiB: a row costs %d B/token + %d B of state; "
@@ -301,8 +304,8 @@ class EngineCore:
             self._admit()  # a burst drained in one go: start what free slots can take first
         if len(self._waiting) >= self.options.max_waiting:
             self._fail(req, QueueFullError(
-                f"every batch slot is busy and {self.options.max_waiting} requests already wait "
-                "(engine option max_waiting); try again later"))
+                f"no request can start now (every batch slot is busy or the memory budget is reached) and "
+                f"{self.options.max_waiting} requests already wait (engine option max_waiting); try again later"))
             return
         self._waiting.append(req)
         self._update_queue_stats()
@@ -369,11 +372,17 @@ class EngineCore:
                     raise InvalidRequestError(f"this model has no {req.lane} lane")
                 req.detokenizer = RequestDetokenizer(self._decode, req.params.stop)
                 lane.add(req)
-                # After add: the vision lane has expanded the prompt's images by now.
+                # The vision lane expands a prompt's images in add: measure it again.
                 tokens = memory.request_tokens(req.num_prompt_tokens, req.max_tokens)
-                if memory.alone_bytes(tokens) > memory.budget:
+                if not memory.fits(req.lane, tokens):
                     lane.remove([req.request_id])
-                    raise self._too_large(req, memory.alone_bytes(tokens))
+                    if memory.alone_bytes(tokens) > memory.budget:
+                        raise self._too_large(req, memory.alone_bytes(tokens))
+                    # It waits at its place, now with its real size (the lane expands it again).
+                    held = 1
+                    self._hold_for_memory(req)
+                    kept.append(req)
+                    continue
                 memory.reserve(req.request_id, req.lane, tokens)
             except TandemError as exc:
                 self._fail(req, exc)

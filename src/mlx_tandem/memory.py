@@ -8,14 +8,20 @@ footprint probed on the model itself, so an admitted batch can always finish.
 
 The batch layout it models is mlx-lm's (0.32) and mlx-vlm's: a lane decodes its rows in one
 rectangular cache, every row right-aligned to the longest (``BatchKVCache.extend`` and
-``merge`` pad the shorter rows), allocated in steps of 256 tokens. So a lane of ``n`` rows
-whose longest row may reach ``L`` tokens holds ``n`` times the cache of one ``L``-token row:
-one long request makes every row of its batch as long. Recurrent state (GatedDeltaNet's
-``ArraysCache``) is a fixed size per row, and speculative verification keeps one copy per
-verified position besides (``spec/verify.py``).
+``merge`` pad the shorter rows). So a lane of ``n`` rows whose longest row may reach ``L``
+tokens holds ``n`` times the cache of one ``L``-token row: one long request makes every row
+of its batch as long. A buffer grows in whole steps of 256 slots from wherever its last
+chunk ended, and ``filter`` trims only the padding every row shares, so it may hold up to
+255 slots past its longest row, never more (``update_and_fetch`` adds at most 255 past
+what it writes, ``merge`` none, ``extend`` and ``filter`` keep the larger spare): a row
+reserves ``L + 255`` slots. Recurrent state (GatedDeltaNet's ``ArraysCache``) is a fixed
+size per row, and speculative verification keeps one copy per verified position besides
+(``spec/verify.py``).
 
-Not counted: a step's transient activations and the copy while a prefill joins the batch;
-``memory_fraction`` below 1 leaves room for them.
+Not counted, because they pass within a step or two: a step's activations; the copy while
+a prefill joins the batch; and, after rows leave, the buffer ``filter`` gathered at the old
+length, which the remaining rows view until their next growth or join. ``memory_fraction``
+below 1 leaves room for them.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
-#: mlx-lm's KVCache / BatchKVCache allocate their buffers in steps of this many tokens.
+#: mlx-lm's KVCache / BatchKVCache grow their buffers in steps of this many tokens.
 CACHE_STEP = 256
+#: Slots a batch buffer may hold past its longest row (see the module docstring).
+SPARE_SLOTS = CACHE_STEP - 1
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,7 @@ class CacheFootprint:
 
     def row_bytes(self, tokens: int) -> int:
         """One row's cache in a batch whose longest row holds ``tokens`` tokens."""
-        slots = -(-max(tokens, 1) // CACHE_STEP) * CACHE_STEP
+        slots = max(tokens, 1) + SPARE_SLOTS
         windowed = sum(b * min(slots, w) for b, w in self.windowed)
         return self.state_bytes_per_row + self.kv_bytes_per_token * slots + windowed
 

@@ -296,7 +296,7 @@ class EngineCore:
             self._emit(req, InvalidRequestError(f"request_id {rid!r} is already in use by a live request"))
             self.stats.count("requests_failed")
             return
-        need = self._memory.alone_bytes(self._memory.request_tokens(req.num_prompt_tokens, req.max_tokens))
+        need = self._memory.alone_bytes(self._row_tokens(req))
         if need > self._memory.budget:
             self._fail(req, self._too_large(req, need))
             return
@@ -352,17 +352,11 @@ class EngineCore:
         while self._waiting:
             req = self._waiting.popleft()
             lane = self._lanes.get(req.lane)
-            if lane is not None and not held:
-                if req.lane in full or lane.num_active >= self.options.max_batch_size:
-                    full.add(req.lane)
-                    kept.append(req)
-                    continue
-                if not memory.fits(req.lane, memory.request_tokens(req.num_prompt_tokens, req.max_tokens)):
-                    held = 1
-                    self._hold_for_memory(req)
-                    kept.append(req)
-                    continue
-            elif lane is not None:
+            if lane is not None and not held and (req.lane in full or lane.num_active >= self.options.max_batch_size):
+                full.add(req.lane)
+                kept.append(req)
+                continue
+            if lane is not None and (held or not memory.fits(req.lane, self._row_tokens(req))):
                 held += 1
                 self._hold_for_memory(req)
                 kept.append(req)
@@ -373,13 +367,13 @@ class EngineCore:
                 req.detokenizer = RequestDetokenizer(self._decode, req.params.stop)
                 lane.add(req)
                 # The vision lane expands a prompt's images in add: measure it again.
-                tokens = memory.request_tokens(req.num_prompt_tokens, req.max_tokens)
+                tokens = self._row_tokens(req)
                 if not memory.fits(req.lane, tokens):
                     lane.remove([req.request_id])
                     if memory.alone_bytes(tokens) > memory.budget:
                         raise self._too_large(req, memory.alone_bytes(tokens))
                     # It waits at its place, now with its real size (the lane expands it again).
-                    held = 1
+                    held += 1
                     self._hold_for_memory(req)
                     kept.append(req)
                     continue
@@ -400,6 +394,9 @@ class EngineCore:
         self._waiting = kept
         self._held_for_memory = held
         self._update_queue_stats()
+
+    def _row_tokens(self, req: Request) -> int:
+        return self._memory.request_tokens(req.num_prompt_tokens, req.max_tokens)
 
     def _hold_for_memory(self, req: Request) -> None:
         if not req.extra.get("waited_for_memory"):

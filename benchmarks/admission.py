@@ -19,7 +19,6 @@ and a PNG plot.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -135,10 +134,7 @@ def plot(results: dict, plt):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("output", help="path of the JSON file to write")
-    ap.add_argument("--quick", action="store_true", help="smaller model and burst (under a minute)")
-    ap.add_argument("--model-dir", help="where to build/reuse the benchmark model")
+    ap = report.arguments(__doc__, "smaller model and burst (under a minute)")
     args = ap.parse_args(argv)
     results = bench(args)
     results["machine"] = report.machine()

@@ -13,7 +13,6 @@ three produced the same tokens, and writes JSON to the path given (and a PNG plo
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
@@ -153,10 +152,7 @@ def plot(results: dict, plt):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("output", help="path of the JSON file to write")
-    ap.add_argument("--quick", action="store_true", help="smaller model, N up to 16 (under a minute)")
-    ap.add_argument("--model-dir", help="where to build/reuse the benchmark model")
+    ap = report.arguments(__doc__, "smaller model, N up to 16 (under a minute)")
     args = ap.parse_args(argv)
     results = asyncio.run(bench(args))
     results["machine"] = report.machine()

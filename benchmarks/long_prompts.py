@@ -21,7 +21,6 @@ Prompts are natural text (Python standard-library docstrings) in the factory tok
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import inspect
 import json
@@ -272,11 +271,8 @@ def plot(results: dict, plt):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("output", help="path of the JSON file to write (a PNG plot is written next to it)")
-    ap.add_argument("--quick", action="store_true", help="smaller models and prompts")
+    ap = report.arguments(__doc__, "smaller models and prompts")
     ap.add_argument("--long", action="store_true", help="also a 16K-token SpecPrefill prompt (full mode)")
-    ap.add_argument("--model-dir", help="where to build/reuse the bench models")
     args = ap.parse_args(argv)
     results = asyncio.run(bench(args))
     results["machine"] = report.machine()

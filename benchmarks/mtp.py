@@ -23,7 +23,6 @@ Side by side in one run, greedy, for batch 1 and batch 8:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
@@ -220,11 +219,8 @@ def plot(results: dict, plt):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("output", help="path of the JSON file to write (a PNG plot is written next to it)")
-    ap.add_argument("--quick", action="store_true", help="smaller model and fewer prompts")
+    ap = report.arguments(__doc__, "smaller model and fewer prompts")
     ap.add_argument("--model", help="a checkpoint with an MTP head to benchmark instead of the bench model")
-    ap.add_argument("--model-dir", help="where to build/reuse the bench model")
     ap.add_argument("--depth", type=int, default=2, choices=(1, 2, 3), help="draft tokens per step")
     args = ap.parse_args(argv)
     results = asyncio.run(bench(args))

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import sys
 from pathlib import Path
 from typing import Callable
+
+
+def arguments(doc: str, quick: str) -> argparse.ArgumentParser:
+    """The options every model benchmark takes: the JSON path, ``--quick`` and ``--model-dir``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("output", help="path of the JSON file to write (a PNG plot is written next to it)")
+    ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--model-dir", help="where to build/reuse the benchmark models")
+    return ap
 
 
 def machine() -> dict:

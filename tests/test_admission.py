@@ -157,8 +157,8 @@ def test_requests_wait_for_memory_and_answer_as_if_alone(qwen3_5_path):
     others wait (counted), and every answer equals the one-at-a-time greedy reference."""
     ledger = _ledger(qwen3_5_path)
     prompts = [_prompt(20 + 9 * i, 200 + i) for i in range(5)]
-    longest = max(ledger.request_tokens(len(p), 24) for p in prompts)
-    budget = ledger.footprint.lane_bytes(2, longest)
+    longest = max(ledger.row_tokens("text", len(p), 24) for p in prompts)
+    budget = ledger.footprints["text"].lane_bytes(2, longest)
     expected = [reference_greedy(qwen3_5_path, p, 24) for p in prompts]
 
     engine = Engine(str(qwen3_5_path), show_progress=False, request_memory_bytes=budget).start_sync()
@@ -179,11 +179,11 @@ def test_one_long_request_makes_its_whole_batch_long(qwen3_5_path):
     """mlx-lm pads every row of a batch to the longest, so while a long request runs fewer
     short ones fit beside it than fit on their own."""
     ledger = _ledger(qwen3_5_path)
-    short = ledger.request_tokens(10, 16)
-    long = ledger.request_tokens(400, 16)
+    short = ledger.row_tokens("text", 10, 16)
+    long = ledger.row_tokens("text", 400, 16)
     assert short <= CACHE_STEP < long <= 2 * CACHE_STEP
-    budget = ledger.footprint.lane_bytes(4, short)
-    beside_long = max(n for n in range(1, 5) if ledger.footprint.lane_bytes(n, long) <= budget)
+    budget = ledger.footprints["text"].lane_bytes(4, short)
+    beside_long = max(n for n in range(1, 5) if ledger.footprints["text"].lane_bytes(n, long) <= budget)
     assert beside_long < 4
 
     engine = Engine(str(qwen3_5_path), show_progress=False, request_memory_bytes=budget).start_sync()
@@ -203,10 +203,10 @@ def test_small_requests_do_not_overtake_one_waiting_for_memory(qwen3_5_path):
     """First come, first served: a large request waiting for memory holds back a small one
     behind it that would fit now, so large requests are never starved."""
     ledger = _ledger(qwen3_5_path)
-    small = ledger.request_tokens(10, 200)
-    big = ledger.request_tokens(400, 8)
-    budget = ledger.footprint.lane_bytes(2, small)
-    assert ledger.footprint.lane_bytes(2, big) > budget >= ledger.alone_bytes(big)
+    small = ledger.row_tokens("text", 10, 200)
+    big = ledger.row_tokens("text", 400, 8)
+    budget = ledger.footprints["text"].lane_bytes(2, small)
+    assert ledger.footprints["text"].lane_bytes(2, big) > budget >= ledger.alone_bytes("text", big)
 
     engine = Engine(str(qwen3_5_path), show_progress=False, request_memory_bytes=budget).start_sync()
     try:
@@ -224,7 +224,7 @@ def test_small_requests_do_not_overtake_one_waiting_for_memory(qwen3_5_path):
 
 def test_a_request_too_large_for_the_budget_fails_alone(qwen3_5_path):
     ledger = _ledger(qwen3_5_path)
-    budget = ledger.alone_bytes(ledger.request_tokens(10, 64))
+    budget = ledger.alone_bytes("text", ledger.row_tokens("text", 10, 64))
     engine = Engine(str(qwen3_5_path), show_progress=False, request_memory_bytes=budget).start_sync()
     try:
         ok = engine.open_complete_stream_sync(_prompt(10), SamplingParams(max_tokens=64))
@@ -270,13 +270,13 @@ def test_an_image_request_is_measured_with_its_expanded_prompt(qwen3_5_vl_path):
     msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what?"}]}]
     ledger = _ledger(qwen3_5_vl_path)
     engine = Engine(str(qwen3_5_vl_path), show_progress=False,
-                    request_memory_bytes=ledger.alone_bytes(CACHE_STEP)).start_sync()
+                    request_memory_bytes=ledger.alone_bytes("vision", CACHE_STEP)).start_sync()
     try:
         small = engine.chat_sync(msgs, SamplingParams(max_tokens=4))
         image_tokens = small.usage.prompt_tokens - len(engine.apply_chat_template(msgs))
         assert image_tokens > 0
-        # Before expansion it ends inside the first 256-token block, after it in the second.
-        max_tokens = CACHE_STEP - ledger.request_tokens(len(engine.apply_chat_template(msgs)), 0) - image_tokens // 2
+        # Before expansion its row fits the budget alone, after it no longer does.
+        max_tokens = CACHE_STEP - ledger.row_tokens("vision", len(engine.apply_chat_template(msgs)), 0) - image_tokens // 2
         with pytest.raises(RequestTooLargeError):
             engine.chat_sync(msgs, SamplingParams(max_tokens=max_tokens))
         assert engine._core._lanes["vision"].num_active == 0
@@ -297,7 +297,7 @@ def test_an_image_request_waits_when_its_expanded_prompt_does_not_fit_beside_oth
     img = Image.fromarray((np.random.default_rng(1).random((128, 128, 3)) * 255).astype("uint8"))
     msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what?"}]}]
     ledger = _ledger(qwen3_5_vl_path)
-    text_tokens = ledger.request_tokens(10, 200)
+    text_tokens = ledger.row_tokens("text", 10, 200)
     engine = Engine(str(qwen3_5_vl_path), show_progress=False).start_sync()
     try:
         alone = engine.chat_sync(msgs, SamplingParams(max_tokens=8))
@@ -305,7 +305,7 @@ def test_an_image_request_waits_when_its_expanded_prompt_does_not_fit_beside_oth
     finally:
         engine.close_sync()
     assert alone.usage.prompt_tokens > unexpanded
-    budget = ledger.alone_bytes(text_tokens) + ledger.alone_bytes(ledger.request_tokens(unexpanded, 8))
+    budget = ledger.alone_bytes("text", text_tokens) + ledger.alone_bytes("vision", ledger.row_tokens("vision", unexpanded, 8))
 
     engine = Engine(str(qwen3_5_vl_path), show_progress=False, request_memory_bytes=budget).start_sync()
     try:
@@ -316,6 +316,30 @@ def test_an_image_request_waits_when_its_expanded_prompt_does_not_fit_beside_oth
         assert text.collect().finish_reason == "length"
         assert image.collect().token_ids == alone.token_ids
         assert not any({"T", "V"} <= ids for rec in recs for ids, _, _ in rec.steps)
+        assert all(real <= reserved for rec in recs for _, real, reserved in rec.steps)
         assert engine.stats()["memory"]["waits"] == 1
+    finally:
+        engine.close_sync()
+
+
+def test_image_rows_reserve_no_speculation(qwen3_5_vl_path):
+    """The vision lane never speculates, so its rows reserve neither the MTP head's cache nor
+    the verify step's recurrent copies: its reservation covers its caches and stays close
+    to them, where the text lane's cost (with MTP) would be far above."""
+    import numpy as np
+    from PIL import Image
+
+    img = Image.fromarray((np.random.default_rng(2).random((128, 128, 3)) * 255).astype("uint8"))
+    msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what?"}]}]
+    engine = Engine(str(qwen3_5_vl_path), show_progress=False).start_sync()
+    try:
+        rec = _Recorder(engine, "vision")
+        engine.chat_sync(msgs, SamplingParams(max_tokens=8))
+        live = [(real, reserved) for _, real, reserved in rec.steps if real]
+        assert live and all(real <= reserved for real, reserved in live)
+        assert max(real / reserved for real, reserved in live) > 0.75
+        text, vision = (engine.stats()["memory"]["rows"][lane] for lane in ("text", "vision"))
+        assert vision["kv_bytes_per_token"] < text["kv_bytes_per_token"]
+        assert vision["state_bytes_per_row"] < text["state_bytes_per_row"]
     finally:
         engine.close_sync()

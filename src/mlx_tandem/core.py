@@ -53,7 +53,7 @@ class EngineCore:
         self._lanes: dict[str, Lane] = {}
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}
-        self._memory = MemoryLedger(CacheFootprint(0), budget=0)  # the real one is made at load
+        self._memory = MemoryLedger({"text": CacheFootprint(0)}, budget=0)  # the real one is made at load
         self._held_for_memory = 0
         self._outbox: list[tuple[Any, Any]] = []
         self._closed = threading.Event()
@@ -184,24 +184,26 @@ class EngineCore:
         """Probe one row's cache and set the running requests' budget (after every model,
         head and draft is loaded, so that they count as memory in use)."""
         opts = self.options
-        layers = len(mtp_head.layers) if mtp_head is not None else 0
         try:
-            footprint = probe_footprint(self.loaded.model, mtp_layers=layers, mtp_depth=opts.mtp_depth)
+            base = probe_footprint(self.loaded.model)
         except Exception:  # noqa: BLE001 - an exotic model: serve it, bounded by batch slots alone
             logger.warning("could not probe %s's cache size; memory-aware admission is off",
                            self.loaded.path.name, exc_info=True)
-            footprint = CacheFootprint(0)
+            base = CacheFootprint(0)
+        # Text rows may speculate; vision rows (the same backbone, no head) never do.
+        footprint = base.speculating(head_layers=len(mtp_head.layers), depth=opts.mtp_depth) if mtp_head else base
+        footprints = {"text": footprint, **({"vision": base} if "vision" in self._lanes else {})}
         prefix_bytes = opts.prefix_cache_bytes
         if opts.specprefill_draft is not None:
             prefix_bytes += prefix_bytes // 8  # the draft's own snapshots (lanes/text.py)
         budget = derive_budget(opts.request_memory_bytes, opts.memory_fraction, in_use=mx.get_active_memory(),
                                prefix_cache_bytes=prefix_bytes, device_bytes=device_memory_bytes())
-        ledger = MemoryLedger(footprint, budget, overshoot=opts.mtp_depth + 1 if layers else 0)
-        full_context = ledger.alone_bytes(opts.max_model_len or self.loaded.context_length)
+        ledger = MemoryLedger(footprints, budget)
+        full_context = ledger.alone_bytes("text", opts.max_model_len or self.loaded.context_length)
         logger.info("request memory budget %.1f MiB: a row costs %d B/token + %d B of state; "
                     "%d full-context rows fit", budget / 2**20, footprint.kv_bytes_per_token,
                     footprint.state_bytes_per_row, budget // max(full_context, 1))
-        if budget < ledger.alone_bytes(1):
+        if budget < ledger.alone_bytes("text", 1):
             logger.warning("the request memory budget (%d B) cannot hold one row's cache: every request will "
                            "fail; lower prefix_cache_bytes or set request_memory_bytes", budget)
         return ledger
@@ -296,7 +298,7 @@ class EngineCore:
             self._emit(req, InvalidRequestError(f"request_id {rid!r} is already in use by a live request"))
             self.stats.count("requests_failed")
             return
-        need = self._memory.alone_bytes(self._row_tokens(req))
+        need = self._memory.alone_bytes(req.lane, self._row_tokens(req))
         if need > self._memory.budget:
             self._fail(req, self._too_large(req, need))
             return
@@ -370,8 +372,8 @@ class EngineCore:
                 tokens = self._row_tokens(req)
                 if not memory.fits(req.lane, tokens):
                     lane.remove([req.request_id])
-                    if memory.alone_bytes(tokens) > memory.budget:
-                        raise self._too_large(req, memory.alone_bytes(tokens))
+                    if memory.alone_bytes(req.lane, tokens) > memory.budget:
+                        raise self._too_large(req, memory.alone_bytes(req.lane, tokens))
                     # It waits at its place, now with its real size (the lane expands it again).
                     held += 1
                     self._hold_for_memory(req)
@@ -396,7 +398,7 @@ class EngineCore:
         self._update_queue_stats()
 
     def _row_tokens(self, req: Request) -> int:
-        return self._memory.request_tokens(req.num_prompt_tokens, req.max_tokens)
+        return self._memory.row_tokens(req.lane, req.num_prompt_tokens, req.max_tokens)
 
     def _hold_for_memory(self, req: Request) -> None:
         if not req.extra.get("waited_for_memory"):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,22 @@ class CacheFootprint:
     windowed: tuple[tuple[int, int], ...] = ()
     #: Fixed-size state per row (recurrent ArraysCache layers, and caches of unknown kind).
     state_bytes_per_row: int = 0
+    #: Attention layers counted in ``kv_bytes_per_token``.
+    attention_layers: int = 0
+    #: Tokens a row may hold past prompt + max_tokens (a verify step's drafts).
+    overshoot: int = 0
+
+    def row_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
+        """The longest a row may get: its prompt, its answer, and a verify step's drafts."""
+        return prompt_tokens + max_tokens + self.overshoot
+
+    def speculating(self, *, head_layers: int, depth: int) -> "CacheFootprint":
+        """A row decoded with an MTP head of ``head_layers`` attention layers drafting
+        ``depth`` tokens: the head's cache per token, and ``depth + 1`` more copies of the
+        recurrent state, which the verify step records to roll back (``spec/verify.py``)."""
+        per_layer = self.kv_bytes_per_token // self.attention_layers if self.attention_layers else 0
+        return replace(self, kv_bytes_per_token=self.kv_bytes_per_token + head_layers * per_layer,
+                       state_bytes_per_row=self.state_bytes_per_row * (depth + 2), overshoot=depth + 1)
 
     def row_bytes(self, tokens: int) -> int:
         """One row's cache in a batch whose longest row holds ``tokens`` tokens."""
@@ -61,13 +77,11 @@ class CacheFootprint:
         return rows * self.row_bytes(longest) if rows else 0
 
 
-def probe_footprint(model: Any, *, mtp_layers: int = 0, mtp_depth: int = 0) -> CacheFootprint:
+def probe_footprint(model: Any) -> CacheFootprint:
     """Measure one row's cache by running one token through ``model`` (owner thread only).
 
     Generic over mlx-lm models: the cache kinds are read from the caches the model makes,
-    not from its config. ``mtp_layers`` attention layers of an MTP head add to the per-token
-    cost, and speculative verification of ``mtp_depth`` drafts keeps ``mtp_depth + 1`` more
-    copies of the recurrent state while it runs.
+    not from its config.
     """
     import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
@@ -89,10 +103,8 @@ def probe_footprint(model: Any, *, mtp_layers: int = 0, mtp_depth: int = 0) -> C
             logger.warning("memory admission: unknown cache kind %s counted as fixed state",
                            type(c).__name__)
             state += int(getattr(c, "nbytes", 0))
-    if mtp_layers and attention_layers:
-        per_token += mtp_layers * (per_token // attention_layers)
-    state *= 1 + (mtp_depth + 1 if mtp_layers else 0)
-    return CacheFootprint(kv_bytes_per_token=per_token, windowed=tuple(windowed), state_bytes_per_row=state)
+    return CacheFootprint(kv_bytes_per_token=per_token, windowed=tuple(windowed), state_bytes_per_row=state,
+                          attention_layers=attention_layers)
 
 
 def _kv_per_token(c) -> int:
@@ -116,24 +128,28 @@ def device_memory_bytes() -> int:
 @dataclass
 class _Row:
     lane: str
-    longest: int  # tokens the row may reach: prompt + max_tokens (+ speculative overshoot)
+    longest: int  # tokens the row may reach: CacheFootprint.row_tokens
 
 
 @dataclass
 class MemoryLedger:
-    """Reservations of the running requests' caches against ``budget`` bytes (owner thread)."""
+    """Reservations of the running requests' caches against ``budget`` bytes (owner thread).
 
-    footprint: CacheFootprint
+    ``footprints`` gives each lane's row cost: the text lane's rows may speculate, the
+    vision lane's never do."""
+
+    footprints: dict[str, CacheFootprint]
     budget: int
-    #: Tokens a row may hold past prompt + max_tokens (a verify step's drafts).
-    overshoot: int = 0
     _rows: dict[str, _Row] = field(default_factory=dict)
 
-    def request_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
-        return prompt_tokens + max_tokens + self.overshoot
+    def footprint(self, lane: str) -> CacheFootprint:
+        return self.footprints.get(lane) or self.footprints["text"]
 
-    def alone_bytes(self, tokens: int) -> int:
-        return self.footprint.lane_bytes(1, tokens)
+    def row_tokens(self, lane: str, prompt_tokens: int, max_tokens: int) -> int:
+        return self.footprint(lane).row_tokens(prompt_tokens, max_tokens)
+
+    def alone_bytes(self, lane: str, tokens: int) -> int:
+        return self.footprint(lane).lane_bytes(1, tokens)
 
     def reserved(self) -> int:
         return sum(self._lane_bytes(lane) for lane in {r.lane for r in self._rows.values()})
@@ -141,7 +157,7 @@ class MemoryLedger:
     def fits(self, lane: str, tokens: int) -> bool:
         """Would a new row of ``tokens`` on ``lane`` keep every lane's batch within budget?"""
         rows = [r.longest for r in self._rows.values() if r.lane == lane]
-        after = self.footprint.lane_bytes(len(rows) + 1, max(rows + [tokens]))
+        after = self.footprint(lane).lane_bytes(len(rows) + 1, max(rows + [tokens]))
         return self.reserved() - self._lane_bytes(lane) + after <= self.budget
 
     def reserve(self, request_id: str, lane: str, tokens: int) -> None:
@@ -152,12 +168,12 @@ class MemoryLedger:
 
     def _lane_bytes(self, lane: str) -> int:
         rows = [r.longest for r in self._rows.values() if r.lane == lane]
-        return self.footprint.lane_bytes(len(rows), max(rows, default=0))
+        return self.footprint(lane).lane_bytes(len(rows), max(rows, default=0))
 
     def snapshot(self) -> dict[str, Any]:
         return {"budget_bytes": self.budget, "reserved_bytes": self.reserved(),
-                "kv_bytes_per_token": self.footprint.kv_bytes_per_token,
-                "state_bytes_per_row": self.footprint.state_bytes_per_row}
+                "rows": {lane: {"kv_bytes_per_token": f.kv_bytes_per_token, "state_bytes_per_row": f.state_bytes_per_row}
+                         for lane, f in self.footprints.items()}}
 
 
 def derive_budget(explicit: Optional[int], fraction: float, *, in_use: int, prefix_cache_bytes: int,

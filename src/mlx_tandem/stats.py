@@ -11,8 +11,7 @@ _EMPTY_PREFIX_CACHE = {"hits": 0, "misses": 0, "hit_tokens": 0, "stored": 0, "ev
                        "entries": 0, "bytes": 0}
 
 
-_EMPTY_MEMORY = {"budget_bytes": 0, "reserved_bytes": 0, "kv_bytes_per_token": 0, "state_bytes_per_row": 0,
-                 "waiting_for_memory": 0}
+_EMPTY_MEMORY = {"budget_bytes": 0, "reserved_bytes": 0, "rows": {}, "waiting_for_memory": 0}
 
 
 _EMPTY_SPECPREFILL = {"requests": 0, "sparse_tokens": 0, "kept_tokens": 0, "keep_ratio": 0.0,

@@ -156,9 +156,7 @@ class MemoryLedger:
 
     def fits(self, lane: str, tokens: int) -> bool:
         """Would a new row of ``tokens`` on ``lane`` keep every lane's batch within budget?"""
-        rows = [r.longest for r in self._rows.values() if r.lane == lane]
-        after = self.footprint(lane).lane_bytes(len(rows) + 1, max(rows + [tokens]))
-        return self.reserved() - self._lane_bytes(lane) + after <= self.budget
+        return self.reserved() - self._lane_bytes(lane) + self._lane_bytes(lane, tokens) <= self.budget
 
     def reserve(self, request_id: str, lane: str, tokens: int) -> None:
         self._rows[request_id] = _Row(lane, tokens)
@@ -166,8 +164,9 @@ class MemoryLedger:
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
 
-    def _lane_bytes(self, lane: str) -> int:
-        rows = [r.longest for r in self._rows.values() if r.lane == lane]
+    def _lane_bytes(self, lane: str, new_row: Optional[int] = None) -> int:
+        """The lane's batch cache, with a row of ``new_row`` tokens added if given."""
+        rows = [r.longest for r in self._rows.values() if r.lane == lane] + ([] if new_row is None else [new_row])
         return self.footprint(lane).lane_bytes(len(rows), max(rows, default=0))
 
     def snapshot(self) -> dict[str, Any]:

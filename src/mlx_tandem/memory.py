@@ -113,13 +113,17 @@ def _kv_per_token(c) -> int:
 
 
 def device_memory_bytes() -> int:
-    """Memory the device can give this process: Metal's recommended working set, or the
-    machine's physical memory on the CPU backend."""
+    """Memory the device can give this process: Metal's recommended working set, the GPU's
+    memory on CUDA, or the machine's physical memory on the CPU backend.
+
+    On CUDA, memory other processes hold on the same GPU is not subtracted (MLX 0.32's
+    ``device_info`` reports ``total_memory``, and ``free_memory`` at one instant); set
+    ``request_memory_bytes`` when sharing a GPU."""
     import mlx.core as mx
 
     info_fn = getattr(mx, "device_info", None) or getattr(getattr(mx, "metal", None), "device_info", None)
     info = info_fn() if info_fn is not None else {}
-    for key in ("max_recommended_working_set_size", "memory_size"):
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         if info.get(key):
             return int(info[key])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

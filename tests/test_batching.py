@@ -1,4 +1,5 @@
-"""Continuous batching is exact: batched greedy == one-at-a-time greedy, token for token."""
+"""Continuous batching is exact: batched greedy == one-at-a-time greedy, token for token
+(on a GPU backend up to near-ties in the logits: tests/numerics.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 
 from mlx_tandem import SamplingParams
 
+from .numerics import same_greedy
 from .prompts import chat_prompts
 from .reference import reference_greedy
 
@@ -25,10 +27,11 @@ async def test_batched_greedy_equals_one_at_a_time(engine, model_path):
     ])
     for i, (out, exp) in enumerate(zip(outs, expected)):
         assert out.prompt_token_ids == prompt_ids[i]
-        assert out.token_ids == exp, f"request {i} diverged from the one-at-a-time reference"
-        assert out.finish_reason == ("length" if len(exp) == _max_tokens(i) else "stop")
         assert out.usage.prompt_tokens == len(prompt_ids[i])
-        assert out.text == engine.tokenizer.decode(exp)
+        if same_greedy(out.token_ids, exp, judge=model_path, prompt_ids=prompt_ids[i],
+                       what=f"request {i} against the one-at-a-time reference"):
+            assert out.finish_reason == ("length" if len(exp) == _max_tokens(i) else "stop")
+            assert out.text == engine.tokenizer.decode(exp)
     # They really ran together.
     assert engine.stats()["max_batch_size"] >= max(before, 16)
 
@@ -36,9 +39,8 @@ async def test_batched_greedy_equals_one_at_a_time(engine, model_path):
 async def test_requests_join_while_others_decode(engine, model_path):
     first = chat_prompts(8)
     late = chat_prompts(16)[8:]
-    expected = {}
-    for i, p in enumerate(first + late):
-        expected[i] = reference_greedy(model_path, engine.apply_chat_template(p), 24)
+    prompt_ids = [engine.apply_chat_template(p) for p in first + late]
+    expected = [reference_greedy(model_path, ids, 24) for ids in prompt_ids]
 
     params = SamplingParams(max_tokens=24)
     streams = [await engine.open_chat_stream(p, params) for p in first]
@@ -49,7 +51,7 @@ async def test_requests_join_while_others_decode(engine, model_path):
     first_outs = [await s.collect() for s in streams]
     late_outs = await asyncio.gather(*late_tasks)
     for i, out in enumerate(first_outs + list(late_outs)):
-        assert out.token_ids == expected[i], f"request {i} diverged"
+        same_greedy(out.token_ids, expected[i], judge=model_path, prompt_ids=prompt_ids[i], what=f"request {i}")
 
 
 async def test_seeded_sampling_is_reproducible_in_any_batch(engine):

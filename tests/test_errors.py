@@ -9,6 +9,7 @@ import pytest
 from mlx_tandem import (ContextLengthError, Engine, EngineClosedError, EngineStepError, InvalidRequestError,
                         QueueFullError, SamplingParams, TandemError, UnsupportedContentError)
 
+from .numerics import same_greedy
 from .prompts import chat_prompts
 from .reference import reference_greedy
 
@@ -140,7 +141,8 @@ async def test_malformed_inputs_are_typed_errors_and_the_engine_keeps_serving(ll
 
 async def test_top_k_at_or_above_the_vocabulary_keeps_every_token(llama_engine, llama_path):
     # mlx-lm's top-k needs k < vocab; k >= vocab filters nothing, as k = 0 does. Seeded
-    # draws depend only on the seed, so the outputs must match token for token.
+    # draws depend only on the seed, so the outputs must match token for token. The three
+    # share one batch, so their logits are the same on any backend (tests/numerics.py).
     engine = llama_engine
     vocab = engine.loaded.vocab_size
     prompt, greedy_prompt = chat_prompts(2)
@@ -148,10 +150,12 @@ async def test_top_k_at_or_above_the_vocabulary_keeps_every_token(llama_engine, 
     outs = await asyncio.gather(
         engine.chat(prompt, SamplingParams(top_k=vocab, **sampled)),
         engine.chat(prompt, SamplingParams(top_k=10 * vocab, **sampled)),
+        engine.chat(prompt, SamplingParams(top_k=0, **sampled)),
         engine.chat(greedy_prompt, SamplingParams(max_tokens=12)))
-    plain = await engine.chat(prompt, SamplingParams(top_k=0, **sampled))
-    assert outs[0].token_ids == outs[1].token_ids == plain.token_ids
-    assert outs[2].token_ids == reference_greedy(llama_path, engine.apply_chat_template(greedy_prompt), 12)
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+    greedy_ids = engine.apply_chat_template(greedy_prompt)
+    same_greedy(outs[3].token_ids, reference_greedy(llama_path, greedy_ids, 12), judge=llama_path,
+                prompt_ids=greedy_ids, what="the greedy row beside them")
 
 
 async def test_a_sampler_failing_mid_trace_leaves_sampling_usable(llama_path, monkeypatch):

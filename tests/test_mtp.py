@@ -25,6 +25,8 @@ from mlx_tandem.spec.mtp_head import MTPHeadError
 from mlx_tandem.spec.policy import AutoPolicy
 from mlx_tandem.testing.mtp_distill import default_prompts
 
+from .numerics import same_greedy_rows
+
 TRAINED = default_prompts(64)
 UNSEEN = default_prompts(40, seed=7)
 PROMPTS = TRAINED[:60] + UNSEEN  # 100 prompts
@@ -57,7 +59,7 @@ def test_greedy_output_identical_with_mtp(qwen3_5_mtp_path, greedy_reference, mo
     monkeypatch.setattr(spec_batch, "rollback", spy)
     outs, stats = asyncio.run(_run(qwen3_5_mtp_path, PROMPTS, {"max_tokens": 24}, mtp="on",
                                    max_batch_size=batch, mtp_depth=depth))
-    assert outs == greedy_reference
+    same_greedy_rows(outs, greedy_reference, judge=qwen3_5_mtp_path, prompts=PROMPTS)
     mtp = stats["mtp"]
     assert mtp["spec_steps"] > 0 and mtp["plain_steps"] == 0
     assert mtp["acceptance_rate"] > 0.15, mtp  # speculation really ran and accepted drafts
@@ -71,7 +73,8 @@ def test_max_tokens_and_eos_exact_with_multi_token_steps(qwen3_5_mtp_path):
     params = {"max_tokens": 7}
     ref, _ = asyncio.run(_run(qwen3_5_mtp_path, TRAINED[:16], params, mtp="off"))
     got, stats = asyncio.run(_run(qwen3_5_mtp_path, TRAINED[:16], params, mtp="on", mtp_depth=3))
-    assert got == ref and all(len(t) <= 7 for t in got)
+    same_greedy_rows(got, ref, judge=qwen3_5_mtp_path, prompts=TRAINED[:16])
+    assert all(len(t) <= 7 for t in got)
     assert stats["mtp"]["accepted"] > 0
 
 
@@ -154,24 +157,28 @@ def test_sampled_distribution_matches_plain_sampling(qwen3_5_mtp_path):
 def test_acceptance_rule_reproduces_target_distribution():
     """The acceptance maths alone, on a 6-token vocabulary with a deliberately wrong draft
     distribution: the first emitted token must follow the target's filtered, tempered
-    distribution (total variation < 0.015 over 60000 rows)."""
+    distribution (total variation < 0.015 over 60000 rows, in batches of 10000: MLX 0.32's
+    CUDA backend fails to launch one of these kernels on 60000 rows at once)."""
     mx.random.seed(0)
-    V, B = 6, 60000
+    V, B, chunks = 6, 10000, 6
     params = [SamplingParams(temperature=0.7, top_k=4)] * B
     target = mx.array([2.0, 1.0, 0.5, 0.2, -1.0, 0.0])
     draft = mx.array([0.0, 2.0, 1.0, 0.0, 0.5, 0.1])
-    drafter = Drafter(params, [None] * B, [True] * B, 1, V)
-    d = drafter.choose(0, mx.broadcast_to(draft, (B, V)))
-    logits = mx.broadcast_to(mx.stack([target, target]), (B, 2, V))
-    accepted, nxt = drafter.accept(logits, d[:, None])
-    first = mx.where(accepted > 0, d, nxt)
-    counts = np.bincount(np.array(first), minlength=V) / B
+    firsts, accepts = [], []
+    for _ in range(chunks):
+        drafter = Drafter(params, [None] * B, [True] * B, 1, V)
+        d = drafter.choose(0, mx.broadcast_to(draft, (B, V)))
+        logits = mx.broadcast_to(mx.stack([target, target]), (B, 2, V))
+        accepted, nxt = drafter.accept(logits, d[:, None])
+        firsts.append(np.array(mx.where(accepted > 0, d, nxt)))
+        accepts.append(np.array(accepted))
+    counts = np.bincount(np.concatenate(firsts), minlength=V) / (B * chunks)
     lp = np.array(target) - np.log(np.exp(np.array(target)).sum())
     lp[np.argsort(-lp)[4:]] = -np.inf
     p = np.exp(lp / 0.7)
     p /= p.sum()
     assert 0.5 * np.abs(counts - p).sum() < 0.015, (counts, p)
-    assert 0.2 < float(accepted.astype(mx.float32).mean()) < 0.9  # both branches exercised
+    assert 0.2 < float((np.concatenate(accepts) > 0).mean()) < 0.9  # both branches exercised
 
 
 def test_auto_policy_measures_and_chooses():
@@ -193,7 +200,7 @@ def test_auto_mode_stops_speculating_when_drafts_are_rejected(qwen3_5_path):
     decodes plainly from then on."""
     outs, stats = asyncio.run(_run(qwen3_5_path, UNSEEN[:4], {"max_tokens": 48}, mtp="auto"))
     ref, _ = asyncio.run(_run(qwen3_5_path, UNSEEN[:4], {"max_tokens": 48}, mtp="off"))
-    assert outs == ref
+    same_greedy_rows(outs, ref, judge=qwen3_5_path, prompts=UNSEEN[:4])
     mtp = stats["mtp"]
     assert mtp["plain_steps"] > 3 * mtp["spec_steps"] > 0
 

@@ -21,10 +21,14 @@ def arguments(doc: str, quick: str) -> argparse.ArgumentParser:
 
 
 def machine() -> dict:
+    import mlx.core as mx
+
     import mlx_tandem
     from mlx_tandem import _platform
 
+    info = mx.device_info()
     return {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
+            "device": f"{mx.default_device()} {info.get('device_name', '')}".strip(), "mlx": mx.__version__,
             "blas": _platform.active_blas(), "mlx_tandem": mlx_tandem.__version__}
 
 

@@ -354,6 +354,22 @@ TOOL_CHOICES = [  # (tool_choice, the names a forced call may use)
 ]
 
 
+@pytest.mark.parametrize("template_kwargs,banned", [(None, [7]), ({"tools": [{"name": "mine"}]}, [])])
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
+def test_without_tools_the_call_marker_is_banned(tool_choice, template_kwargs, banned):
+    """No tools, no call (as OpenAI's API): the marker is banned, unless the caller renders
+    tools through the template itself."""
+    from mlx_tandem.chat_format import ChatFormat
+    from mlx_tandem.chat_plan import plan_chat
+
+    fmt = ChatFormat(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
+                     tool_call_end="</tool_call>", tool_format="json_tools", tool_parser=lambda t, tools: json.loads(t))
+    plan = plan_chat(fmt, tools=None, tool_choice=tool_choice, response_format=None, reasoning=None,
+                     parallel_tool_calls=None, template_kwargs=template_kwargs, marker=json.dumps, encode=lambda s: [7])
+    assert plan.tools is None and not plan.parse_tool_calls and plan.constraint is None
+    assert plan.banned_token_ids == ([7] if tool_choice == "none" else banned)
+
+
 @pytest.mark.parametrize("tool_choice,names", TOOL_CHOICES + [("auto", None), (None, None), ({"type": "auto"}, None),
                                                               ("none", None), ({"type": "none"}, None)])
 def test_tool_choice_forms_plan_the_same_constraints(tool_choice, names):

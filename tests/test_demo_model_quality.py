@@ -49,3 +49,27 @@ def test_demo_model_picks_listed_tools_from_the_request():
     assert len(score["tool_choice_multi"]) >= 25  # the set has 29 choices among 2+ tools
     assert rate["tool_choice_multi"] >= 0.65 > rate["tool_choice_multi_chance"] + 0.15, rate
     assert rate["tool_choice"] >= 0.75 and rate["tool_args"] >= 0.65, rate
+
+
+@pytest.mark.skipif(not is_packaged(), reason="a source tree without the packaged weights: the default is random")
+def test_without_tools_a_call_cannot_be_opened():
+    """Held-out prompts sent with no tools, where the demo model, left alone, opens a tool
+    call (13 of the standard set's 128 such prompts do): the engine bans the call marker, as
+    tool_choice="none" does, so the answer is text."""
+    prompts = ["Farewell!", "Much appreciated!", "Find 8 multiplied by 13."]
+
+    async def run():
+        async with Engine(show_progress=False, mtp="off") as engine:
+            msgs = [[{"role": "user", "content": p}] for p in prompts]
+            params = {"max_tokens": 32}
+            raw = await asyncio.gather(*(engine.complete(engine.apply_chat_template(m), params) for m in msgs))
+            plain = await asyncio.gather(*(engine.chat(m, params) for m in msgs))
+            none = await asyncio.gather(*(engine.chat(m, params, tool_choice="none") for m in msgs))
+            return raw, plain, none, engine.encode("<tool_call>")
+
+    raw, plain, none, marker = asyncio.run(run())
+    assert len(marker) == 1
+    assert all(marker[0] in r.token_ids for r in raw)  # unbanned, the model opens a call
+    for p, n in zip(plain, none):
+        assert marker[0] not in p.token_ids and "<tool_call>" not in p.text and not p.tool_calls
+        assert p.token_ids == n.token_ids

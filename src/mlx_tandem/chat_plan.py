@@ -9,6 +9,10 @@ Decisions (see docs/design.md, "Tools and structured output"):
 - ``tool_choice``: None/"auto" lets the model choose; "none" renders no tools and bans the
   tool-call marker token; "required"/"any"/True forces a call of any tool, a tool name (or
   ``{"type": "function", "function": {"name": ...}}``) forces that tool.
+- A request without tools cannot call one, as in OpenAI's API: the marker token is banned
+  there too, so a model that opens a call anyway (small models do) answers in text instead
+  of returning call markup as its content. Not when ``template_kwargs`` carries ``tools``:
+  that caller renders and parses calls itself.
 - A constrained request (forced tool call or response_format) is rendered with reasoning
   off: a grammar constrains the answer from its first token.
 - A forced tool_choice forces exactly one call unless ``parallel_tool_calls=True`` is given:
@@ -125,7 +129,8 @@ def plan_chat(
     if constraint is not None and fmt.has_thinking:
         kwargs[fmt.thinking_kwarg] = False
 
-    if forced == []:  # tool_choice="none": no tools in the prompt, no call markers out
+    if forced == [] or tool_choice == "none" or (not tools and "tools" not in kwargs):
+        # tool_choice="none", or no tools at all: none in the prompt, no call markers out.
         banned = []
         if fmt.tool_call_start:
             ids = encode(fmt.tool_call_start)

@@ -342,3 +342,32 @@ def test_adapters_pass_the_per_call_mtp_override(qwen3_5_mtp_path):
     li_off, d_li = drafted(lambda: li.chat([ChatMessage(role="user", content=TRAINED[1])]).message.content)
     assert d_on > 0 and d_off == 0 and d_li == 0
     assert on == off == li_off  # greedy: the same answer either way
+
+
+def test_token_bans_keep_rows_drafting_and_hold_in_every_position(qwen3_5_mtp_path, monkeypatch):
+    """A ban (tool_choice="none", or no tools) depends on no history, so banned rows still
+    draft, and the speculative step masks drafts and verified positions alike: the output
+    equals plain decoding under the same ban, and never holds a banned token."""
+    from mlx_tandem.constraints import TokenBan
+    from mlx_tandem.engine import Engine as _Engine
+
+    prompts = TRAINED[:8]
+    free, _ = asyncio.run(_run(qwen3_5_mtp_path, prompts, {"max_tokens": 16}, mtp="off"))
+    # Ban tokens the rows emit after their first (inside speculative steps, not at prefill).
+    banned = sorted({t for row in free for t in row[2:6]})[:6]
+    assert banned
+
+    real = _Engine._make_request
+
+    def with_ban(self, spec, sink):
+        req, parser = real(self, spec, sink)
+        req.processors = list(req.processors) + [TokenBan(banned)]
+        return req, parser
+
+    monkeypatch.setattr(_Engine, "_make_request", with_ban)
+    ref, _ = asyncio.run(_run(qwen3_5_mtp_path, prompts, {"max_tokens": 16}, mtp="off"))
+    got, stats = asyncio.run(_run(qwen3_5_mtp_path, prompts, {"max_tokens": 16}, mtp="on", mtp_depth=2))
+    assert not any(t in banned for row in ref + got for t in row)
+    assert ref != free  # the ban changed the answers
+    same_greedy_rows(got, ref, judge=qwen3_5_mtp_path, prompts=prompts)
+    assert stats["mtp"]["spec_steps"] > 0 and stats["mtp"]["accepted"] > 0

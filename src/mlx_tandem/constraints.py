@@ -397,6 +397,12 @@ class TokenBan:
         self._ids = sorted(set(int(t) for t in token_ids))
         self._keep: Optional[np.ndarray] = None
 
+    @property
+    def token_ids(self) -> list[int]:
+        """The banned ids. A ban does not depend on the tokens before it, so a speculative
+        step applies it to every drafted and verified position (spec/batch.py)."""
+        return list(self._ids)
+
     def __call__(self, tokens, logits):
         import mlx.core as mx
 

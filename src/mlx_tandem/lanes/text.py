@@ -25,6 +25,7 @@ from ..errors import EngineStepError
 from ..prefix_cache import PrefixCache
 from ..request import Request
 from ..samplers import SeededSampler, make_request_processors, make_request_sampler
+from ..constraints import TokenBan
 from ..tool_call_grammar import LazyToolCallGrammar
 from ..spec.batch import MTPTextModel, RowSpec, SpecBatchGenerator, SpecConfig
 from ..specprefill import SpecPrefillConfig, SpecPrefillStats
@@ -117,14 +118,19 @@ class TextLane:
         # Auto keeps a seeded sampled request on plain steps: whether a step speculates
         # depends on timing, and a seeded request's output must depend only on its seed.
         seeded_sampling = isinstance(sampler, SeededSampler)
-        # A lazy tool-call grammar alone does not stop drafting: the batch drafts while no
-        # call is open (spec/batch.py). Any other processor needs every position's logits.
-        lazy = request.processors[0] if (
-            len(processors) == 1 and len(request.processors) == 1
-            and isinstance(request.processors[0], LazyToolCallGrammar)) else None
-        drafts = (not processors or lazy is not None) and (
+        # A lazy tool-call grammar does not stop drafting: the batch drafts while no call is
+        # open (spec/batch.py). Nor does a token ban, which masks every position alike. Any
+        # other processor needs every position's logits in turn.
+        bans = [p for p in request.processors if isinstance(p, TokenBan)]
+        others = [p for p in request.processors if not isinstance(p, TokenBan)]
+        n_others = len(processors) - len(bans)  # ``processors`` also holds the params' own
+        lazy = others[0] if (n_others == 1 and len(others) == 1
+                             and isinstance(others[0], LazyToolCallGrammar)) else None
+        drafts = (n_others == 0 or lazy is not None) and (
             mode == "on" or (mode == "auto" and not seeded_sampling))
-        return RowSpec(params=request.params, sampler=sampler, drafts=drafts, forces=mode == "on", lazy=lazy)
+        banned = tuple(sorted({t for b in bans for t in b.token_ids}))
+        return RowSpec(params=request.params, sampler=sampler, drafts=drafts, forces=mode == "on", lazy=lazy,
+                       banned=banned)
 
     def mtp_stats(self) -> dict | None:
         return self.spec.stats.snapshot() if self.spec is not None else None

@@ -24,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 from ..params import SamplingParams
@@ -39,6 +40,26 @@ def _logits(lm, hidden: mx.array) -> mx.array:
     if lm.args.tie_word_embeddings:
         return lm.model.embed_tokens.as_linear(hidden)
     return lm.lm_head(hidden)
+
+
+def _allowed(rows) -> list | None:
+    """Per row, the banned ids (RowSpec.banned); None when no row bans any."""
+    return [r.banned for r in rows] if any(r.banned for r in rows) else None
+
+
+def _ban(logits: mx.array, banned: list | None) -> mx.array:
+    """``logits`` (B, V) or (B, T, V) with each row's banned ids at -inf, as the row's
+    TokenBan does in a plain step."""
+    if banned is None:
+        return logits
+    V = logits.shape[-1]
+    keep = np.ones((len(banned), V), dtype=bool)
+    for i, ids in enumerate(banned):
+        keep[i, [t for t in ids if t < V]] = False
+    keep = mx.array(keep)
+    if logits.ndim == 3:
+        keep = keep[:, None, :]
+    return mx.where(keep, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
 
 class MTPTextModel(nn.Module):
@@ -117,6 +138,9 @@ class RowSpec:
     forces: bool  # mode "on": speculate even when "auto" would not
     # A lazy tool-call grammar (tool_call_grammar.py): the row drafts while no call is open.
     lazy: Any = None
+    # Token ids the row may never emit (constraints.TokenBan: tool_choice="none", or no
+    # tools). History-free, so drafts and verified positions are masked alike.
+    banned: tuple[int, ...] = ()
 
 
 @dataclass
@@ -213,10 +237,11 @@ class MTPGenerationBatch(GenerationBatch):
 
         # Draft: depth 1 pairs the last backbone hidden with x (an exact history entry);
         # deeper drafts chain the head's own output and are removed after the verify.
+        banned = _allowed(rows)
         hid, tok, drafts = mtp[0].pending, x[:, None], []
         for depth in range(k):
             m = spec.head(embed(tok), hid, mtp)
-            d = drafter.choose(depth, _logits(lm, m)[:, -1])
+            d = drafter.choose(depth, _ban(_logits(lm, m)[:, -1], banned))
             drafts.append(d)
             hid, tok = m, d[:, None]
         drafts = mx.stack(drafts, axis=1)  # (B, k)
@@ -224,7 +249,7 @@ class MTPGenerationBatch(GenerationBatch):
         # Verify every row's block in one forward.
         inputs = mx.concatenate([x[:, None], drafts], axis=1)
         hidden, records = verify_hidden(lm, inputs, backbone)
-        logits = _logits(lm, hidden)
+        logits = _ban(_logits(lm, hidden), banned)
         accepted, nxt = drafter.accept(logits, drafts)
         nxt = self._plain_rows_next(drafting, logits[:, 0], x, nxt)
         mx.eval(accepted, nxt, inputs)

@@ -21,11 +21,11 @@ from typing import Optional, Sequence
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..constraints import TokenBan
 from ..errors import EngineStepError
 from ..prefix_cache import PrefixCache
 from ..request import Request
 from ..samplers import SeededSampler, make_request_processors, make_request_sampler
-from ..constraints import TokenBan
 from ..tool_call_grammar import LazyToolCallGrammar
 from ..spec.batch import MTPTextModel, RowSpec, SpecBatchGenerator, SpecConfig
 from ..specprefill import SpecPrefillConfig, SpecPrefillStats

@@ -42,21 +42,21 @@ def _logits(lm, hidden: mx.array) -> mx.array:
     return lm.lm_head(hidden)
 
 
-def _allowed(rows) -> list | None:
-    """Per row, the banned ids (RowSpec.banned); None when no row bans any."""
-    return [r.banned for r in rows] if any(r.banned for r in rows) else None
+def _keep_mask(rows, vocab: int) -> mx.array | None:
+    """(B, V) False at each row's banned ids (RowSpec.banned); None when no row bans any."""
+    if not any(r.banned for r in rows):
+        return None
+    keep = np.ones((len(rows), vocab), dtype=bool)
+    for i, r in enumerate(rows):
+        keep[i, [t for t in r.banned if t < vocab]] = False
+    return mx.array(keep)
 
 
-def _ban(logits: mx.array, banned: list | None) -> mx.array:
-    """``logits`` (B, V) or (B, T, V) with each row's banned ids at -inf, as the row's
-    TokenBan does in a plain step."""
-    if banned is None:
+def _ban(logits: mx.array, keep: mx.array | None) -> mx.array:
+    """``logits`` (B, V) or (B, T, V) with the banned ids at -inf, as the row's TokenBan
+    does in a plain step."""
+    if keep is None:
         return logits
-    V = logits.shape[-1]
-    keep = np.ones((len(banned), V), dtype=bool)
-    for i, ids in enumerate(banned):
-        keep[i, [t for t in ids if t < V]] = False
-    keep = mx.array(keep)
     if logits.ndim == 3:
         keep = keep[:, None, :]
     return mx.where(keep, logits, mx.array(-float("inf"), dtype=logits.dtype))
@@ -237,11 +237,11 @@ class MTPGenerationBatch(GenerationBatch):
 
         # Draft: depth 1 pairs the last backbone hidden with x (an exact history entry);
         # deeper drafts chain the head's own output and are removed after the verify.
-        banned = _allowed(rows)
+        keep = _keep_mask(rows, lm.args.vocab_size)
         hid, tok, drafts = mtp[0].pending, x[:, None], []
         for depth in range(k):
             m = spec.head(embed(tok), hid, mtp)
-            d = drafter.choose(depth, _ban(_logits(lm, m)[:, -1], banned))
+            d = drafter.choose(depth, _ban(_logits(lm, m)[:, -1], keep))
             drafts.append(d)
             hid, tok = m, d[:, None]
         drafts = mx.stack(drafts, axis=1)  # (B, k)
@@ -249,7 +249,7 @@ class MTPGenerationBatch(GenerationBatch):
         # Verify every row's block in one forward.
         inputs = mx.concatenate([x[:, None], drafts], axis=1)
         hidden, records = verify_hidden(lm, inputs, backbone)
-        logits = _ban(_logits(lm, hidden), banned)
+        logits = _ban(_logits(lm, hidden), keep)
         accepted, nxt = drafter.accept(logits, drafts)
         nxt = self._plain_rows_next(drafting, logits[:, 0], x, nxt)
         mx.eval(accepted, nxt, inputs)

@@ -42,13 +42,13 @@ def _logits(lm, hidden: mx.array) -> mx.array:
     return lm.lm_head(hidden)
 
 
-def _keep_mask(rows, vocab: int) -> mx.array | None:
+def _keep_mask(banned: tuple[tuple[int, ...], ...], vocab: int) -> mx.array | None:
     """(B, V) False at each row's banned ids (RowSpec.banned); None when no row bans any."""
-    if not any(r.banned for r in rows):
+    if not any(banned):
         return None
-    keep = np.ones((len(rows), vocab), dtype=bool)
-    for i, r in enumerate(rows):
-        keep[i, [t for t in r.banned if t < vocab]] = False
+    keep = np.ones((len(banned), vocab), dtype=bool)
+    for i, ids in enumerate(banned):
+        keep[i, [t for t in ids if t < vocab]] = False
     return mx.array(keep)
 
 
@@ -176,6 +176,9 @@ class SpecConfig:
 class MTPGenerationBatch(GenerationBatch):
     spec: SpecConfig  # set by SpecBatchGenerator
     _last_plain = False  # was the previous step plain (so its forward is pipelined)?
+    # The last step's ban mask and the rows' bans it was built for: a mask is B x vocab
+    # (megabytes for a real vocabulary), and the bans rarely change between steps.
+    _keep: tuple = ((), None)
 
     # ------------------------------------------------------------------ policy
     def _wants_spec(self, rows: list[RowSpec]) -> bool:
@@ -237,7 +240,10 @@ class MTPGenerationBatch(GenerationBatch):
 
         # Draft: depth 1 pairs the last backbone hidden with x (an exact history entry);
         # deeper drafts chain the head's own output and are removed after the verify.
-        keep = _keep_mask(rows, lm.args.vocab_size)
+        bans = tuple(r.banned for r in rows)
+        if self._keep[0] != bans:
+            self._keep = (bans, _keep_mask(bans, lm.args.vocab_size))
+        keep = self._keep[1]
         hid, tok, drafts = mtp[0].pending, x[:, None], []
         for depth in range(k):
             m = spec.head(embed(tok), hid, mtp)

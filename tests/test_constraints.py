@@ -617,3 +617,29 @@ async def test_sync_and_async_constrained_answers_agree(llama_engine):
     assert a.token_ids == b.token_ids == [t for d in deltas for t in d.token_ids]
     assert "".join(d.content for d in deltas) == a.content
     assert_valid_structured(a, schema, pytype, 48)
+
+
+def test_a_ban_folded_into_the_sampler_draws_as_the_processor_does():
+    """The text lane folds a TokenBan into the row's sampler, so banned rows share one
+    sampler and mlx-lm samples the batch in one call: it must draw exactly what the
+    processor form (mask the logits, then normalize and sample) draws, and never a banned id."""
+    import mlx.core as mx
+
+    from mlx_tandem import SamplingParams
+    from mlx_tandem.constraints import TokenBan
+    from mlx_tandem.samplers import banned_sampler, make_request_sampler
+
+    logits = 3 * mx.random.normal((64, 50), key=mx.random.key(3))
+    banned = tuple(sorted({int(mx.argmax(logits[0])), 7, 11}))  # row 0's favourite among them
+    masked = TokenBan(banned)(None, logits)
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9),
+                   SamplingParams(temperature=1.0, top_k=5, min_p=0.05)):
+        base = make_request_sampler(params)
+        mx.random.seed(11)
+        want = (base or (lambda lp: mx.argmax(lp, axis=-1)))(masked - mx.logsumexp(masked, axis=-1, keepdims=True))
+        mx.random.seed(11)
+        sampler = banned_sampler(base, banned)
+        got = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        assert got.tolist() == want.tolist(), params
+        assert not set(got.tolist()) & set(banned)
+        assert banned_sampler(base, banned) is sampler  # shared by rows with equal settings

@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -65,6 +66,41 @@ class SeededSampler:
 
 def _seeded_sampler(p: SamplingParams) -> Sampler:
     return SeededSampler(p)
+
+
+class BannedSampler:
+    """A sampler that never draws ``banned`` ids: constraints.TokenBan folded into sampling.
+
+    As a logits processor, a ban puts the whole batch on mlx-lm 0.32's per-row path (a slice,
+    a token-context update and a mask for every row, every step), and every chat request
+    without tools carries one. Folded into the sampler, rows with equal settings and bans
+    share one object (``banned_sampler``), and mlx-lm samples them in one call. Masking the
+    normalized log-probabilities and normalizing again gives exactly the distribution the
+    processor gives. Keeps its mask in numpy: the object is cached across engines and threads,
+    and mx arrays must stay on the owner thread.
+    """
+
+    def __init__(self, base: Optional[Sampler], banned: tuple[int, ...]):
+        self._base = base
+        self.banned = banned
+        self._keep = None
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        vocab = logprobs.shape[-1]
+        if self._keep is None or self._keep.shape[-1] != vocab:
+            keep = np.ones(vocab, dtype=bool)
+            keep[[t for t in self.banned if t < vocab]] = False
+            self._keep = keep
+        masked = mx.where(mx.array(self._keep), logprobs, mx.array(-float("inf"), dtype=logprobs.dtype))
+        if self._base is None:  # greedy, as mlx-lm's fallback sampler
+            return mx.argmax(masked, axis=-1)
+        return self._base(masked - mx.logsumexp(masked, axis=-1, keepdims=True))
+
+
+@lru_cache(maxsize=256)
+def banned_sampler(base: Optional[Sampler], banned: tuple[int, ...]) -> BannedSampler:
+    """One BannedSampler per (shared sampler or greedy, bans), so such rows share it."""
+    return BannedSampler(base, banned)
 
 
 def make_request_sampler(p: SamplingParams) -> Optional[Sampler]:

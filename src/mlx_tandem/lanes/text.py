@@ -25,7 +25,7 @@ from ..constraints import TokenBan
 from ..errors import EngineStepError
 from ..prefix_cache import PrefixCache
 from ..request import Request
-from ..samplers import SeededSampler, make_request_processors, make_request_sampler
+from ..samplers import BannedSampler, SeededSampler, banned_sampler, make_request_processors, make_request_sampler
 from ..tool_call_grammar import LazyToolCallGrammar
 from ..spec.batch import MTPTextModel, RowSpec, SpecBatchGenerator, SpecConfig
 from ..specprefill import SpecPrefillConfig, SpecPrefillStats
@@ -63,6 +63,10 @@ def split_at(tokens: list[int], cuts: Sequence[int]) -> list[list[int]]:
         prev = c
     out.append(tokens[prev:])
     return [seg for seg in out if seg]
+
+
+def _banned_ids(bans) -> tuple[int, ...]:
+    return tuple(sorted({t for b in bans for t in b.token_ids}))
 
 
 class TextLane:
@@ -123,14 +127,14 @@ class TextLane:
         # other processor needs every position's logits in turn.
         bans = [p for p in request.processors if isinstance(p, TokenBan)]
         others = [p for p in request.processors if not isinstance(p, TokenBan)]
-        n_others = len(processors) - len(bans)  # ``processors`` also holds the params' own
+        # ``processors`` also holds the params' own, and the bans unless the sampler took them.
+        n_others = len(processors) - (0 if isinstance(sampler, BannedSampler) else len(bans))
         lazy = others[0] if (n_others == 1 and len(others) == 1
                              and isinstance(others[0], LazyToolCallGrammar)) else None
         drafts = (n_others == 0 or lazy is not None) and (
             mode == "on" or (mode == "auto" and not seeded_sampling))
-        banned = tuple(sorted({t for b in bans for t in b.token_ids}))
         return RowSpec(params=request.params, sampler=sampler, drafts=drafts, forces=mode == "on", lazy=lazy,
-                       banned=banned)
+                       banned=_banned_ids(bans))
 
     def mtp_stats(self) -> dict | None:
         return self.spec.stats.snapshot() if self.spec is not None else None
@@ -145,10 +149,13 @@ class TextLane:
     def add(self, request: Request) -> None:
         rid = request.request_id
         sampler = make_request_sampler(request.params)
+        extra = list(request.processors)
+        bans = [p for p in extra if isinstance(p, TokenBan)]
+        if bans and not isinstance(sampler, SeededSampler):  # a seeded row samples alone anyway
+            sampler = banned_sampler(sampler, _banned_ids(bans))
+            extra = [p for p in extra if not isinstance(p, TokenBan)]
         processors = make_request_processors(
-            request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc)),
-            extra=request.processors,
-        )
+            request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc)), extra=extra)
         prompt = list(request.prompt_ids)
         cache, start = None, 0
         if self.prefix_cache is not None:

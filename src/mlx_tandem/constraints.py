@@ -386,6 +386,13 @@ class GrammarProcessor:
         return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
 
 
+def keep_mask(banned: Sequence[int], vocab: int) -> np.ndarray:
+    """(vocab,) bool, False at the banned ids (ids past the vocabulary are ignored)."""
+    keep = np.ones(vocab, dtype=bool)
+    keep[[t for t in banned if t < vocab]] = False
+    return keep
+
+
 class TokenBan:
     """mlx-lm logits processor that forbids some tokens (e.g. tool-call markers for tool_choice="none").
 
@@ -407,7 +414,5 @@ class TokenBan:
         import mlx.core as mx
 
         if self._keep is None or self._keep.shape[-1] != logits.shape[-1]:
-            keep = np.ones(logits.shape[-1], dtype=bool)
-            keep[[i for i in self._ids if i < logits.shape[-1]]] = False
-            self._keep = keep
+            self._keep = keep_mask(self._ids, logits.shape[-1])
         return mx.where(mx.array(self._keep), logits, mx.array(-float("inf"), dtype=logits.dtype))

@@ -12,7 +12,6 @@ from functools import lru_cache
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -21,6 +20,7 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
+from .constraints import keep_mask
 from .params import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
@@ -86,11 +86,8 @@ class BannedSampler:
         self._keep = None
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        vocab = logprobs.shape[-1]
-        if self._keep is None or self._keep.shape[-1] != vocab:
-            keep = np.ones(vocab, dtype=bool)
-            keep[[t for t in self.banned if t < vocab]] = False
-            self._keep = keep
+        if self._keep is None or self._keep.shape[-1] != logprobs.shape[-1]:
+            self._keep = keep_mask(self.banned, logprobs.shape[-1])
         masked = mx.where(mx.array(self._keep), logprobs, mx.array(-float("inf"), dtype=logprobs.dtype))
         if self._base is None:  # greedy, as mlx-lm's fallback sampler
             return mx.argmax(masked, axis=-1)

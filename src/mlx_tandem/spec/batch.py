@@ -27,6 +27,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
+from ..constraints import keep_mask
 from ..params import SamplingParams
 from .acceptance import Drafter
 from .mtp_cache import BatchMTPCache, MTPKVCache
@@ -46,10 +47,7 @@ def _keep_mask(banned: tuple[tuple[int, ...], ...], vocab: int) -> mx.array | No
     """(B, V) False at each row's banned ids (RowSpec.banned); None when no row bans any."""
     if not any(banned):
         return None
-    keep = np.ones((len(banned), vocab), dtype=bool)
-    for i, ids in enumerate(banned):
-        keep[i, [t for t in ids if t < vocab]] = False
-    return mx.array(keep)
+    return mx.array(np.stack([keep_mask(ids, vocab) for ids in banned]))
 
 
 def _ban(logits: mx.array, keep: mx.array | None) -> mx.array:

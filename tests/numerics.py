@@ -23,6 +23,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .reference import _load
+
 #: True on the CPU backend, where batch composition cannot change a row's numbers.
 EXACT = mx.default_device().type == mx.DeviceType.cpu
 
@@ -47,16 +49,21 @@ def tolerance(rtol: float, atol: float) -> dict:
     return {"rtol": max(rtol, _GPU_RTOL), "atol": max(atol, _GPU_ATOL)}
 
 
+def _reference(judge):
+    """(model, tokenizer) of the tests' reference model when ``judge`` is a checkpoint path;
+    None when it is an open Engine."""
+    return _load(str(judge)) if isinstance(judge, (str, Path)) else None
+
+
 def _last_logits(judge, ids: list[int]) -> list[float]:
     """The model's next-token logits after ``ids``: ``judge`` is an open Engine (its own
     model, on its owner thread) or a text checkpoint path (the tests' reference model)."""
     def forward(model):
         return model(mx.array([ids]))[0, -1].astype(mx.float32).tolist()
 
-    if isinstance(judge, (str, Path)):
-        from .reference import _load
-
-        return forward(_load(str(judge))[0])
+    ref = _reference(judge)
+    if ref is not None:
+        return forward(ref[0])
     return judge.run_on_owner_thread(lambda: forward(judge.loaded.model))
 
 
@@ -65,19 +72,13 @@ def _prompt_ids(judge, prompt) -> list[int]:
     tokens (``Engine.encode``)."""
     if not isinstance(prompt, str):
         return list(prompt)
-    if isinstance(judge, (str, Path)):
-        from .reference import _load
-
-        return list(_load(str(judge))[1].encode(prompt, add_special_tokens=False))
-    return judge.encode(prompt)
+    ref = _reference(judge)
+    return list(ref[1].encode(prompt, add_special_tokens=False)) if ref is not None else judge.encode(prompt)
 
 
 def _eos_ids(judge) -> list[int]:
-    if isinstance(judge, (str, Path)):
-        from .reference import _load
-
-        return list(_load(str(judge))[1].eos_token_ids)
-    return list(judge.loaded.eos_token_ids)
+    ref = _reference(judge)
+    return list((ref[1] if ref is not None else judge.loaded).eos_token_ids)
 
 
 def same_greedy(got: Sequence[int], want: Sequence[int], *, judge, prompt_ids: Sequence[int] | str,

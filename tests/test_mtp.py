@@ -371,3 +371,48 @@ def test_token_bans_keep_rows_drafting_and_hold_in_every_position(qwen3_5_mtp_pa
     assert ref != free  # the ban changed the answers
     same_greedy_rows(got, ref, judge=qwen3_5_mtp_path, prompts=prompts)
     assert stats["mtp"]["spec_steps"] > 0 and stats["mtp"]["accepted"] > 0
+
+
+def _pending_ops(arrays) -> int:
+    """Operations MLX has yet to run to produce ``arrays`` (0 once they are evaluated)."""
+    import io
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    return dot.getvalue().count("shape=rectangle")
+
+
+def test_plain_steps_leave_no_deferred_work_in_the_head_cache(qwen3_5_mtp_path):
+    """A plain step writes the head's history (feed_history), but mlx-lm evaluates only the
+    step's tokens. Unevaluated, those writes piled up step after step until a speculative
+    step or a finished row's cache copy ran them all at once, stalling every stream."""
+    async def run():
+        engine = Engine(qwen3_5_mtp_path, show_progress=False, mtp="on")
+        await engine.start()
+        try:
+            def pending():
+                mx.synchronize()  # let the steps already scheduled finish
+                batch = engine._core._lanes["text"]._gen._generation_batch
+                head = batch.prompt_cache[batch.model.n_backbone:]
+                arrays = [a for c in head for a in c.state if isinstance(a, mx.array)]
+                return len(arrays), _pending_ops(arrays)
+
+            eos = mx.array(sorted(engine.loaded.eos_token_ids))
+
+            def never_stop(tokens, logits):
+                return logits.at[:, eos].add(-1e9)
+
+            counts = []
+            params = {"max_tokens": 80, "mtp": False, "logits_processors": [never_stop]}
+            async with await engine.open_complete_stream(UNSEEN[0], params) as stream:
+                async for _ in stream:
+                    if len(stream.token_ids) in (5, 60):
+                        counts.append(engine.run_on_owner_thread(pending))
+            return counts, engine.stats()["mtp"]
+        finally:
+            await engine.close()
+
+    counts, mtp = asyncio.run(run())
+    assert mtp["plain_steps"] >= 60 and mtp["spec_steps"] == 0
+    assert len(counts) == 2 and all(n > 0 for n, _ in counts)
+    assert [ops for _, ops in counts] == [0, 0], counts

@@ -212,6 +212,13 @@ class MTPGenerationBatch(GenerationBatch):
             # speculative step there is none, so that step's time is not a plain step's cost.
             steady = self._last_plain
             out = super().next()
+            # mlx-lm evaluates only the step's tokens; the backbone's caches come along as
+            # their inputs, the head's entries (feed_history) do not. Left lazy they pile up
+            # step after step, holding each step's hidden state, until a speculative step or
+            # a finished row's cache copy evaluates them all in one stall (measured: 170 ms
+            # after 400 plain steps of a tiny model, every other stream waiting).
+            if self.prompt_cache:
+                mx.async_eval([c.state for c in self.prompt_cache[self.model.n_backbone:]])
             self._last_plain = True
             self.spec.stats.plain_steps += 1
             if steady:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from mlx_tandem import SamplingParams
 from mlx_tandem.constraints import Constraint, closing_path
+from mlx_tandem.default_model import is_packaged
 from mlx_tandem.errors import ConstraintError, InvalidRequestError
 
 from .forcing import forcing_processor
@@ -185,6 +186,74 @@ def _closing_length(engine, schema) -> int:
                         frozenset(grammar.eos_token_ids), limit=10_000)
     assert path is not None
     return len(path)
+
+
+class Joke(_Strict):
+    setup: str
+    punchline: str
+
+
+def _demo_grammar():
+    """The embedded demo model's compiler: its tokenizer, like real ones, has ``}}``, ``]}``
+    and ``"]}}`` tokens, which the factory tokenizer lacks."""
+    from transformers import AutoTokenizer
+
+    from mlx_tandem.constraints import GrammarCompiler
+    from mlx_tandem.default_model import packaged_model_path
+
+    config = json.loads((packaged_model_path() / "config.json").read_text())
+    text = config.get("text_config", config)
+    eos = config.get("eos_token_id", text.get("eos_token_id"))
+    return GrammarCompiler(AutoTokenizer.from_pretrained(packaged_model_path()), text["vocab_size"],
+                           eos if isinstance(eos, list) else [eos])
+
+
+def _close_from(grammar, schema, prefix: str) -> str:
+    """The document closing mode writes after ``prefix``."""
+    matcher = grammar.compile(Constraint.json_schema(schema))
+    ids = grammar.tokenizer.tokenize_str(prefix)
+    for t in ids:
+        assert matcher.consume_token(t), prefix
+    path = closing_path(matcher, grammar.tiers(), frozenset(grammar.eos_token_ids), limit=200)
+    assert path is not None, prefix
+    body = [t for t in path if t not in grammar.eos_token_ids]
+    return grammar.tokenizer.decode_str(ids + body)
+
+
+@pytest.mark.skipif(not is_packaged(), reason="a source tree without the packaged weights")
+@pytest.mark.parametrize("vocabulary", ["factory", "demo"])
+def test_closing_mode_ends_strings_with_a_quote(qwen3_5_engine, vocabulary):
+    """Inside a string, closer characters are content: "}}" there closes nothing. Closing
+    mode picked it forever on the demo tokenizer, found no completion, and so never steered
+    the answer closed; and a closer that opens a string ('"]}}') is content too."""
+    grammar = qwen3_5_engine._grammar if vocabulary == "factory" else _demo_grammar()
+    joke = Joke.model_json_schema()
+    nested, _ = SCHEMAS["nested_object"]
+    cases = [  # (schema, pytype, what the model wrote, what closing mode must make of it)
+        (joke, Joke, "", lambda d: d == {"setup": "", "punchline": ""}),
+        (joke, Joke, '{"setup": "Why did the', lambda d: d == {"setup": "Why did the", "punchline": ""}),
+        (joke, Joke, '{"setup": "a}', lambda d: d == {"setup": "a}", "punchline": ""}),
+        (nested, Nested, '{"user": {"name": "Bo', lambda d: d["user"]["name"] == "Bo" and d["tags"] == []),
+        (nested, Nested, '{"user": {"name": "Bo", "age": 7}, "tags": ["x',
+         lambda d: d == {"user": {"name": "Bo", "age": 7}, "tags": ["x"]}),
+    ]
+    for schema, pytype, prefix, expected in cases:
+        doc = _close_from(grammar, schema, prefix)
+        assert expected(validate(doc, schema, pytype)), (prefix, doc)
+
+
+@pytest.mark.skipif(not is_packaged(), reason="a source tree without the packaged weights")
+def test_demo_model_structured_answer_closes_within_its_budget():
+    """with_structured_output(Joke) as users call it: the demo model writes on inside the
+    setup string, and the answer must still close, valid, within max_tokens."""
+    from mlx_tandem import Engine
+
+    schema = Joke.model_json_schema()
+    with Engine(show_progress=False) as engine:
+        outs = [engine.chat_sync([{"role": "user", "content": "Tell me a joke about cats"}],
+                                 SamplingParams(max_tokens=n), response_format=rf(schema)) for n in (20, 40, 60)]
+    for n, out in zip((20, 40, 60), outs):
+        assert_valid_structured(out, schema, Joke, n)
 
 
 async def test_budget_just_large_enough_still_gives_valid_output(qwen3_5_engine):

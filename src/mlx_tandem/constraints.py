@@ -228,7 +228,7 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
         self._llt = None
-        self._tiers: Optional[tuple[np.ndarray, np.ndarray]] = None
+        self._tiers: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
 
     @property
     def tokenizer(self):
@@ -267,15 +267,18 @@ class GrammarCompiler:
             raise ConstraintError(f"invalid {constraint.description}: {matcher.get_error()}")
         return matcher
 
-    def tiers(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per-token closing preference (tier) and byte length, computed once."""
+    def tiers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-token closing preference (tier), byte length and whether the token starts
+        with a quote, computed once."""
         if self._tiers is None:
             llt = self.tokenizer
             tier = np.full(self.vocab_size, 4, dtype=np.int64)
             length = np.zeros(self.vocab_size, dtype=np.int64)
+            quote_first = np.zeros(self.vocab_size, dtype=bool)
             for i in range(self.vocab_size):
                 b = llt.decode_bytes([i])
                 length[i] = len(b)
+                quote_first[i] = b[:1] == b'"'
                 if b and all(ch in _CLOSERS for ch in b):
                     tier[i] = 1
                 elif b and all(ch in _SEPARATORS for ch in b):
@@ -283,7 +286,7 @@ class GrammarCompiler:
                 elif b and all(ch in _DIGITS for ch in b):
                     tier[i] = 3  # numbers start with a digit, not "-"
             tier[self.eos_token_ids] = 0
-            self._tiers = (tier, length)
+            self._tiers = (tier, length, quote_first)
         return self._tiers
 
 
@@ -295,14 +298,26 @@ def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
     return allowed
 
 
-def closing_path(matcher, tiers: tuple[np.ndarray, np.ndarray], eos: frozenset[int], limit: int) -> Optional[list[int]]:
+def closing_path(matcher, tiers: tuple[np.ndarray, np.ndarray, np.ndarray], eos: frozenset[int],
+                 limit: int) -> Optional[list[int]]:
     """A short completion from the matcher's state (on a copy), or None if over ``limit``.
 
     Greedy over preference tiers: EOS, then closers (longest first: ``"}`` closes two
     levels), then separators, then anything allowed, shortest first (a long byte-level
     token can leave a UTF-8 sequence open; a single byte completes it).
+
+    A quote ends a string or opens one, and the other closer characters are a string's
+    content. So where most of the vocabulary is allowed, the matcher is in free text (a
+    JSON string) and only closers that start with a quote keep their tier; elsewhere a
+    closer that starts with a quote opens a string with content, and ``"`` alone opens an
+    empty one, which then needs closing: it goes after the other closers. Before, ``}}`` was picked forever inside a string, no completion was found and the
+    answer was never steered closed (a Joke schema at max_tokens=200 ended with "length" on
+    the demo model's tokenizer), and ``"]}}`` opened string values with that content.
     """
-    tier, length = tiers
+    tier, length, quote_first = tiers
+    closer = tier == 1
+    in_text = np.where(closer & ~quote_first, 4, tier)
+    in_structure = np.where(closer & quote_first, np.where(length > 1, 4, 2), tier)
     m = matcher.deep_copy()
     path: list[int] = []
     while len(path) <= limit:
@@ -311,7 +326,8 @@ def closing_path(matcher, tiers: tuple[np.ndarray, np.ndarray], eos: frozenset[i
         allowed = allowed_tokens(m, tier.shape[0])
         if not allowed.any():
             return None
-        score = np.where(allowed, tier * 100_000 + np.where(tier >= 3, length, -length), np.iinfo(np.int64).max)
+        t = in_text if 2 * allowed.sum() > allowed.shape[0] else in_structure
+        score = np.where(allowed, t * 100_000 + np.where(t >= 3, length, -length), np.iinfo(np.int64).max)
         tok = int(np.argmin(score))
         path.append(tok)
         if tok in eos:

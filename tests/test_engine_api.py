@@ -129,6 +129,23 @@ async def test_stream_deadlines_cancel_and_free_the_slot(llama_engine):
     assert (await stream.collect()).text == ref.text
 
 
+async def test_output_that_arrived_in_time_is_read_after_the_deadline(llama_engine):
+    """A deadline cancels a request still running at it. One that finished in time gives
+    its output however late it is read, async as sync (asyncio.wait_for with no time left
+    cancelled the queue's get even with the whole answer queued)."""
+    msgs = [{"role": "user", "content": "go on"}]
+    ref = await llama_engine.chat(msgs, {"max_tokens": 6})
+    streams = [await llama_engine.open_chat_stream(msgs, {"max_tokens": 6}, timeout=0.5),
+               await llama_engine.open_chat_stream(msgs, {"max_tokens": 6}, timeout=0.5)]
+    sync = llama_engine.open_chat_stream_sync(msgs, {"max_tokens": 6}, timeout=0.5)
+    await asyncio.sleep(1.0)
+    assert (await streams[0].collect()).token_ids == ref.token_ids
+    deltas = [d async for d in streams[1]]  # read delta by delta, all after the deadline
+    assert deltas[-1].finish_reason == ref.finish_reason
+    assert [t for d in deltas for t in d.token_ids] == ref.token_ids
+    assert sync.collect().token_ids == ref.token_ids
+
+
 def test_an_unread_stream_past_its_deadline_leaves_its_slot(llama_path):
     """The engine enforces the deadline, not only the reader: a stream held but not read
     loses its slot (here the only one, so the waiting request can start), and its reader

@@ -69,6 +69,13 @@ class AsyncSink:
     async def get(self) -> Item:
         return await self._q.get()
 
+    def get_nowait(self) -> Optional[Item]:
+        """The next item if one has arrived, else None."""
+        try:
+            return self._q.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
 
 def _deliver(batch):
     for sink, item in batch:

@@ -126,18 +126,28 @@ class AsyncStream(_StreamBase):
         if self._done:
             raise StopAsyncIteration
         try:
-            if self.deadline is None:
-                item = await self._sink.get()
-            else:
-                left = max(self.deadline - time.monotonic(), 0.0)
-                try:
-                    item = await asyncio.wait_for(self._sink.get(), left)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"request {self.request_id} exceeded its timeout") from None
+            item = await self._next_item()
         except BaseException:
             self.cancel()  # cancelled while waiting: free the slot
             raise
         return self._accept(item)
+
+    async def _next_item(self):
+        if self.deadline is None:
+            return await self._sink.get()
+        left = self.deadline - time.monotonic()
+        if left > 0:
+            try:
+                return await asyncio.wait_for(self._sink.get(), left)
+            except asyncio.TimeoutError:
+                pass
+        # Past the deadline, what arrived in time is still the caller's (asyncio.wait_for with
+        # no time left cancels even a get that has an item ready); a wait only times out.
+        await asyncio.sleep(0)  # deliveries already scheduled on this loop land first
+        item = self._sink.get_nowait()
+        if item is None:
+            raise TimeoutError(f"request {self.request_id} exceeded its timeout")
+        return item
 
     async def collect(self) -> RequestOutput:
         async with self:

@@ -72,6 +72,32 @@ async def test_length_finish_flushes_held_back_text(engine):
     assert out.text == text  # the partial stop-string match is released at the end
 
 
+async def test_stop_string_before_an_incomplete_character_stops_at_its_token(engine):
+    """A token that decodes to whole characters and the start of another: the whole ones go
+    out at once, so a stop string among them stops generation at that token with "stop".
+    (The whole text was held back until the end: the stop was found only in the final
+    flush, generation ran to max_tokens, and the finish read "length".)"""
+    decode = engine.tokenizer.decode
+    tok, head = next((i, t.rstrip("\ufffd")) for i in range(engine.loaded.vocab_size)
+                     if (t := decode([i])).endswith("\ufffd") and t.rstrip("\ufffd").strip())
+    eos = engine.loaded.eos_token_ids[0]
+    ids = [tok] * 6
+    params = SamplingParams(max_tokens=6, stop=[head], logits_processors=[forcing_processor(ids, eos)])
+    deltas = [d async for d in engine.stream_chat(USER, params)]
+    assert "".join(d.text for d in deltas) == ""
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].usage.completion_tokens == 1
+    # Without the stop string the same tokens stream out whole, the held-back bytes included.
+    free = [d async for d in engine.stream_chat(USER, SamplingParams(
+        max_tokens=6, logits_processors=[forcing_processor(ids, eos)]))]
+    assert "".join(d.text for d in free) == decode(ids)
+    assert free[0].token_ids == (tok,) and free[0].text == head  # released at its own token
+    # A stop string completed only by the final flush (a max_tokens cut mid-character leaves
+    # U+FFFD) still finishes with "stop".
+    cut = await engine.chat(USER, SamplingParams(max_tokens=1, stop=["\ufffd"],
+                                                 logits_processors=[forcing_processor(ids, eos)]))
+    assert (cut.text, cut.finish_reason) == (head, "stop")
+
+
 @pytest.mark.parametrize("pieces,stop,expected,hit", [
     (["hel", "lo wor", "ld"], ["lo w"], "hel", True),
     (["ab", "c", "d"], ["cd", "bcx"], "ab", True),

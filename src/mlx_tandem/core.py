@@ -474,6 +474,8 @@ class EngineCore:
                 self._emit(req, StreamDelta(req.request_id, text, tuple(new_ids)))
             return
         text += req.detokenizer.finish()
+        if req.detokenizer.stopped:  # a stop string completed by the last text held back
+            finish = "stop"
         req.finish_time = now
         self._emit(req, StreamDelta(
             req.request_id, text, tuple(new_ids), finish_reason=finish,

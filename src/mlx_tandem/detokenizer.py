@@ -67,6 +67,7 @@ class RequestDetokenizer:
         self._tokens: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
+        self._sent = 0  # characters already emitted past the prefix text, while the read offset waits
         self._stop = StopStringMatcher(stop)
         self.stopped = False
 
@@ -74,11 +75,21 @@ class RequestDetokenizer:
         window = self._tokens[self._prefix_offset:]
         prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
         new_text = self._decode(window)
-        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
+        start = len(prefix_text) + self._sent
+        if new_text.endswith("\ufffd") and not final:
+            # An incomplete UTF-8 sequence: hold back only it. The complete characters before
+            # it go out now, so a stop string among them is found at this token, not at the end.
+            ready = new_text.rstrip("\ufffd")
+            if len(ready) <= start:
+                return ""
+            self._sent = len(ready) - len(prefix_text)
+            return ready[start:]
+        if len(new_text) <= start:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
-        return new_text[len(prefix_text):]
+        self._sent = 0
+        return new_text[start:]
 
     def add(self, token: int) -> str:
         """Add one generated token; returns the text that may be emitted now."""

@@ -132,6 +132,10 @@ async def test_malformed_inputs_are_typed_errors_and_the_engine_keeps_serving(ll
         engine.chat([{"role": "user", "content": [{"type": "text", "text": None}]}]),
         engine.chat(hi, template_kwargs=5), engine.chat(hi, reasoning="yes"),
         engine.chat(hi, {"max_tokens": 2}, request_id=5),
+        engine.chat(hi, response_format={"type": "regex", "regex": "[a-z]+"}),  # the key is "pattern"
+        engine.complete("x", response_format={"type": "lark"}),
+        engine.chat([{"role": "user", "content": "bad \ud800 text"}]),  # a lone surrogate
+        engine.complete("bad \udcff text"),
     ]
     errors = await asyncio.gather(*bad_calls, return_exceptions=True)
     assert all(isinstance(e, InvalidRequestError) for e in errors), errors

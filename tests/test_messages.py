@@ -128,7 +128,22 @@ async def test_openai_tool_call_arguments_render_like_dicts(llama_engine):
 
 
 async def test_template_failure_is_a_typed_error(llama_engine):
-    bad = [{"role": "user", "content": "hi"},
-           {"role": "assistant", "content": "", "tool_calls": [{"id": "x", "function": {"name": None, "arguments": {}}}]}]
-    with pytest.raises(TemplateError):
-        await llama_engine.chat(bad, SamplingParams(max_tokens=2))
+    with pytest.raises(TemplateError):  # the template iterates over "tools"
+        await llama_engine.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2),
+                                template_kwargs={"tools": 5})
+
+
+@pytest.mark.parametrize("calls", ["nope", [1], [{"id": "x", "function": "f"}], [{"function": {"name": None}}],
+                                   [{"id": "x", "arguments": {}}]])
+def test_malformed_tool_calls_are_typed_errors(calls):
+    with pytest.raises(InvalidRequestError):
+        normalize_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls}])
+
+
+async def test_hf_style_tool_calls_render_like_openai_style(llama_engine):
+    """HF chat templates take a call's name and arguments at its top level too."""
+    openai = [{"role": "user", "content": "w?"}, {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    hf = copy.deepcopy(openai)
+    hf[1]["tool_calls"] = [{"name": TOOL_CALL["function"]["name"], "arguments": {"city": "Paris"}}]
+    assert llama_engine.apply_chat_template(hf) == llama_engine.apply_chat_template(openai)

@@ -107,10 +107,12 @@ def response_format_constraint(response_format: Optional[dict]) -> Optional[Cons
         if schema is None:
             raise ConstraintError("response_format json_schema needs a 'schema'")
         return Constraint.json_schema(schema, name=spec.get("name", ""))
-    if kind in ("lark", "grammar"):
-        return Constraint.lark(response_format["grammar"])
-    if kind == "regex":
-        return Constraint.regex(response_format["pattern"])
+    if kind in ("lark", "grammar", "regex"):
+        key = "pattern" if kind == "regex" else "grammar"
+        text = response_format.get(key)
+        if not isinstance(text, str):
+            raise ConstraintError(f"response_format {kind} needs a {key!r} string")
+        return Constraint.regex(text) if kind == "regex" else Constraint.lark(text)
     raise ConstraintError(f"unknown response_format type {kind!r}")
 
 

@@ -49,7 +49,22 @@ def validate_messages(messages: Any) -> list[Message]:
                         f"messages[{i}].content[{j}]: unsupported part type {part['type']!r}")
         if role == "tool" and not m.get("tool_call_id") and not m.get("name"):
             raise InvalidRequestError(f"messages[{i}]: a tool message needs 'tool_call_id' (or 'name')")
+        _validate_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
     return messages
+
+
+def _validate_tool_calls(calls: Any, where: str) -> None:
+    """An assistant's calls: a list of {"function": {"name": str, "arguments": ...}} (OpenAI
+    style) or of {"name": str, "arguments": ...} (accepted by HF chat templates)."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{where} must be a list of calls")
+    for j, call in enumerate(calls):
+        fn = (call.get("function", call) if isinstance(call, dict) else None)
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequestError(
+                f"{where}[{j}] must be {{'function': {{'name': ..., 'arguments': ...}}}} or {{'name': ..., 'arguments': ...}}")
 
 
 def has_media(messages: Iterable[Message]) -> bool:

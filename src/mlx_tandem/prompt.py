@@ -38,14 +38,16 @@ def _template_ready(messages: list[Message]) -> list[Message]:
             calls = []
             for call in m["tool_calls"]:
                 call = dict(call)
-                fn = dict(call.get("function") or {})
+                nested = "function" in call  # OpenAI style; else the HF style's top-level name
+                fn = dict(call["function"]) if nested else call
                 args = fn.get("arguments")
                 if isinstance(args, str):
                     try:
                         fn["arguments"] = json.loads(args) if args.strip() else {}
                     except json.JSONDecodeError:
                         pass  # keep the raw string; the template prints it as is
-                call["function"] = fn
+                if nested:
+                    call["function"] = fn
                 calls.append(call)
             m["tool_calls"] = calls
         out.append(m)
@@ -181,6 +183,10 @@ class PromptRenderer:
         return shared
 
     def encode(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer can take it
+            raise InvalidRequestError(f"the prompt is not valid Unicode: {exc}") from None
         with self.lock:
             return list(self._tokenizer.encode(text, add_special_tokens=False))
 

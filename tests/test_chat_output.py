@@ -227,19 +227,23 @@ def test_arguments_given_as_a_json_string_are_decoded():
     assert _calls(r) == [("add", {"a": 1, "b": 2})]
 
 
-@pytest.mark.parametrize("body,name", [
-    ('{"name": "add", "arguments": {"a": }', None),  # not JSON
-    ('{"name": "add", "arguments": [1, 2]}', "add"),  # JSON, but arguments not an object
-    ('{"arguments": {"a": 1}}', None),  # no name
-    ('[1, 2]', None),
+@pytest.mark.parametrize("body,name,arguments", [
+    ('{"name": "add", "arguments": {"a": }', None, None),  # not JSON: the whole body
+    ('{"name": "add", "arguments": [1, 2]}', "add", "[1, 2]"),  # JSON, but arguments not an object
+    ('{"name": "add", "arguments": "[1, 2]"}', "add", "[1, 2]"),  # the same, as a string
+    ('{"arguments": {"a": 1}}', None, '{"a": 1}'),  # no name
+    ('{"name": 7}', None, None),
+    ('[1, 2]', None, None),
 ])
-def test_unparsable_call_is_kept_as_invalid_with_its_raw_text(body, name):
+def test_unparsable_call_is_kept_as_invalid_with_its_raw_text(body, name, arguments):
+    """An invalid call keeps its whole body, and its arguments' text where the body is a
+    JSON object (what OpenAI and LangChain call an invalid call's arguments)."""
     text = "before " + f"<tool_call>\n{body}\n</tool_call>"
     r = parse_every_split(text, parse_tool_calls=True)
     assert r.tool_calls == []
     assert len(r.invalid_tool_calls) == 1
     bad = r.invalid_tool_calls[0]
-    assert bad.arguments == body and bad.name == name and bad.error
+    assert bad.text == body and bad.arguments == (arguments or body) and bad.name == name and bad.error
     assert bad.id.startswith("call_")
     assert r.content == "before"
 

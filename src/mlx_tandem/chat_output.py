@@ -217,10 +217,25 @@ class ChatOutputParser:
                 calls.append(ToolCall(id=new_tool_call_id(), name=name, arguments=args))
             return calls
         except Exception as exc:  # noqa: BLE001 - any parser failure is an invalid call
-            name = None
-            try:
-                name = json.loads(body.strip()).get("name")
-            except Exception:  # noqa: BLE001
-                pass
-            return [InvalidToolCall(id=new_tool_call_id(), name=name, arguments=body.strip(),
-                                    error=f"{type(exc).__name__}: {exc}")]
+            name, arguments = _readable_parts(body.strip())
+            return [InvalidToolCall(id=new_tool_call_id(), name=name, arguments=arguments,
+                                    error=f"{type(exc).__name__}: {exc}", text=body.strip())]
+
+
+def _readable_parts(body: str) -> tuple[Optional[str], str]:
+    """The name and the arguments' text of a call body that failed to parse, where it is a
+    JSON object; else no name and the whole body. Arguments that are not an object stay
+    their JSON text, so a stream's consumer (LangChain merges chunks by parsing their
+    arguments) keeps the call invalid; a body cut off mid-JSON keeps no name, so it cannot
+    pass for a call of a real tool."""
+    try:
+        item = json.loads(body)
+    except ValueError:
+        return None, body
+    if not isinstance(item, dict):
+        return None, body
+    name = item.get("name") if isinstance(item.get("name"), str) else None
+    if "arguments" not in item:
+        return name, body
+    args = item["arguments"]
+    return name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)

@@ -36,12 +36,17 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class InvalidToolCall:
-    """A tool call the model wrote but that could not be parsed (kept, not dropped)."""
+    """A tool call the model wrote but that could not be parsed (kept, not dropped).
+
+    ``arguments`` is the arguments' text where the body is a JSON object (as OpenAI and
+    LangChain keep an invalid call's arguments), else the whole body; ``text`` is always the
+    whole body."""
 
     id: str
     name: Optional[str]
     arguments: Optional[str]
     error: str
+    text: str = ""
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,27 @@ def test_forced_tool_call_is_valid_and_streams_as_chunks():
     assert [(c["name"], c["args"]) for c in full.tool_calls] == [(c["name"], c["args"]) for c in msg.tool_calls]
 
 
+def test_a_malformed_call_is_invalid_streamed_as_invoked():
+    """LangChain merges streamed calls by parsing each chunk's arguments: a chunk that
+    carried the whole call body parsed as an object, so a call whose arguments are a list
+    came out of the stream as a valid call of the wrong arguments."""
+    llm = make_llm(max_tokens=60)
+    llm.engine.start_sync()
+    marker = llm.engine._grammar.marker
+    # A grammar stands in for a model that writes a malformed call: arguments as a list.
+    body = '{"name": "add", "arguments": [3, 4]}'
+    grammar = f"start: {marker('<tool_call>')} {json.dumps(chr(10) + body + chr(10))} {marker('</tool_call>')}"
+    bound = llm.bind_tools([add]).bind(response_format={"type": "lark", "grammar": grammar})
+    invoked = bound.invoke("add 3 and 4")
+    chunks = list(bound.stream("add 3 and 4"))
+    streamed = chunks[0]
+    for c in chunks[1:]:
+        streamed = streamed + c
+    assert invoked.tool_calls == [] and streamed.tool_calls == []
+    assert [(c["name"], c["args"]) for c in invoked.invalid_tool_calls] == [("add", "[3, 4]")]
+    assert [(c["name"], c["args"]) for c in streamed.invalid_tool_calls] == [("add", "[3, 4]")]
+
+
 def test_tool_choice_none_never_calls():
     llm = make_llm(max_tokens=24).bind_tools([add], tool_choice="none")
     msg = llm.invoke("add 2 and 3")

@@ -13,16 +13,31 @@ from .numerics import same_greedy
 from .prompts import chat_prompts
 from .reference import reference_greedy
 
+TOOL = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                         "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+
 
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(max_tokens=1.5),
     dict(top_k=-1), dict(min_p=1.0), dict(repetition_penalty=0), dict(seed=-3), dict(stop=[""]),
     dict(temperature=float("nan")), dict(logits_processors=["not callable"]),
-    dict(stop=5), dict(logits_processors=5), dict(seed=2**64),
+    dict(stop=5), dict(logits_processors=5), dict(seed=2**64), dict(stop={"a": 1}),
+    dict(repetition_context_size=True),
 ])
 def test_bad_sampling_params(kwargs):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+async def test_temperatures_too_small_to_sample_are_greedy(llama_engine):
+    """1/temperature overflows float32 near 1e-38 and the draw became a random pick; under
+    1e-5 the request decodes greedily, as vLLM's does."""
+    assert SamplingParams(temperature=1e-39).greedy and not SamplingParams(temperature=1e-4).greedy
+    prompt = [5, 6, 7]
+    greedy = await llama_engine.complete(prompt, {"max_tokens": 12})
+    tiny = await asyncio.gather(*(llama_engine.complete(prompt, {"max_tokens": 12, "temperature": 1e-39, "seed": s})
+                                  for s in range(4)))
+    assert all(t.token_ids == greedy.token_ids for t in tiny)
 
 
 def test_bad_engine_options():
@@ -136,9 +151,19 @@ async def test_malformed_inputs_are_typed_errors_and_the_engine_keeps_serving(ll
         engine.complete("x", response_format={"type": "lark"}),
         engine.chat([{"role": "user", "content": "bad \ud800 text"}]),  # a lone surrogate
         engine.complete("bad \udcff text"),
+        engine.complete(b"abc"), engine.complete([True, 5]),  # bytes and booleans are not token ids
+        engine.chat(hi, parallel_tool_calls="no"),
+        engine.chat(hi, tools=[TOOL], tool_choice={"type": "function"}),  # forced, but which tool?
     ]
     errors = await asyncio.gather(*bad_calls, return_exceptions=True)
     assert all(isinstance(e, InvalidRequestError) for e in errors), errors
+    submitted = engine.stats()["requests"]
+    for timeout in (float("nan"), -1, "5"):  # refused before anything is submitted
+        with pytest.raises(InvalidRequestError):
+            await engine.open_chat_stream(hi, timeout=timeout)
+        with pytest.raises(InvalidRequestError):
+            engine.open_complete_stream_sync("hi", timeout=timeout)
+    assert engine.stats()["requests"] == submitted
     out = await engine.chat(hi, SamplingParams(max_tokens=8))
     assert out.token_ids == reference_greedy(llama_path, engine.apply_chat_template(hi), 8)
 

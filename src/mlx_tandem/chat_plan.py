@@ -76,10 +76,11 @@ def _forced_names(tool_choice: Any, names: list[str]) -> Optional[list[str]]:
     tc = tool_choice
     if isinstance(tc, dict):
         kind = tc.get("type")
-        if kind == "function":
-            tc = (tc.get("function") or {}).get("name") or tc.get("name")
-        elif kind == "tool":  # Anthropic form
-            tc = tc.get("name")
+        if kind in ("function", "tool"):  # OpenAI's forms (nested or not), Anthropic's
+            fn = tc.get("function")
+            tc = (fn.get("name") if isinstance(fn, dict) else None) or tc.get("name")
+            if not isinstance(tc, str):  # not "auto": the caller meant to force a call
+                raise ConstraintError(f"tool_choice {tool_choice!r} names no tool")
         else:
             tc = kind
     if tc is None or tc == "auto" or tc is False:
@@ -115,6 +116,8 @@ def plan_chat(
     forced = _forced_names(tool_choice, names) if (tools or tool_choice not in (None, "auto", "none")) else None
     if reasoning is not None and not isinstance(reasoning, bool):
         raise InvalidRequestError(f"reasoning must be True, False or None, got {reasoning!r}")
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise InvalidRequestError(f"parallel_tool_calls must be True, False or None, got {parallel_tool_calls!r}")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise InvalidRequestError(f"template_kwargs must be a dict, got {type(template_kwargs).__name__}")
     kwargs = dict(template_kwargs or {})

@@ -11,6 +11,7 @@ import asyncio
 import atexit
 import dataclasses
 import logging
+import math
 import operator
 import threading
 import time
@@ -277,6 +278,8 @@ class Engine:
                 prompt_ids = renderer.encode(prompt)
             elif prompt is not None:
                 try:
+                    if isinstance(prompt, (bytes, bytearray)) or any(isinstance(t, bool) for t in prompt):
+                        raise TypeError  # bytes are not token ids, nor are booleans
                     prompt_ids = [operator.index(t) for t in prompt]  # ints only: no floats or strings
                 except TypeError:
                     raise InvalidRequestError("a prompt is a string or a sequence of token ids (ints)") from None
@@ -379,9 +382,9 @@ class Engine:
         With ``timeout`` (seconds, for the whole request) the stream cancels the request and
         raises TimeoutError when the deadline passes.
         """
+        deadline = _deadline(timeout)  # checked before the request is submitted
         stream = await self._astream(_Spec.chat(messages, params, options))
-        if timeout is not None:
-            stream.deadline = time.monotonic() + timeout
+        stream.deadline = deadline
         return stream
 
     def open_chat_stream_sync(self, messages: Sequence[dict], params: SamplingParams | dict | None = None, *,
@@ -391,9 +394,9 @@ class Engine:
         With ``timeout`` (seconds, for the whole request) the stream cancels the request and
         raises TimeoutError when the deadline passes.
         """
+        deadline = _deadline(timeout)  # checked before the request is submitted
         stream = self._sstream(_Spec.chat(messages, params, options))
-        if timeout is not None:
-            stream.deadline = time.monotonic() + timeout
+        stream.deadline = deadline
         return stream
 
     def chat_sync(self, messages, params=None, **options) -> RequestOutput:
@@ -432,19 +435,19 @@ class Engine:
     async def open_complete_stream(self, prompt: str | Sequence[int], params=None, *, response_format=None,
                                    request_id=None, timeout: Optional[float] = None) -> "AsyncStream":
         """Submit a raw prompt now and return its stream handle (``timeout`` as for chats)."""
+        deadline = _deadline(timeout)  # checked before the request is submitted
         stream = await self._astream(_Spec(prompt=prompt, params=params, response_format=response_format,
                                            request_id=request_id))
-        if timeout is not None:
-            stream.deadline = time.monotonic() + timeout
+        stream.deadline = deadline
         return stream
 
     def open_complete_stream_sync(self, prompt: str | Sequence[int], params=None, *, response_format=None,
                                   request_id=None, timeout: Optional[float] = None) -> "SyncStream":
         """Submit a raw prompt now; return its blocking stream handle (``timeout`` as for chats)."""
+        deadline = _deadline(timeout)  # checked before the request is submitted
         stream = self._sstream(_Spec(prompt=prompt, params=params, response_format=response_format,
                                      request_id=request_id))
-        if timeout is not None:
-            stream.deadline = time.monotonic() + timeout
+        stream.deadline = deadline
         return stream
 
     def encode(self, text: str) -> list[int]:
@@ -494,6 +497,15 @@ class _Spec:
         if messages is None:
             raise InvalidRequestError("messages are required")
         return cls(messages=messages, params=params, **options)
+
+
+def _deadline(timeout: Optional[float]) -> Optional[float]:
+    """time.monotonic() at which a request given ``timeout`` seconds is cancelled."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout < 0:
+        raise InvalidRequestError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+    return time.monotonic() + timeout
 
 
 @atexit.register

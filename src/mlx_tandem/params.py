@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from .errors import InvalidRequestError
 
 # A logits processor as mlx-lm defines it: (token_ids so far, logits) -> logits.
 LogitsProcessor = Callable[[Any, Any], Any]
+
+#: Temperatures below this sample greedily, as vLLM's do: logits divided by a temperature
+#: near 1e-38 overflow float32, and the "sample" became a random pick (measured).
+GREEDY_BELOW = 1e-5
 
 
 def _as_tuple(value: Any, name: str) -> tuple:
@@ -25,7 +29,7 @@ def _as_tuple(value: Any, name: str) -> tuple:
 class SamplingParams:
     """How to sample one request.
 
-    temperature 0 means greedy. ``stop`` strings are matched on the decoded text, across
+    temperature 0 (or under 1e-5) means greedy. ``stop`` strings are matched on the decoded text, across
     token boundaries, and never emitted. ``seed`` makes sampling reproducible per request,
     whatever else shares the batch. ``logits_processors`` run on the engine thread.
     """
@@ -51,6 +55,8 @@ class SamplingParams:
 
     def __post_init__(self):
         # Accept a single string or any sequence for stop; a list for processors.
+        if isinstance(self.stop, Mapping):
+            raise InvalidRequestError(f"SamplingParams.stop={self.stop!r}: must be a string or a list of strings")
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "logits_processors", _as_tuple(self.logits_processors, "logits_processors"))
@@ -58,6 +64,8 @@ class SamplingParams:
 
         object.__setattr__(self, "mtp", normalize_mode(self.mtp, what="SamplingParams.mtp"))
         self.validate()
+        if 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
     def validate(self) -> None:
         def bad(name, why):
@@ -79,7 +87,8 @@ class SamplingParams:
             bad("top_k", "must be an integer >= 0 (0 disables it)")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", "must be > 0 (1 disables it)")
-        if not isinstance(self.repetition_context_size, int) or self.repetition_context_size < 1:
+        if (not isinstance(self.repetition_context_size, int) or isinstance(self.repetition_context_size, bool)
+                or self.repetition_context_size < 1):
             bad("repetition_context_size", "must be an integer >= 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import mlx.core as mx
 import pytest
 
 from mlx_tandem import Engine, SamplingParams
@@ -162,6 +163,31 @@ def test_an_unread_stream_past_its_deadline_leaves_its_slot(llama_path):
         with pytest.raises(TimeoutError):
             held.collect()
         assert engine.stats()["running"] == 0
+    finally:
+        engine.close_sync()
+
+
+def test_a_stream_whose_event_loop_closed_leaves_its_slot(llama_path):
+    """The handle outlives its event loop (asyncio.run returned it unread): nobody can read
+    it, so the engine aborts the request at its next delivery instead of decoding on."""
+    import time
+
+    engine = Engine(llama_path, show_progress=False, max_batch_size=1).start_sync()
+    try:
+        eos = mx.array(sorted(engine.loaded.eos_token_ids))
+
+        async def open_and_leave():
+            return await engine.open_complete_stream("go on", {"max_tokens": 100_000, "logits_processors": [
+                lambda tokens, logits: logits.at[:, eos].add(-1e9)]})
+
+        held = asyncio.run(open_and_leave())  # the loop is closed now; the handle is kept
+        started = time.monotonic()
+        queued = engine.complete_sync("hi", {"max_tokens": 4})  # waits for the one slot
+        assert queued.finish_reason == "length"
+        assert time.monotonic() - started < 30
+        # Aborted, not run on to the end of the context window (about 4,000 tokens).
+        assert engine.stats()["aborted"] == 1 and engine.stats()["running"] == 0
+        del held
     finally:
         engine.close_sync()
 

@@ -55,7 +55,7 @@ class EngineCore:
         self._running: dict[str, Request] = {}
         self._memory = MemoryLedger({"text": CacheFootprint(0)}, budget=0)  # the real one is made at load
         self._held_for_memory = 0
-        self._outbox: list[tuple[Any, Any]] = []
+        self._outbox: list[tuple[Request, Any]] = []  # (request, delta or error) to deliver
         self._closed = threading.Event()
         # Held while checking "closed" and putting in the inbox, and while closing before
         # the last drain of the inbox: nothing can land in an inbox that nobody reads.
@@ -485,12 +485,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, req: Request, item) -> None:
-        self._outbox.append((req.sink, item))
+        self._outbox.append((req, item))
 
     def _flush(self) -> None:
         if self._outbox:
             items, self._outbox = self._outbox, []
-            dispatch(items)
+            closed = dispatch([(req.sink, item) for req, item in items])
+            # Nobody can read a stream whose event loop has closed: free its slot now
+            # rather than decode on for a reader that is gone.
+            if closed:
+                for req in {id(r): r for r, _ in items if r.sink.loop in closed}.values():
+                    self._abort(req)
 
     def _retire(self, req: Request) -> None:
         req.state = RequestState.FINISHED

@@ -82,19 +82,22 @@ def _deliver(batch):
         sink.put_nowait_on_loop(item)
 
 
-def dispatch(items: list[tuple[Any, Item]]) -> None:
-    """Deliver (sink, item) pairs: one call_soon_threadsafe per event loop."""
+def dispatch(items: list[tuple[Any, Item]]) -> set:
+    """Deliver (sink, item) pairs: one call_soon_threadsafe per event loop. Returns the
+    event loops that are closed (nobody is listening on them any more)."""
     by_loop: dict[Any, list] = {}
     for sink, item in items:
         if sink.loop is None:
             sink.put(item)
         else:
             by_loop.setdefault(sink.loop, []).append((sink, item))
+    closed = set()
     for loop, batch in by_loop.items():
         try:
             loop.call_soon_threadsafe(_deliver, batch)
         except RuntimeError:
-            pass  # the caller's loop is closed: nobody is listening any more
+            closed.add(loop)
+    return closed
 
 
 @dataclass

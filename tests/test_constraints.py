@@ -603,6 +603,27 @@ async def test_bad_constraints_fail_at_call_time(qwen3_5_engine, options, error)
     assert engine.stats()["requests"] == submitted  # refused before anything reached the engine
 
 
+async def test_one_call_allowed_ends_the_row_as_finished(qwen3_5_engine):
+    """parallel_tool_calls=False: the answer ends at its first valid call and its row is
+    freed there; the request counts as finished, not aborted."""
+    engine = qwen3_5_engine
+    marker = engine._grammar.marker
+    body = json.dumps('\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n')
+    grammar = f'start: {marker("<tool_call>")} {body} {marker("</tool_call>")} " and then " /[a-z ]{{40,}}/'
+    before = engine.stats()
+    out = await engine.chat(USER, SamplingParams(max_tokens=80), tools=TOOLS, parallel_tool_calls=False,
+                            response_format={"type": "lark", "grammar": grammar})
+    assert out.finish_reason == "tool_calls" and out.content == ""
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", {"city": "Oslo"})]
+    for _ in range(100):  # the row leaves on the engine's next loop
+        if engine.stats()["running"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    after = engine.stats()
+    assert after["finished"] == before["finished"] + 1 and after["aborted"] == before["aborted"]
+    assert after["running"] == 0
+
+
 async def test_engine_keeps_serving_after_bad_constraints(qwen3_5_engine):
     engine = qwen3_5_engine
     bad = [engine.chat(USER, SamplingParams(max_tokens=8), **opts) for opts, _ in BAD_REQUESTS]

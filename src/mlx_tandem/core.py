@@ -88,6 +88,12 @@ class EngineCore:
         if not self._closed.is_set():
             self._inbox.put(("abort", request))
 
+    def finish_early(self, request: Request) -> None:
+        """``request``'s reader has its whole answer (parallel_tool_calls=False: the answer
+        ends at its call): free its row, and count it finished, not aborted."""
+        if not self._closed.is_set():
+            self._inbox.put(("finish", request))
+
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn`` on the owner thread (for hooks that touch mlx state) and return its future."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -282,6 +288,11 @@ class EngineCore:
                 self._add(arg)
             elif kind == "abort":
                 self._abort(arg)
+            elif kind == "finish":
+                if self._take_out(arg):
+                    arg.finish_time = time.perf_counter()
+                    self._retire(arg)
+                    self.stats.count("requests_finished")
             elif kind == "call":
                 fn, fut = arg
                 if fut.set_running_or_notify_cancel():

@@ -69,7 +69,7 @@ class _StreamBase:
             usage = item.usage
             if finish is None and self._parser.calls_exhausted:
                 # parallel_tool_calls=False: the answer ends at its call; free the row now.
-                self._core.abort(self._req)
+                self._core.finish_early(self._req)
                 finish = "tool_calls"
                 usage = Usage(self._req.num_prompt_tokens, len(self.token_ids), self._req.cached_tokens)
             if finish == "stop" and (self.tool_calls or parsed.tool_calls):

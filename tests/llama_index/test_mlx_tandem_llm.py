@@ -142,6 +142,31 @@ def test_formatted_complete_continues_the_raw_prompt():
                                                            {"max_tokens": 16}).content
 
 
+def test_callers_prompt_functions_replace_the_chat_template():
+    """messages_to_prompt and completion_to_prompt, the LLM fields local-model integrations
+    honour: given, they render the prompt, which then runs raw (they were ignored)."""
+    def messages_to_prompt(messages):
+        return "".join(f"{m.role.value}: {m.content}\n" for m in messages) + "assistant:"
+
+    def completion_to_prompt(text):
+        return f"Q: {text}\nA:"
+
+    llm = make_llm(messages_to_prompt=messages_to_prompt, completion_to_prompt=completion_to_prompt)
+    msgs = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi")]
+    raw = llm.engine.complete_sync(messages_to_prompt(msgs), {"max_tokens": 16})
+    assert llm.chat(msgs).message.content == raw.text
+    assert "".join(r.delta for r in llm.stream_chat(msgs)) == raw.text
+    assert asyncio.run(llm.achat(msgs)).message.content == raw.text
+    assert llm.complete("Hi").text == llm.engine.complete_sync("Q: Hi\nA:", {"max_tokens": 16}).text
+    assert llm.complete("Hi", formatted=True).text == llm.engine.complete_sync("Hi", {"max_tokens": 16}).text
+    with pytest.raises(TypeError, match="tools need a chat"):  # tools are rendered by the template
+        llm.chat_with_tools([FunctionTool.from_defaults(fn=add)], user_msg="add 2 and 3")
+    # Without them, a chat goes through the model's chat template.
+    plain = make_llm()
+    assert plain.chat(msgs).message.content == plain.engine.chat_sync(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], {"max_tokens": 16}).content
+
+
 def test_sampling_fields_reach_the_engine():
     seeded = make_llm(temperature=0.9, top_p=0.9, seed=7)
     ref = seeded.engine.chat_sync([{"role": "user", "content": "Hi"}],

@@ -31,7 +31,8 @@ from llama_index.core.instrumentation.events.llm import (
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
-from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 from llama_index.core.llms.utils import parse_partial_json
 from llama_index.core.program.utils import create_flexible_model
 from llama_index.core.prompts import BasePromptTemplate
@@ -130,12 +131,19 @@ class MLXTandemLLM(FunctionCallingLLM):
         return call.params, call.options, call.timeout
 
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict):
+        """(engine messages, raw prompt, params, options, timeout): a chat goes through the
+        model's chat template, unless the caller gave its own ``messages_to_prompt``."""
+        if self.messages_to_prompt is not generic_messages_to_prompt:
+            return self._completion_request(self.messages_to_prompt(messages), True, kwargs)
         params, options, timeout = self._options(kwargs)
-        return to_engine_messages(messages), params, options, timeout
+        return to_engine_messages(messages), None, params, options, timeout
 
     def _completion_request(self, prompt: str, formatted: bool, kwargs: dict):
         """A chat model completes a prompt as one user turn, through the chat template (the
-        generation prompt included); ``formatted=True`` means the prompt is already rendered."""
+        generation prompt included), unless the caller gave its own ``completion_to_prompt``;
+        ``formatted=True`` means the prompt is already rendered."""
+        if not formatted and self.completion_to_prompt is not default_completion_to_prompt:
+            prompt, formatted = self.completion_to_prompt(prompt), True
         params, options, timeout = self._options(kwargs)
         if formatted:
             if options.pop("tools", None) or options.get("tool_choice") not in (None, "auto", "none"):
@@ -150,22 +158,21 @@ class MLXTandemLLM(FunctionCallingLLM):
     # ------------------------------------------------------------------ chat
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        msgs, params, options, timeout = self._chat_request(messages, kwargs)
-        out = self.engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options).collect()
-        return to_chat_response(out, self.model_name)
+        request = self._chat_request(messages, kwargs)
+        return to_chat_response(self._open_sync(*request).collect(), self.model_name)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        msgs, params, options, timeout = self._chat_request(messages, kwargs)
-        stream = await self.engine.open_chat_stream(msgs, params, timeout=timeout, **options)
+        request = self._chat_request(messages, kwargs)
+        stream = await self._open_async(*request)
         return to_chat_response(await stream.collect(), self.model_name)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        msgs, params, options, timeout = self._chat_request(messages, kwargs)
+        request = self._chat_request(messages, kwargs)
 
         def gen() -> ChatResponseGen:
-            with self.engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options) as stream:
+            with self._open_sync(*request) as stream:
                 acc = StreamAccumulator(self.model_name, stream.request_id)
                 for delta in stream:
                     response = acc.chat(delta)
@@ -176,8 +183,8 @@ class MLXTandemLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        msgs, params, options, timeout = self._chat_request(messages, kwargs)
-        stream = await self.engine.open_chat_stream(msgs, params, timeout=timeout, **options)
+        request = self._chat_request(messages, kwargs)
+        stream = await self._open_async(*request)
 
         async def gen() -> ChatResponseAsyncGen:
             async with stream:
@@ -189,7 +196,7 @@ class MLXTandemLLM(FunctionCallingLLM):
 
         return gen()
 
-    # ------------------------------------------------------------------ completion
+    # ------------------------------------------------------------------ requests
     def _open_sync(self, msgs, prompt, params, options, timeout):
         if msgs is not None:
             return self.engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options)

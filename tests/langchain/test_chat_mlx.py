@@ -118,6 +118,11 @@ def test_invoke_and_stream_equal_engine_output():
     assert len(with_usage) == 1 and with_usage[0] is chunks[-1]
     assert chunks[-1].chunk_position == "last"
     assert chunks[-1].response_metadata["finish_reason"] == ref.finish_reason
+    # stream_usage=False (ChatOpenAI's option), per call or on the model: no usage chunk.
+    for quiet in (list(llm.stream("Hello", stream_usage=False)), list(make_llm(stream_usage=False).stream("Hello"))):
+        assert "".join(c.content for c in quiet) == ref.content
+        assert not any(c.usage_metadata for c in quiet) and quiet[-1].chunk_position == "last"
+    assert llm.invoke("Hello", stream_usage=False).usage_metadata == msg.usage_metadata
 
 
 def test_generate_fills_llm_output_with_summed_usage():

@@ -153,8 +153,9 @@ def to_ai_message(out, model_name: str) -> AIMessage:
 class ChunkBuilder:
     """StreamDeltas -> AIMessageChunks, numbering tool calls across the stream."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, usage: bool = True):
         self._model_name = model_name
+        self._usage = usage  # usage_metadata on the last chunk (ChatMLX.stream_usage)
         self._index = 0
 
     def chunk(self, delta) -> Optional[AIMessageChunk]:
@@ -171,7 +172,7 @@ class ChunkBuilder:
         kwargs: dict[str, Any] = {}
         if last:
             kwargs.update(
-                usage_metadata=usage_metadata(delta.usage) if delta.usage else None,
+                usage_metadata=usage_metadata(delta.usage) if delta.usage and self._usage else None,
                 response_metadata=response_metadata(self._model_name, delta.finish_reason),
                 chunk_position="last",
             )

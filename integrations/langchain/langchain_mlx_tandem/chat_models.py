@@ -65,6 +65,9 @@ class ChatMLX(BaseChatModel):
     keep_pct: Optional[float] = None
     """Share of prompt chunks SpecPrefill keeps, in (0, 1]; None = engine option."""
     streaming: bool = False
+    stream_usage: bool = True
+    """Usage on a stream's last chunk, as ChatOpenAI's ``stream_usage``; False leaves it out
+    (also per call: ``stream(..., stream_usage=False)``). Non-streamed calls always have it."""
     reasoning: Optional[bool] = None
     """Thinking on/off through the template's ``enable_thinking``; None keeps its default."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -141,6 +144,7 @@ class ChatMLX(BaseChatModel):
         kwargs = dict(kwargs)
         kwargs.pop("ls_structured_output_format", None)
         kwargs.pop("stream", None)  # core's per-call streaming switch, already acted on
+        kwargs.pop("stream_usage", None)  # read by _stream/_astream; invoke always has usage
         engine, model_name = self._engine_for(kwargs)
         call = resolve_call(self, kwargs, owner="ChatMLX", stop=stop)
         return engine, model_name, to_engine_messages(messages), call.params, call.options, call.timeout
@@ -201,8 +205,9 @@ class ChatMLX(BaseChatModel):
 
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        usage = kwargs.pop("stream_usage", self.stream_usage)
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
-        builder = ChunkBuilder(model_name)
+        builder = ChunkBuilder(model_name, usage=usage)
         with engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options) as stream:
             for delta in stream:
                 message = builder.chunk(delta)
@@ -216,8 +221,9 @@ class ChatMLX(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        usage = kwargs.pop("stream_usage", self.stream_usage)
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
-        builder = ChunkBuilder(model_name)
+        builder = ChunkBuilder(model_name, usage=usage)
         async with await engine.open_chat_stream(msgs, params, timeout=timeout, **options) as stream:
             async for delta in stream:
                 message = builder.chunk(delta)

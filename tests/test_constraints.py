@@ -209,8 +209,8 @@ def _demo_grammar():
 
 
 def _close_from(grammar, schema, prefix: str) -> str:
-    """The document closing mode writes after ``prefix``."""
-    matcher = grammar.compile(Constraint.json_schema(schema))
+    """The document closing mode writes after ``prefix`` (``schema``: a JSON schema or a Constraint)."""
+    matcher = grammar.compile(schema if isinstance(schema, Constraint) else Constraint.json_schema(schema))
     ids = grammar.tokenizer.tokenize_str(prefix)
     for t in ids:
         assert matcher.consume_token(t), prefix
@@ -240,6 +240,62 @@ def test_closing_mode_ends_strings_with_a_quote(qwen3_5_engine, vocabulary):
     for schema, pytype, prefix, expected in cases:
         doc = _close_from(grammar, schema, prefix)
         assert expected(validate(doc, schema, pytype)), (prefix, doc)
+
+
+class Priced(_Strict):
+    name: str
+    price: float = Field(gt=0)
+
+
+@pytest.mark.skipif(not is_packaged(), reason="a source tree without the packaged weights")
+@pytest.mark.parametrize("vocabulary", ["factory", "demo"])
+def test_closing_mode_gets_past_content_it_could_repeat(qwen3_5_engine, vocabulary):
+    """Where the best closing token is content the grammar takes again and again, plain
+    greedy found no completion (a fuzzer over schemas, formats, patterns and grammars found
+    these): "]" in a string held to a pattern, "0" where a number must not be zero, "(" in
+    nested parentheses, "." and "}" in turn in an email address; and "}" closing nested
+    objects leaves the same choices on a vocabulary without "}}"."""
+    grammar = qwen3_5_engine._grammar if vocabulary == "factory" else _demo_grammar()
+    code = {"type": "object", "properties": {"code": {"type": "string", "pattern": r"^[A-Z0-9_\-\[\]]+$"}},
+            "required": ["code"]}
+    email = {"type": "object", "properties": {"email": {"type": "string", "format": "email"}}, "required": ["email"]}
+    parens = {"type": "array", "items": {"type": "string", "pattern": r"^\(.*\)$"}, "minItems": 3}
+    low = {"type": "object", "properties": {"v": {"type": "number", "minimum": -10}}, "required": ["v"]}
+    sexpr = 'start: list\nlist: "(" (item (" " item)*)? ")"\nitem: ATOM | list\nATOM: /[a-z]+/'
+    arith = 'start: expr\nexpr: term (("+" | "-") term)*\nterm: NUMBER | "(" expr ")"\nNUMBER: /[0-9]+/'
+    json_cases = [  # (schema, pytype, what the model wrote, what closing mode must make of it)
+        (code, dict, '{"code": "AB', lambda d: d["code"].startswith("AB")),
+        (Priced.model_json_schema(), Priced, "", lambda d: d["price"] > 0),
+        (low, dict, '{"v": -', lambda d: -10 <= d["v"] <= 0),
+        (email, dict, '{"email": "bob', lambda d: d["email"].startswith("bob") and "@" in d["email"]),
+        (parens, list[str], "", lambda d: len(d) == 3),
+        ({"type": "object"}, dict, '{"a": {"b": {"c": [{"d": 1', lambda d: d == {"a": {"b": {"c": [{"d": 1}]}}}),
+    ]
+    for schema, pytype, prefix, expected in json_cases:
+        doc = _close_from(grammar, schema, prefix)
+        assert expected(validate(doc, schema, pytype)), (prefix, doc)
+    assert _close_from(grammar, Constraint.lark(sexpr), "(a (b") == "(a (b))"
+    assert _close_from(grammar, Constraint.lark(arith), "(1+(2") == "(1+(2))"
+    assert _close_from(grammar, Constraint.regex(r"\(\d+(,\d+)*\)"), "(07") == "(07)"
+
+
+async def test_answers_with_formats_and_patterns_close_within_their_budget(qwen3_5_engine):
+    """End to end on the random model, which fills strings with noise: an email field and a
+    pattern-held code ended with "length" and broken JSON while closing mode found no path."""
+    class Contact(_Strict):
+        email: str = Field(json_schema_extra={"format": "email"})
+        code: str = Field(pattern=r"^[A-Z0-9_\-\[\]]+$")
+        price: float = Field(gt=0)
+
+    schema = Contact.model_json_schema()
+    assert schema["properties"]["email"]["format"] == "email"
+    runs = [(n, sampling) for n in (40, 60, 120) for sampling in SAMPLINGS[:2]]
+    outs = await asyncio.gather(*[
+        qwen3_5_engine.chat(USER, SamplingParams(max_tokens=n, **sampling), response_format=rf(schema))
+        for n, sampling in runs])
+    for (n, _), out in zip(runs, outs):
+        doc = assert_valid_structured(out, schema, Contact, n)
+        assert "@" in doc["email"]
 
 
 @pytest.mark.skipif(not is_packaged(), reason="a source tree without the packaged weights")

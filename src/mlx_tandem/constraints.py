@@ -207,9 +207,10 @@ def _grammar_text(c: Constraint) -> str:
     raise ConstraintError(f"unknown constraint kind {c.kind!r}")
 
 
-# Closing-mode preferences: lower tier first. Closers end strings, arrays and objects;
-# separators move on to the next required key. EOS ends the answer once it is complete.
-_CLOSERS = frozenset(b'"}]')
+# Closing-mode preferences: lower tier first. Closers end strings, arrays and objects (and
+# parentheses, in Lark and regex grammars); separators move on to the next required key.
+# EOS ends the answer once it is complete.
+_CLOSERS = frozenset(b'"}])')
 _SEPARATORS = frozenset(b",:")
 _DIGITS = frozenset(b"0123456789")
 # Take the closing path while the budget still exceeds it by this many tokens. One token can
@@ -217,6 +218,11 @@ _DIGITS = frozenset(b"0123456789")
 # optional key): with a slack of one, such a token right before the end left no completion
 # that fits, and a valid-looking request ended with "length" and broken JSON.
 _SLACK = 8
+# closing_path: candidates tried per step when the best one makes no progress, and extra
+# tries per simulation (each a consume, a mask and a rollback, on the engine thread).
+_TRIES = 128
+_TRY_BUDGET = 512
+_MAX_SAME_CLOSES = 16
 
 
 class GrammarCompiler:
@@ -305,37 +311,111 @@ def closing_path(matcher, tiers: tuple[np.ndarray, np.ndarray, np.ndarray], eos:
     """A short completion from the matcher's state (on a copy), or None if over ``limit``.
 
     Greedy over preference tiers: EOS, then closers (longest first: ``"}`` closes two
-    levels), then separators, then anything allowed, shortest first (a long byte-level
-    token can leave a UTF-8 sequence open; a single byte completes it).
+    levels), then separators, then digits, then anything allowed, shortest first (a long
+    byte-level token can leave a UTF-8 sequence open; a single byte completes it); ties go
+    to the lowest token id.
 
     A quote ends a string or opens one, and the other closer characters are a string's
-    content. So where most of the vocabulary is allowed, the matcher is in free text (a
-    JSON string) and only closers that start with a quote keep their tier; elsewhere a
-    closer that starts with a quote opens a string with content, and ``"`` alone opens an
-    empty one, which then needs closing: it goes after the other closers. Before, ``}}`` was picked forever inside a string, no completion was found and the
-    answer was never steered closed (a Joke schema at max_tokens=200 ended with "length" on
-    the demo model's tokenizer), and ``"]}}`` opened string values with that content.
+    content. So in free text (most of the vocabulary allowed, a quote among it: a JSON
+    string) only closers that start with a quote keep their tier; elsewhere a closer that
+    starts with a quote opens a string with content, and ``"`` alone opens an empty one,
+    which then needs closing: it goes after the other closers.
+
+    Greedy alone loops where the best token is content: ``]`` in a string held to a
+    pattern, ``0`` where a number must not be zero, ``(`` in a Lark grammar of nested
+    parentheses, ``.`` and ``}`` in turn in an email address. So each step judges a
+    candidate by the set of tokens allowed after it, and takes, in order of preference:
+    1. a closer (or ``"``) after which that set differs: in structure (few tokens
+       allowed), from the current one; in content (many allowed, where a closer character
+       may be content), from every set seen since the last closer;
+    2. in structure, the best closer that leaves the set as it is, at most
+       ``_MAX_SAME_CLOSES`` times in a row: closing one level of nesting can leave the
+       same choices (``}`` then ``}`` again, where the vocabulary has no ``}}``);
+    3. the first of the best ``_TRIES`` other candidates after which the set is one not
+       seen since the last closer;
+    4. the best candidate.
+    Ending the grammar counts as progress.
+    Judging a candidate costs a consume, a mask and, when it is refused, a rollback, on the
+    engine thread: ``_TRY_BUDGET`` bounds the refusals per simulation, then it is plain
+    greedy. Tested on fuzzed schemas, formats, patterns and grammars, on the factory and
+    the demo tokenizers.
     """
     tier, length, quote_first = tiers
+    vocab = tier.shape[0]
     closer = tier == 1
     in_text = np.where(closer & ~quote_first, 4, tier)
     in_structure = np.where(closer & quote_first, np.where(length > 1, 4, 2), tier)
+    lone_quote = quote_first & (length == 1)
     m = matcher.deep_copy()
     path: list[int] = []
-    while len(path) <= limit:
-        if m.is_stopped():
-            return path + [min(eos)]
-        allowed = allowed_tokens(m, tier.shape[0])
-        if not allowed.any():
-            return None
-        t = in_text if 2 * allowed.sum() > allowed.shape[0] else in_structure
-        score = np.where(allowed, t * 100_000 + np.where(t >= 3, length, -length), np.iinfo(np.int64).max)
-        tok = int(np.argmin(score))
-        path.append(tok)
-        if tok in eos:
-            return path
+    allowed = allowed_tokens(m, vocab)
+    seen = {allowed.tobytes()}
+    budget, same_closes = _TRY_BUDGET, 0
+
+    def take(tok: int) -> np.ndarray:
         if not m.consume_token(tok):
-            return None
+            raise ValueError(tok)
+        return allowed_tokens(m, vocab)
+
+    def progress(tok: int, strict: bool) -> Optional[np.ndarray]:
+        """Take ``tok`` if the allowed set after it is new (``strict``) or at least another
+        one (or the grammar ended); else undo it."""
+        nonlocal budget
+        after = take(tok)
+        if m.is_stopped() or (after.tobytes() not in seen if strict else not np.array_equal(after, allowed)):
+            return after
+        m.rollback(1)
+        budget -= 1
+        return None
+
+    try:
+        while len(path) <= limit:
+            if m.is_stopped():
+                return path + [min(eos)]
+            n_allowed = int(allowed.sum())
+            if not n_allowed:
+                return None
+            free_text = 2 * n_allowed > vocab and bool((allowed & quote_first).any())
+            t = in_text if free_text else in_structure
+            score = np.where(allowed, t * 100_000 + np.where(t >= 3, length, -length), np.iinfo(np.int64).max)
+            n = min(n_allowed, _TRIES if budget > 0 else 1)
+            best = np.sort(np.argpartition(score, n - 1)[:n]) if n < vocab else np.arange(vocab)
+            best = [int(i) for i in best[np.argsort(score[best], kind="stable")]]  # ties: lowest id first
+            if best[0] in eos:
+                return path + [best[0]]
+            closing = [i for i in best if t[i] == 1 or lone_quote[i]]
+            others = [i for i in best if not (t[i] == 1 or lone_quote[i])]
+            structure = 8 * n_allowed < vocab
+            tok = after = None
+            for i in closing:  # 1
+                if (after := progress(i, strict=not structure)) is not None:
+                    tok = i
+                    break
+            ended = tok is not None
+            same_level = False
+            if tok is None and closing and structure and same_closes < _MAX_SAME_CLOSES:
+                after = take(closing[0])  # 2
+                same_level = np.array_equal(after, allowed)
+                if same_level:
+                    tok, ended = closing[0], True
+                else:
+                    m.rollback(1)
+            same_closes = same_closes + 1 if same_level else 0
+            if tok is None:  # 3
+                for i in others:
+                    if (after := progress(i, strict=True)) is not None:
+                        tok = i
+                        break
+            if tok is None:  # 4
+                tok = best[0]
+                after = take(tok)
+            path.append(tok)
+            if ended:  # something ended: the same content states may recur (array items)
+                seen = set()
+            allowed = after
+            seen.add(allowed.tobytes())
+    except ValueError:  # an allowed token the matcher then refused
+        return None
     return None
 
 

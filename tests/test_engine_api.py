@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import mlx.core as mx
 import pytest
 
 from mlx_tandem import Engine, SamplingParams
@@ -174,7 +173,7 @@ def test_a_stream_whose_event_loop_closed_leaves_its_slot(llama_path):
 
     engine = Engine(llama_path, show_progress=False, max_batch_size=1).start_sync()
     try:
-        eos = mx.array(sorted(engine.loaded.eos_token_ids))
+        eos = sorted(engine.loaded.eos_token_ids)  # ids, not an array: the processor runs on the engine thread
 
         async def open_and_leave():
             return await engine.open_complete_stream("go on", {"max_tokens": 100_000, "logits_processors": [

@@ -397,7 +397,7 @@ def test_plain_steps_leave_no_deferred_work_in_the_head_cache(qwen3_5_mtp_path):
                 arrays = [a for c in head for a in c.state if isinstance(a, mx.array)]
                 return len(arrays), _pending_ops(arrays)
 
-            eos = mx.array(sorted(engine.loaded.eos_token_ids))
+            eos = sorted(engine.loaded.eos_token_ids)  # ids, not an array: the processor runs on the engine thread
 
             def never_stop(tokens, logits):
                 return logits.at[:, eos].add(-1e9)

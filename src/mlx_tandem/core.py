@@ -289,10 +289,7 @@ class EngineCore:
             elif kind == "abort":
                 self._abort(arg)
             elif kind == "finish":
-                if self._take_out(arg):
-                    arg.finish_time = time.perf_counter()
-                    self._retire(arg)
-                    self.stats.count("requests_finished")
+                self._finish_early(arg)
             elif kind == "call":
                 fn, fut = arg
                 if fut.set_running_or_notify_cancel():
@@ -326,6 +323,12 @@ class EngineCore:
     def _abort(self, request: Request) -> None:
         if self._take_out(request):
             self._finish_aborted(request)
+
+    def _finish_early(self, request: Request) -> None:
+        if self._take_out(request):
+            request.finish_time = time.perf_counter()
+            self._retire(request)
+            self.stats.count("requests_finished")
 
     def _take_out(self, request: Request) -> bool:
         """Remove a live request from the queue or its lane; False if it is not live."""

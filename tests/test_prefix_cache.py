@@ -323,6 +323,28 @@ async def test_mtp_rows_restore_the_heads_cache_exactly(qwen3_5_mtp_path):
     assert stats["prefix_cache"]["hits"] >= 5 and stats["mtp"]["spec_steps"] > 0
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+async def test_mtp_rows_finishing_inside_their_block_keep_their_answer(qwen3_5_mtp_path, depth):
+    """A speculative step can finish a row before its last accepted draft (here at
+    max_tokens). The row is cut back to its finish, so its prompt + answer is stored as a
+    plain step's would be, and a prompt that goes on from that answer starts from all of it
+    and equals a cold run. Rows finish at different points of one batch's blocks."""
+    from mlx_tandem.testing.mtp_distill import default_prompts
+
+    async with _engine(qwen3_5_mtp_path, mtp="on", mtp_depth=depth, max_batch_size=8) as engine:
+        ids = [engine.encode(p) for p in default_prompts(8)]  # the head was distilled on these
+        firsts = await asyncio.gather(*(engine.complete(p, SamplingParams(max_tokens=6 + i))
+                                        for i, p in enumerate(ids)))
+        spec = engine.stats()["mtp"]
+        follows = [p + o.token_ids + ids[(i + 1) % len(ids)] for i, (p, o) in enumerate(zip(ids, firsts))]
+        seconds = await asyncio.gather(*(engine.complete(f, SamplingParams(max_tokens=8)) for f in follows))
+    assert spec["spec_steps"] > 0 and spec["mean_accepted_per_step"] > 0.5, spec
+    for i, (p, first, second) in enumerate(zip(ids, firsts, seconds)):
+        assert first.finish_reason == "length" and len(first.token_ids) == 6 + i
+        assert second.usage.cached_tokens == len(p) + len(first.token_ids), f"row {i} kept no answer"
+        assert second.token_ids == reference_greedy(qwen3_5_mtp_path, follows[i], 8), f"row {i} diverged"
+
+
 async def test_prefix_cache_off_and_stats_shape(llama_path):
     chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user(0)}]
     async with _engine(llama_path, prefix_cache_bytes=0) as engine:

@@ -265,22 +265,27 @@ class MTPGenerationBatch(GenerationBatch):
         nxt = self._plain_rows_next(drafting, logits[:, 0], x, nxt)
         mx.eval(accepted, nxt, inputs)
         acc = accepted.tolist()
+        blocks = inputs.tolist()
         if any(r.lazy is not None and d for r, d in zip(rows, drafting)):
-            blocks = inputs.tolist()
-            accepted, nxt = self._stop_at_call_start(rows, drafting, blocks, acc, logits, nxt)
+            nxt = self._stop_at_call_start(rows, drafting, blocks, acc, logits, nxt)
+        # Emit before rolling back, so a row that finishes inside its block (max_tokens or
+        # a stop token before its last accepted draft) is cut back to its finish: its cache
+        # then holds exactly its tokens and can be handed back for the prefix cache.
+        emitted, finishes = self._emit_tokens(blocks, acc)
 
-        # Roll back: backbone keeps x + accepted drafts; the head drops its chained entries
-        # and gets exact ones for the accepted drafts; pending = hidden at the last kept token.
-        rollback(backbone, records, k + 1, [a + 1 for a in acc])
+        # Roll back: backbone keeps each row's emitted tokens; the head drops its chained
+        # entries and gets exact ones for the kept drafts; pending = hidden at the last one.
+        rollback(backbone, records, k + 1, emitted)
         if k > 1:
             for c in mtp:
                 c.trim(k - 1)
-        write_accepted(spec.head, embed, mtp, drafts, hidden, acc)
-        mtp[0].pending = mx.take_along_axis(hidden, accepted.reshape(B, 1, 1).astype(mx.int32), axis=1)
+        kept = [n - 1 for n in emitted]
+        write_accepted(spec.head, embed, mtp, drafts, hidden, kept)
+        mtp[0].pending = mx.take_along_axis(hidden, mx.array(kept, dtype=mx.int32).reshape(B, 1, 1), axis=1)
 
         self._next_tokens = nxt
         self._next_logprobs = [None] * B
-        responses, emitted = self._emit(inputs.tolist(), acc)
+        responses = self._responses(blocks, emitted, finishes)
 
         # Count what reached the output: drafts accepted past a row's max_tokens or stop
         # are dropped, and counting them would flatter both the stats and the auto policy.
@@ -315,7 +320,7 @@ class MTPGenerationBatch(GenerationBatch):
 
     def _stop_at_call_start(self, rows, drafting, blocks, acc: list[int], logits: mx.array, nxt: mx.array):
         """Drafting rows with a lazy tool-call grammar: keep their token context whole, and
-        accept nothing after a drafted call-start token.
+        accept nothing after a drafted call-start token (``acc`` is cut in place).
 
         The start token itself is accepted as speculative sampling decided (lossless); the
         token after it is drawn from the verify logits at that position through the row's
@@ -338,12 +343,13 @@ class MTPGenerationBatch(GenerationBatch):
             changed = True
         if changed:
             mx.eval(nxt)
-        return mx.array(acc), nxt
+        return nxt
 
-    def _emit(self, blocks: list[list[int]], accepted: list[int]) -> tuple[list, list[int]]:
-        """Responses for each row's kept tokens, up to its finish; and how many each emitted."""
-        responses, keep, emitted = [], [], []
-        for i, uid in enumerate(self.uids):
+    def _emit_tokens(self, blocks: list[list[int]], accepted: list[int]) -> tuple[list[int], list]:
+        """Append each row's kept tokens (x and its accepted drafts) up to its finish; return
+        how many each row emitted and its finish reason (None while it goes on)."""
+        emitted, finishes = [], []
+        for i in range(len(self.uids)):
             finish = None
             kept = blocks[i][: accepted[i] + 1]
             for j, tok in enumerate(kept):
@@ -353,21 +359,29 @@ class MTPGenerationBatch(GenerationBatch):
                     finish = "length"
                 if self._matchers[i].advance(tok):
                     finish = "stop"
-                # Like a plain step, a finished row hands back its cache, but only when the
-                # cache holds exactly the emitted tokens (it finished on its last kept one).
-                exact = finish is not None and j == len(kept) - 1
-                responses.append(self.Response(
-                    uid=uid, token=tok, logprobs=None, finish_reason=finish,
-                    prompt_cache=self.extract_cache(i) if exact else None,
-                    all_tokens=self.tokens[i] if exact else None))
                 if finish:
                     break
             emitted.append(j + 1)
+            finishes.append(finish)
+        return emitted, finishes
+
+    def _responses(self, blocks: list[list[int]], emitted: list[int], finishes: list) -> list:
+        """One response per emitted token; like a plain step, a finished row hands back its
+        cache (rolled back to its last token) and leaves the batch."""
+        responses, keep = [], []
+        for i, uid in enumerate(self.uids):
+            n, finish = emitted[i], finishes[i]
+            for j, tok in enumerate(blocks[i][:n]):
+                last = finish is not None and j == n - 1
+                responses.append(self.Response(
+                    uid=uid, token=tok, logprobs=None, finish_reason=finish if last else None,
+                    prompt_cache=self.extract_cache(i) if last else None,
+                    all_tokens=self.tokens[i] if last else None))
             if finish is None:
                 keep.append(i)
         if len(keep) < len(self.uids):
             self.filter(keep)
-        return responses, emitted
+        return responses
 
 
 class SpecBatchGenerator(BatchGenerator):

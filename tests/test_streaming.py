@@ -114,3 +114,55 @@ def test_stop_matcher(pieces, stop, expected, hit):
         if was_hit:
             break
     assert out == expected and was_hit == hit
+
+
+# ---------------------------------------------------------------------------- reasoning usage
+def _spelled(engine, text: str) -> list[int]:
+    """``text`` in ordinary tokens: markers cut in two, so no special token stands for them."""
+    ids = []
+    for piece in text.replace("</think>", "</\x00think>").split("\x00"):
+        ids += engine.tokenizer.encode(piece, add_special_tokens=False)
+    return ids
+
+
+# (prompt, answer, marker spelled in ordinary tokens). "opened": the prompt ends in <think>,
+# as Qwen3.5's template does with thinking on (the factory's leaves it to the answer).
+@pytest.mark.parametrize("prompt,answer,spell", [
+    ("on", "<think>Count the legs.</think>A cat has four legs.", False),
+    ("opened", "Four legs, so four.</think>\n\nA cat has four legs.", False),
+    ("on", "<think>Four legs.</think>Four.", True),
+    ("opened", "Still thinking about legs and more legs and", False),  # cut at max_tokens
+    ("off", "A cat has four legs.", False),
+])
+async def test_usage_counts_the_tokens_spent_reasoning(qwen3_5_engine, prompt, answer, spell):
+    """usage.reasoning_tokens: the answer's tokens through the end of ``</think>`` (the
+    marker is found as its token, or as the text of a delta when spelled otherwise); every
+    token when cut inside the reasoning; 0 without reasoning. Streamed and whole agree."""
+    engine = qwen3_5_engine
+    chat, opts = USER, {"reasoning": prompt == "on"}
+    if prompt == "opened":
+        chat = USER + [{"role": "assistant", "content": "<think>\n"}]
+        opts = {"template_kwargs": {"continue_final_message": True}}
+    ids = _spelled(engine, answer) if spell else engine.tokenizer.encode(answer, add_special_tokens=False)
+    cut = "</think>" not in answer and prompt == "opened"
+    eos = engine.loaded.eos_token_ids[0]
+
+    def params():
+        return SamplingParams(max_tokens=len(ids) - 2 if cut else len(ids) + 5,
+                              logits_processors=[forcing_processor(ids, eos)])
+
+    deltas = [d async for d in engine.stream_chat(chat, params(), **opts)]
+    got = [t for d in deltas for t in d.token_ids]
+    assert got[: len(ids) - 2] == ids[: len(ids) - 2]
+    if cut:
+        expected = len(got)
+    elif "</think>" not in answer:
+        expected = 0
+    else:
+        marker = _spelled(engine, "</think>") if spell else engine.tokenizer.encode("</think>", add_special_tokens=False)
+        assert spell == (len(marker) > 1)
+        expected = next(i + len(marker) for i in range(len(got)) if got[i: i + len(marker)] == marker)
+    assert deltas[-1].usage.reasoning_tokens == expected, (deltas[-1].usage, got)
+    whole = await engine.chat(chat, params(), **opts)
+    assert whole.usage.reasoning_tokens == expected
+    assert (whole.reasoning != "") == (expected > 0), whole

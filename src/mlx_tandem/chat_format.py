@@ -19,6 +19,7 @@ FORCEABLE_TOOL_FORMATS = ("json_tools", "qwen3_coder")
 class ChatFormat:
     think_start: Optional[str] = None
     think_end: Optional[str] = None
+    think_end_ids: tuple[int, ...] = ()  # the token ids of ``think_end`` (counting reasoning tokens)
     thinking_kwarg: str = "enable_thinking"
     tool_call_start: Optional[str] = None
     tool_call_end: Optional[str] = None
@@ -50,6 +51,7 @@ class ChatFormat:
         return cls(
             think_start=tokenizer.think_start if has_thinking else None,
             think_end=tokenizer.think_end if has_thinking else None,
+            think_end_ids=tuple(getattr(tokenizer, "think_end_tokens", None) or ()) if has_thinking else (),
             thinking_kwarg=getattr(tokenizer, "_thinking_kwarg", "enable_thinking") or "enable_thinking",
             tool_call_start=getattr(tokenizer, "tool_call_start", None),
             tool_call_end=getattr(tokenizer, "tool_call_end", None),

@@ -88,6 +88,16 @@ class ChatOutputParser:
         self._reasoning = _Channel(strip_leading=True)
         self._seen_content = False
         self.num_tool_calls = 0
+        #: The answer has reasoned (it started in reasoning or opened it).
+        self.reasoned = self._state == REASONING
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._state == REASONING
+
+    @property
+    def think_end_ids(self) -> tuple[int, ...]:
+        return self._fmt.think_end_ids
 
     # ------------------------------------------------------------------ markers
     def _markers(self) -> list[str]:
@@ -174,6 +184,7 @@ class ChatOutputParser:
         if self._state == CONTENT and marker == f.think_start:
             self._content.drop_pending()  # whitespace before <think> is not content either
             self._state = REASONING
+            self.reasoned = True
         elif self._state == REASONING:
             self._reasoning.drop_pending()
             self._state = CONTENT

@@ -15,6 +15,9 @@ class Usage:
     completion_tokens: int
     #: Prompt tokens restored from the prefix cache instead of prefilled.
     cached_tokens: int = 0
+    #: Completion tokens spent reasoning (``<think>`` ... ``</think>``, markers included), as
+    #: OpenAI's ``completion_tokens_details.reasoning_tokens``; 0 for raw prompts.
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

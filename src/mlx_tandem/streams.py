@@ -34,6 +34,8 @@ class _StreamBase:
         self.tool_calls: list = []
         self.invalid_tool_calls: list = []
         self.token_ids: list[int] = []
+        # len(token_ids) after the delta in which reasoning ended (the parser is text-based).
+        self._reasoning_left_at: Optional[int] = None
 
     @property
     def request_id(self) -> str:
@@ -60,6 +62,8 @@ class _StreamBase:
             item = dataclasses.replace(item, content=item.text)
         else:
             parsed = self._parser.feed(item.text)
+            if self._reasoning_left_at is None and self._parser.reasoned and not self._parser.in_reasoning:
+                self._reasoning_left_at = len(self.token_ids)
             if finish is not None:
                 end = self._parser.finish()
                 parsed.content += end.content
@@ -74,6 +78,8 @@ class _StreamBase:
                 usage = Usage(self._req.num_prompt_tokens, len(self.token_ids), self._req.cached_tokens)
             if finish == "stop" and (self.tool_calls or parsed.tool_calls):
                 finish = "tool_calls"
+            if usage is not None:
+                usage = dataclasses.replace(usage, reasoning_tokens=self._reasoning_tokens())
             item = dataclasses.replace(
                 item, content=parsed.content, reasoning=parsed.reasoning, finish_reason=finish, usage=usage,
                 tool_calls=tuple(parsed.tool_calls), invalid_tool_calls=tuple(parsed.invalid_tool_calls))
@@ -95,7 +101,8 @@ class _StreamBase:
             text="".join(self.text_parts),
             token_ids=self.token_ids,
             finish_reason=last.finish_reason if last else "abort",
-            usage=(last and last.usage) or Usage(req.num_prompt_tokens, len(self.token_ids)),
+            usage=(last and last.usage) or Usage(req.num_prompt_tokens, len(self.token_ids),
+                                                 reasoning_tokens=self._reasoning_tokens()),
             prompt_token_ids=req.prompt_ids,
             time_to_first_token=(req.first_token_time - req.arrival) if req.first_token_time else None,
             latency=(req.finish_time - req.arrival) if req.finish_time else None,
@@ -104,6 +111,22 @@ class _StreamBase:
             tool_calls=list(self.tool_calls),
             invalid_tool_calls=list(self.invalid_tool_calls),
         )
+
+    def _reasoning_tokens(self) -> int:
+        """Completion tokens up to the end of the reasoning: through the first ``think_end``
+        token sequence, or to the end of the delta that closed it when the model spelled the
+        marker in other tokens; all of them while it still reasons."""
+        p = self._parser
+        if p is None or not p.reasoned:
+            return 0
+        if p.in_reasoning or self._reasoning_left_at is None:
+            return len(self.token_ids)
+        ids, end = list(p.think_end_ids), self._reasoning_left_at
+        if ids:
+            for i in range(end - len(ids) + 1):
+                if self.token_ids[i: i + len(ids)] == ids:
+                    return i + len(ids)
+        return end
 
     def cancel(self) -> None:
         """Abort the request now: it leaves the batch within one engine step."""

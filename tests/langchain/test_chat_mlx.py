@@ -341,6 +341,13 @@ def test_reasoning_goes_to_reasoning_content_not_text():
     chunks = list(bound.stream("think first"))
     assert "".join(c.content for c in chunks) == "the answer"
     assert "".join(c.additional_kwargs.get("reasoning_content", "") for c in chunks) == "weighing it"
+    # The tokens spent reasoning, as ChatOpenAI reports them; none without reasoning.
+    ref = llm.engine.chat_sync([{"role": "user", "content": "think first"}], {"max_tokens": 40},
+                               response_format=_reasoning_grammar(llm.engine))
+    assert ref.reasoning == "weighing it" and ref.usage.reasoning_tokens > 0
+    assert msg.usage_metadata["output_token_details"] == {"reasoning": ref.usage.reasoning_tokens}
+    assert chunks[-1].usage_metadata["output_token_details"] == {"reasoning": ref.usage.reasoning_tokens}
+    assert "output_token_details" not in llm.invoke("hi", reasoning=False).usage_metadata
     v1 = make_llm(max_tokens=40, output_version="v1").bind(response_format=_reasoning_grammar(llm.engine))
     blocks = v1.invoke("think first").content
     assert [b["type"] for b in blocks] == ["reasoning", "text"]

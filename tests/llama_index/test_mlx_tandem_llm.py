@@ -220,6 +220,14 @@ def test_reasoning_goes_to_thinking_block_and_thinking_delta():
     assert [b.content for b in chunks[-1].message.blocks if isinstance(b, ThinkingBlock)] == ["weighing it"]
     # Sent back in a history, the reasoning reaches the template as reasoning_content.
     assert to_engine_messages([r.message])[0]["reasoning_content"] == "weighing it"
+    # The tokens spent reasoning: the block's num_tokens, and OpenAI's usage shape in raw.
+    ref = llm.engine.chat_sync([{"role": "user", "content": "think first"}], {"max_tokens": 40}, response_format=fmt)
+    n = ref.usage.reasoning_tokens
+    assert ref.reasoning == "weighing it" and n > 0
+    assert thinking[0].num_tokens == n and r.raw["usage"]["completion_tokens_details"] == {"reasoning_tokens": n}
+    last = [b for b in chunks[-1].message.blocks if isinstance(b, ThinkingBlock)]
+    assert last[0].num_tokens == n and chunks[-1].raw["usage"]["completion_tokens_details"] == {"reasoning_tokens": n}
+    assert "completion_tokens_details" not in llm.chat(user("hi"), reasoning=False).raw["usage"]
 
 
 def test_reasoning_flag_reaches_the_template():

@@ -127,6 +127,8 @@ def usage_metadata(usage) -> dict:
            "total_tokens": usage.total_tokens}
     if usage.cached_tokens:
         out["input_token_details"] = {"cache_read": usage.cached_tokens}
+    if usage.reasoning_tokens:
+        out["output_token_details"] = {"reasoning": usage.reasoning_tokens}
     return out
 
 

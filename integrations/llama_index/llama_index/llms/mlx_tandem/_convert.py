@@ -170,19 +170,22 @@ def raw_response(model_name: str, request_id: str, finish_reason: Optional[str],
         raw["usage"] = token_counts(usage)
         if usage.cached_tokens:  # OpenAI's shape, which LlamaIndex users already read
             raw["usage"]["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+        if usage.reasoning_tokens:
+            raw["usage"]["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
     return raw
 
 
-def _blocks(content: str, reasoning: str, calls: Sequence[Any]) -> list:
+def _blocks(content: str, reasoning: str, calls: Sequence[Any], usage=None) -> list:
     blocks: list = []
     if reasoning:
-        blocks.append(ThinkingBlock(content=reasoning))
+        # num_tokens once known (the whole answer, or a stream's last response).
+        blocks.append(ThinkingBlock(content=reasoning, num_tokens=usage.reasoning_tokens if usage else None))
     blocks.append(TextBlock(text=content))
     blocks.extend(ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments) for c in calls)
     return blocks
 
 
-def _message(content: str, reasoning: str, calls: Sequence[Any], invalid: Sequence[Any]) -> ChatMessage:
+def _message(content: str, reasoning: str, calls: Sequence[Any], invalid: Sequence[Any], usage=None) -> ChatMessage:
     kwargs: dict[str, Any] = {}
     if calls:
         # Kept beside the ToolCallBlocks for core helpers that still read additional_kwargs.
@@ -191,11 +194,12 @@ def _message(content: str, reasoning: str, calls: Sequence[Any], invalid: Sequen
     if invalid:
         kwargs["invalid_tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error}
                                         for c in invalid]
-    return ChatMessage(role=MessageRole.ASSISTANT, blocks=_blocks(content, reasoning, calls), additional_kwargs=kwargs)
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=_blocks(content, reasoning, calls, usage),
+                       additional_kwargs=kwargs)
 
 
 def to_chat_response(out, model_name: str) -> ChatResponse:
-    message = _message(out.content, out.reasoning, out.tool_calls, out.invalid_tool_calls)
+    message = _message(out.content, out.reasoning, out.tool_calls, out.invalid_tool_calls, out.usage)
     return ChatResponse(message=message, raw=raw_response(model_name, out.request_id, out.finish_reason, out.usage),
                         additional_kwargs=token_counts(out.usage))
 
@@ -240,7 +244,7 @@ class StreamAccumulator:
         if extra is None:
             return None
         return ChatResponse(
-            message=_message(self.content, self.reasoning, self.calls, self.invalid),
+            message=_message(self.content, self.reasoning, self.calls, self.invalid, delta.usage),
             delta=delta.content or "",
             raw=raw_response(self._model_name, self._request_id, delta.finish_reason, delta.usage),
             additional_kwargs=extra,

@@ -303,3 +303,47 @@ def test_a_burst_fills_free_slots_before_the_waiting_limit_applies(llama_path):
         assert waiting.collect().finish_reason == "length"
     finally:
         engine.close_sync()
+
+
+async def test_a_processor_raising_a_base_exception_fails_only_its_request(llama_engine, llama_path):
+    """CancelledError and SystemExit are not Exceptions: raised by a user's processor on the
+    engine thread, they fail that request, not the engine."""
+    engine = llama_engine
+    prompt = [5, 6, 7, 8, 9]
+    victim = asyncio.create_task(engine.complete(prompt, SamplingParams(max_tokens=40)))
+
+    def raising(exc):
+        def proc(tokens, logits):
+            raise exc
+        return proc
+
+    for exc in (asyncio.CancelledError(), SystemExit(3)):
+        with pytest.raises(InvalidRequestError, match="logits processor failed"):
+            await engine.complete([11, 12, 13], SamplingParams(max_tokens=4, logits_processors=[raising(exc)]))
+    assert (await victim).token_ids == reference_greedy(llama_path, prompt, 40)
+    assert not engine.closed
+
+
+async def test_a_step_failing_after_a_row_finished_fails_that_request_too(llama_path):
+    """The lane hands a finished row's cache to the prefix cache inside its step; a failure
+    there fails the step after the row left the batch. Its request still gets the step's
+    error (no reader left waiting, no memory left reserved)."""
+    async with Engine(llama_path, show_progress=False) as engine:
+        cache = engine._core._lanes["text"].prefix_cache
+        store = cache.store
+
+        def failing_store(tokens, snapshot, kind):
+            if kind == "final":
+                raise RuntimeError("simulated allocation failure")
+            return store(tokens, snapshot, kind)
+
+        cache.store = failing_store
+        short = engine.complete([20 + i for i in range(30)], SamplingParams(max_tokens=4))
+        long = engine.complete([40 + i for i in range(30)], SamplingParams(max_tokens=400))
+        outs = await asyncio.wait_for(asyncio.gather(short, long, return_exceptions=True), 60)
+        assert [type(o) for o in outs] == [EngineStepError, EngineStepError], outs
+        cache.store = store
+        stats = engine.stats()
+        assert stats["running"] == 0 and stats["memory"]["reserved_bytes"] == 0
+        out = await engine.complete([20 + i for i in range(30)], SamplingParams(max_tokens=4))
+        assert out.token_ids == reference_greedy(llama_path, [20 + i for i in range(30)], 4)

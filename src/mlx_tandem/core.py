@@ -97,6 +97,14 @@ class EngineCore:
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn`` on the owner thread (for hooks that touch mlx state) and return its future."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        if threading.current_thread() is self._thread:
+            # Already on the owner thread (a processor, or a call inside a call): run it now;
+            # queued, it would wait for the loop this call blocks.
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001
+                fut.set_exception(exc)
+            return fut
         with self._inbox_lock:
             if not self._closed.is_set():
                 self._inbox.put(("call", (fn, fut)))
@@ -167,11 +175,16 @@ class EngineCore:
             logger.exception("engine loop crashed")
         finally:
             self._mark_closed()
-            self._fail_everything(EngineClosedError("the engine was closed"))
-            for lane in self._lanes.values():
-                lane.close()
-            self._drain_device()
-            self._release_arrays()
+            # Each step on its own: one that fails must not skip the rest (callers left
+            # hanging, or arrays freed by another thread at exit, which aborts).
+            steps = [lambda: self._fail_everything(EngineClosedError("the engine was closed")),
+                     *[lane.close for lane in self._lanes.values()],
+                     self._drain_device, self._release_arrays]
+            for step in steps:
+                try:
+                    step()
+                except BaseException:  # noqa: BLE001
+                    logger.exception("engine shutdown step failed")
 
     def _load_specprefill(self) -> Optional[SpecPrefillConfig]:
         opts = self.options
@@ -426,13 +439,17 @@ class EngineCore:
         rng_key = mx.random.state[0]
         try:
             events, st = lane.step()
-        except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
+        except BaseException as exc:  # noqa: BLE001 - fail the step's requests, keep serving
             _restore_random_key(rng_key)
             logger.exception("step of lane %r failed; failing its requests and recovering", lane.name)
             self.stats.count("step_errors")
             error = EngineStepError(f"the forward step failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
-            for rid in lane.reset():
+            # Every running request of the lane, not only the rows reset() still knows: a
+            # row that finished earlier in the failed step has left the lane, and its
+            # answer went with the step's events.
+            ids = set(lane.reset()) | {rid for rid, r in self._running.items() if r.lane == lane.name}
+            for rid in ids:
                 req = self._running.get(rid)
                 if req is not None:
                     self._fail(req, error)
@@ -532,6 +549,7 @@ class EngineCore:
         for req in list(self._waiting) + list(self._running.values()):
             self._fail(req, exc)
         self._waiting.clear()
+        self._update_queue_stats()
         self._fail_inbox(exc)
         self._flush()
 
@@ -543,11 +561,15 @@ class EngineCore:
                 break
             if kind == "add":
                 self._emit(arg, exc)
-            elif kind == "call":
+                self.stats.count("requests_failed")
+            elif kind == "call" and arg[1].set_running_or_notify_cancel():  # not if cancelled
                 arg[1].set_exception(EngineClosedError("the engine is closed"))
         self._flush()
 
     def _update_queue_stats(self) -> None:
+        # Requests leave the queue outside _admit (deadlines, aborts, close); only _admit
+        # knows which wait for memory, but never more than wait at all.
+        self._held_for_memory = min(self._held_for_memory, len(self._waiting))
         self.stats.set_queue(running=len(self._running), waiting=len(self._waiting))
         self.stats.set_section("memory", {**self._memory.snapshot(), "waiting_for_memory": self._held_for_memory})
 

@@ -43,6 +43,9 @@ from .request import AsyncSink, Request, SyncSink, new_request_id
 logger = logging.getLogger(__name__)
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+# Cores outlive their Engine by a moment when it is dropped (its finalizer only asks the
+# owner thread to stop); at exit they are joined too.
+_live_cores: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
 
 
 def _model_key(model: Optional[str | Path]) -> str:
@@ -94,6 +97,11 @@ class Engine:
                 core = EngineCore(self._model_arg, self.options)
                 core.start()
                 self._core = core
+                _live_cores.add(core)
+                # An engine nobody holds any more (not even a stream) is closed: its thread
+                # and weights would otherwise live until exit. No join here: the garbage
+                # collector may run this on any thread, the owner's included.
+                weakref.finalize(self, core.shutdown, 0).atexit = False
             return self._core
 
     def _on_ready(self, loaded: LoadedModel) -> None:
@@ -339,7 +347,7 @@ class Engine:
         # would wait for them. No mlx here (the owner thread makes the arrays).
         req, parser = await asyncio.to_thread(self._make_request, spec, sink)
         self._core.submit(req)
-        return AsyncStream(self._core, req, sink, parser)
+        return self._keeps_me(AsyncStream(self._core, req, sink, parser))
 
     async def _relay(self, spec: "_Spec") -> AsyncIterator[StreamDelta]:
         stream = await self._astream(spec)
@@ -352,7 +360,12 @@ class Engine:
         sink = SyncSink()
         req, parser = self._make_request(spec, sink)
         self._core.submit(req)
-        return SyncStream(self._core, req, sink, parser)
+        return self._keeps_me(SyncStream(self._core, req, sink, parser))
+
+    def _keeps_me(self, stream):
+        # A stream keeps its engine alive: an engine nobody holds is closed (see _ensure_core).
+        stream.engine = self
+        return stream
 
     # ------------------------------------------------------------------ chat API
     async def chat(self, messages: Sequence[dict], params: SamplingParams | dict | None = None,
@@ -510,10 +523,10 @@ def _deadline(timeout: Optional[float]) -> Optional[float]:
 
 @atexit.register
 def _close_live_engines() -> None:
-    for engine in list(_live_engines):
+    cores = {id(c): c for c in _live_cores}
+    cores.update({id(e._core): e._core for e in list(_live_engines) if e._core is not None})
+    for core in cores.values():
         try:
-            core = engine._core
-            if core is not None:
-                core.shutdown(timeout=5.0)
+            core.shutdown(timeout=5.0)
         except Exception:  # noqa: BLE001
             pass

@@ -144,7 +144,10 @@ def _guard(fn, on_error):
                     f"{getattr(out, 'shape', '')}, expected an mx.array of shape {logits.shape}"
                 )
             return out
-        except Exception as exc:  # noqa: BLE001 - reported to the request, not raised
+        except BaseException as exc:  # noqa: BLE001 - reported to the request, not raised
+            # BaseException too: a processor's SystemExit or CancelledError must fail its
+            # request, not end the engine (no signal reaches the owner thread, so no
+            # KeyboardInterrupt is lost here).
             failed = True
             on_error(exc)
             return logits

@@ -14,6 +14,7 @@ from typing import Optional
 
 from .chat_output import ChatOutputParser
 from .core import EngineCore
+from .errors import InvalidRequestError
 from .outputs import RequestOutput, StreamDelta, Usage
 from .request import Request
 
@@ -148,6 +149,12 @@ class AsyncStream(_StreamBase):
     async def __anext__(self) -> StreamDelta:
         if self._done:
             raise StopAsyncIteration
+        if asyncio.get_running_loop() is not self._sink.loop:
+            # Its items are delivered to the loop that opened it; waiting here would hang.
+            self.cancel()
+            raise InvalidRequestError(
+                f"request {self.request_id}: an async stream is read on the event loop that opened it "
+                "(this one was opened in another asyncio.run or thread); it is cancelled")
         try:
             item = await self._next_item()
         except BaseException:

@@ -1,0 +1,174 @@
+"""Engine lifecycle at its edges: close with work queued, hooks on the owner thread, engines
+nobody holds, streams read from the wrong event loop. Nothing hangs, every request is
+counted once, and the stats go back to zero."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+
+from mlx_tandem import Engine, EngineClosedError, InvalidRequestError, SamplingParams
+
+from .reference import reference_greedy
+
+
+def _prompt(n: int, start: int = 100) -> list[int]:
+    return [start + (i * 7) % 900 for i in range(n)]
+
+
+def _slow(seconds: float):
+    """A processor that keeps the owner thread in its step (the logits pass through)."""
+    def proc(tokens, logits):
+        time.sleep(seconds)
+        return logits
+    return proc
+
+
+def _counted(stats: dict) -> bool:
+    return stats["requests"] == stats["finished"] + stats["failed"] + stats["aborted"]
+
+
+def _collect(stream, timeout: float = 20.0):
+    """The stream's output or the exception type's name, read on a thread with a timeout."""
+    got = []
+
+    def read():
+        try:
+            got.append(stream.collect().finish_reason)
+        except BaseException as exc:  # noqa: BLE001
+            got.append(type(exc).__name__)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(timeout)
+    return got[0] if got else "hung"
+
+
+def test_close_with_requests_queued_for_memory_leaves_nothing_counted_as_waiting(llama_path):
+    probe = Engine(str(llama_path), show_progress=False).start_sync()
+    ledger = probe._core._memory
+    budget = ledger.alone_bytes("text", ledger.row_tokens("text", 10, 200))
+    probe.close_sync()
+    engine = Engine(str(llama_path), show_progress=False, request_memory_bytes=budget).start_sync()
+    streams = [engine.open_complete_stream_sync(_prompt(10, 100 + i),
+                                                SamplingParams(max_tokens=200, logits_processors=[_slow(0.01)]))
+               for i in range(4)]
+    deadline = time.monotonic() + 10
+    while engine.stats()["memory"]["waiting_for_memory"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats()["memory"]["waiting_for_memory"] == 3
+    engine.close_sync()
+    assert [_collect(s) for s in streams] == ["EngineClosedError"] * 4
+    stats = engine.stats()
+    assert (stats["running"], stats["waiting"], stats["memory"]["waiting_for_memory"]) == (0, 0, 0)
+    assert stats["memory"]["reserved_bytes"] == 0 and _counted(stats), stats
+
+
+def test_a_call_cancelled_before_it_ran_does_not_break_close(llama_path):
+    """A hook's future cancelled by its caller while queued: close still ends every
+    request with EngineClosedError and releases the lanes."""
+    engine = Engine(str(llama_path), show_progress=False).start_sync()
+    core = engine._core
+    busy = engine.open_complete_stream_sync(_prompt(10), SamplingParams(max_tokens=100, logits_processors=[_slow(0.5)]))
+    next(iter(busy))
+    closer = threading.Thread(target=engine.close_sync, daemon=True)
+    closer.start()
+    time.sleep(0.1)  # the stop command is queued; the owner thread is still in a step
+    fut = core.call(lambda: None)
+    if not fut.cancel():
+        pytest.skip("the hook ran before it could be cancelled (timing)")
+    closer.join(20)
+    assert not closer.is_alive()
+    assert _collect(busy) == "EngineClosedError"
+    core._thread.join(20)
+    assert not core._thread.is_alive() and not core._lanes  # shutdown ran to its end
+
+
+def test_run_on_owner_thread_from_the_owner_thread_runs_at_once(llama_engine, llama_path):
+    """From a processor, or from inside another call, it runs inline: queued, it would
+    wait for the very loop that is waiting for it."""
+    engine = llama_engine
+    seen = []
+
+    def proc(tokens, logits):
+        seen.append(engine.run_on_owner_thread(lambda: threading.current_thread().name))
+        return logits
+
+    out = engine.complete_sync(_prompt(10), SamplingParams(max_tokens=6, logits_processors=[proc]))
+    assert out.token_ids == reference_greedy(llama_path, _prompt(10), 6)
+    assert len(seen) >= 6 and set(seen) == {engine.owner_thread.name}  # mlx-lm runs one step ahead
+    nested = engine.run_on_owner_thread(lambda: engine.run_on_owner_thread(lambda: mx.array([2]).item()))
+    assert nested == 2
+
+
+def test_an_engine_nobody_holds_is_closed_but_its_streams_keep_it(llama_path):
+    def answer():
+        engine = Engine(str(llama_path), show_progress=False)
+        out = engine.complete_sync(_prompt(10), SamplingParams(max_tokens=4))
+        return out, engine._core
+
+    out, core = answer()
+    gc.collect()
+    core._thread.join(20)
+    assert out.finish_reason in ("length", "stop") and not core._thread.is_alive()
+
+    def open_stream():
+        engine = Engine(str(llama_path), show_progress=False)
+        return engine.open_complete_stream_sync(_prompt(10), SamplingParams(max_tokens=12))
+
+    stream = open_stream()  # the caller keeps the stream only
+    gc.collect()
+    assert stream.collect().token_ids == reference_greedy(llama_path, _prompt(10), 12)
+    core = stream.engine._core
+    del stream
+    gc.collect()
+    core._thread.join(20)
+    assert not core._thread.is_alive()
+
+
+def test_an_async_stream_read_on_another_event_loop_fails_typed(llama_engine):
+    engine = llama_engine
+
+    async def open_():
+        return await engine.open_complete_stream(_prompt(10), SamplingParams(max_tokens=50))
+
+    stream = asyncio.run(open_())
+
+    async def read():
+        return await asyncio.wait_for(stream.collect(), 20)
+
+    with pytest.raises(InvalidRequestError, match="event loop that opened it"):
+        asyncio.run(read())
+    deadline = time.monotonic() + 10
+    while engine.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats()["running"] == 0
+
+
+def test_a_request_ended_by_close_before_the_engine_took_it_is_counted(llama_path):
+    engine = Engine(str(llama_path), show_progress=False).start_sync()
+    busy = engine.open_complete_stream_sync(_prompt(10), SamplingParams(max_tokens=50, logits_processors=[_slow(0.5)]))
+    next(iter(busy))
+    make = engine._make_request
+
+    def slow_make(*a, **k):  # widen the gap between the closed check and the submit
+        req = make(*a, **k)
+        time.sleep(0.3)
+        return req
+
+    engine._make_request = slow_make
+    late = []
+    t = threading.Thread(target=lambda: late.append(_collect(engine.open_complete_stream_sync(
+        _prompt(8, 400), SamplingParams(max_tokens=4)))))
+    t.start()
+    time.sleep(0.1)
+    engine.close_sync()
+    t.join(30)
+    assert late == ["EngineClosedError"] and _collect(busy) == "EngineClosedError"
+    stats = engine.stats()
+    assert stats["requests"] == 2 and _counted(stats), stats

@@ -166,3 +166,56 @@ async def test_usage_counts_the_tokens_spent_reasoning(qwen3_5_engine, prompt, a
     whole = await engine.chat(chat, params(), **opts)
     assert whole.usage.reasoning_tokens == expected
     assert (whole.reasoning != "") == (expected > 0), whole
+
+
+# ---------------------------------------------------------------------------- grouping
+def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped():
+    """parallel_tool_calls=False ends the answer at its call. A speculative step can bring
+    the call's end and what follows (EOS, more text) in one delta; a plain step brings them
+    one by one. The output (tokens, text, usage, call) must not depend on it."""
+    from mlx_lm.tool_parsers.json_tools import parse_tool_call
+
+    from mlx_tandem.chat_format import ChatFormat
+    from mlx_tandem.chat_output import ChatOutputParser
+    from mlx_tandem.outputs import StreamDelta
+    from mlx_tandem.request import Request, SyncSink
+    from mlx_tandem.streams import SyncStream
+
+    fmt = ChatFormat(tool_call_start="<tool_call>", tool_call_end="</tool_call>", tool_call_end_ids=(9,),
+                     tool_format="json_tools", tool_parser=parse_tool_call, template_has_tools=True)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    pieces = [(7, "<tool_call>"), (5, '\n{"name": "add", "arguments": {"a": 1}}\n'), (9, "</tool_call>"),
+              (6, "\n<tool"), (4, "_call>")]
+
+    class Core:
+        early = 0
+
+        def finish_early(self, req):
+            self.early += 1
+
+        def abort(self, req):
+            pass
+
+    def run(groups, finish_last):
+        core = Core()
+        req = Request("r", [1, 2, 3], SamplingParams(), None)
+        stream = SyncStream(core, req, SyncSink(), ChatOutputParser(
+            fmt, tools=tools, parse_tool_calls=True, max_tool_calls=1))
+        for k, group in enumerate(groups):
+            last = k == len(groups) - 1
+            delta = StreamDelta("r", "".join(t for _, t in group), tuple(i for i, _ in group),
+                                finish_reason="stop" if last and finish_last else None)
+            stream._accept(delta)
+            if stream._done:
+                break
+        out = stream._output()
+        return out, core.early
+
+    plain, early = run([[p] for p in pieces], finish_last=False)
+    assert early == 1 and plain.finish_reason == "tool_calls"
+    assert plain.token_ids == [7, 5, 9] and plain.text == "".join(t for _, t in pieces[:3])
+    for groups in ([pieces[:2], pieces[2:4]], [pieces[:1], pieces[1:]], [pieces]):
+        grouped, _ = run(groups, finish_last=True)
+        assert (grouped.token_ids, grouped.text, grouped.usage, grouped.finish_reason) == \
+            (plain.token_ids, plain.text, plain.usage, plain.finish_reason)
+        assert [(c.name, c.arguments) for c in grouped.tool_calls] == [("add", {"a": 1})]

@@ -138,11 +138,11 @@ def _demo_tool_requests(n: int, turn: int):
     return out
 
 
-async def _demo_run(requests, mode, params):
-    engine = Engine(None, show_progress=False, mtp=mode, mtp_depth=2)
+async def _demo_run(requests, mode, params, *, depth=2, chat_options=None, **options):
+    engine = Engine(None, show_progress=False, mtp=mode, mtp_depth=depth, **options)
     await engine.start()
     try:
-        outs = await asyncio.gather(*[engine.chat(m, params, tools=t) for m, t in requests])
+        outs = await asyncio.gather(*[engine.chat(m, params, tools=t, **(chat_options or {})) for m, t in requests])
         return outs, engine.stats()["mtp"]
     finally:
         await engine.close()
@@ -168,6 +168,23 @@ def test_mtp_stays_lossless_with_calls():
     for out, (_, tools) in zip(sampled, requests):
         assert out.invalid_tool_calls == []
         assert all(c.name in {t["function"]["name"] for t in tools} for c in out.tool_calls)
+
+
+@needs_demo
+def test_an_answer_ended_at_its_call_is_the_same_with_mtp_on_and_off():
+    """parallel_tool_calls=False with no call grammar: a speculative step brings the call's
+    end and the EOS after it in one delta, a plain step one by one. Tokens, text and usage
+    are the same (the EOS after the call is not counted either way)."""
+    requests = _demo_tool_requests(16, turn=0)
+    greedy = SamplingParams(max_tokens=48)
+    opts = dict(depth=3, chat_options={"parallel_tool_calls": False}, constrain_tool_calls=False,
+                prefix_cache_bytes=0)
+    ref, _ = asyncio.run(_demo_run(requests, "off", greedy, **opts))
+    got, mtp = asyncio.run(_demo_run(requests, "on", greedy, **opts))
+    assert sum(o.finish_reason == "tool_calls" for o in ref) >= len(requests) // 2
+    assert mtp["accepted"] > 0
+    for a, b in zip(ref, got):
+        assert (b.token_ids, b.text, b.usage, b.finish_reason) == (a.token_ids, a.text, a.usage, a.finish_reason)
 
 
 @needs_demo

@@ -23,6 +23,7 @@ class ChatFormat:
     thinking_kwarg: str = "enable_thinking"
     tool_call_start: Optional[str] = None
     tool_call_end: Optional[str] = None
+    tool_call_end_ids: tuple[int, ...] = ()  # the token ids of ``tool_call_end``
     tool_format: Optional[str] = None  # mlx-lm tool parser module name, e.g. "json_tools"
     tool_parser: Optional[Callable[[str, Any], Any]] = None
     template_has_tools: bool = False  # the template renders a ``tools`` list
@@ -55,7 +56,17 @@ class ChatFormat:
             thinking_kwarg=getattr(tokenizer, "_thinking_kwarg", "enable_thinking") or "enable_thinking",
             tool_call_start=getattr(tokenizer, "tool_call_start", None),
             tool_call_end=getattr(tokenizer, "tool_call_end", None),
+            tool_call_end_ids=_ids(tokenizer, getattr(tokenizer, "tool_call_end", None)),
             tool_format=fmt,
             tool_parser=parser,
             template_has_tools="tools" in template,
         )
+
+
+def _ids(tokenizer, text: Optional[str]) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode it: found by text only
+        return ()

@@ -99,6 +99,10 @@ class ChatOutputParser:
     def think_end_ids(self) -> tuple[int, ...]:
         return self._fmt.think_end_ids
 
+    @property
+    def format(self) -> ChatFormat:
+        return self._fmt
+
     # ------------------------------------------------------------------ markers
     def _markers(self) -> list[str]:
         f = self._fmt

@@ -72,9 +72,14 @@ class _StreamBase:
                 parsed.tool_calls += end.tool_calls
                 parsed.invalid_tool_calls += end.invalid_tool_calls
             usage = item.usage
-            if finish is None and self._parser.calls_exhausted:
+            if self._parser.calls_exhausted:
                 # parallel_tool_calls=False: the answer ends at its call; free the row now.
-                self._core.finish_early(self._req)
+                # A speculative step can bring the call's end and what follows (EOS, more
+                # text) in one delta, so cut there: the output is the same however the
+                # tokens were grouped into deltas (MTP on or off).
+                item = self._cut_after_call(item)
+                if finish is None:
+                    self._core.finish_early(self._req)
                 finish = "tool_calls"
                 usage = Usage(self._req.num_prompt_tokens, len(self.token_ids), self._req.cached_tokens)
             if finish == "stop" and (self.tool_calls or parsed.tool_calls):
@@ -112,6 +117,25 @@ class _StreamBase:
             tool_calls=list(self.tool_calls),
             invalid_tool_calls=list(self.invalid_tool_calls),
         )
+
+    def _cut_after_call(self, item: StreamDelta) -> StreamDelta:
+        """``item`` (the last delta, already accumulated) without what follows the end of
+        the call that ended the answer: tokens after the first end marker in its tokens,
+        text after the first end marker in its text."""
+        fmt = self._parser.format
+        ids, n = list(fmt.tool_call_end_ids), len(item.token_ids)
+        start = len(self.token_ids) - n
+        keep = n
+        if ids:
+            keep = next((i - start + len(ids) for i in range(start, len(self.token_ids) - len(ids) + 1)
+                         if self.token_ids[i: i + len(ids)] == ids), n)
+        del self.token_ids[start + keep:]
+        text = item.text
+        at = text.find(fmt.tool_call_end) if fmt.tool_call_end else -1
+        if at >= 0:
+            text = text[: at + len(fmt.tool_call_end)]
+            self.text_parts[-1] = text
+        return dataclasses.replace(item, text=text, token_ids=tuple(item.token_ids[:keep]))
 
     def _reasoning_tokens(self) -> int:
         """Completion tokens up to the end of the reasoning: through the first ``think_end``

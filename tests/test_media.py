@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
+import zlib
 import urllib.request
 
 import numpy as np
@@ -66,6 +68,30 @@ def test_every_accepted_source_gives_the_same_pixels(tmp_path):
 def test_bad_sources_are_typed_errors(source):
     with pytest.raises(InvalidRequestError):
         load_image(source)
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+
+def _png_header(w: int, h: int, idat: bytes) -> bytes:
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) + idat
+
+
+_ROWS = zlib.compress(b"".join(b"\0" + bytes(range(12)) for _ in range(4)))  # 4x4 RGB pixels
+
+
+# Malformed images on which Pillow raises other types than OSError (found by fuzzing).
+@pytest.mark.parametrize("data", [
+    _png_header(20000, 20000, _chunk(b"IDAT", _ROWS)),  # DecompressionBombError, before any check of ours
+    b"P6\n12 x\n255\n" + bytes(64),  # ValueError
+    b"DDS " + struct.pack("<I", 124) + struct.pack("<IIII", 0x1007, 4, 4, 0) + bytes(168),  # NotImplementedError
+    # SyntaxError while decoding: a chunk with a broken header after the first piece of data
+    _png_header(4, 4, _chunk(b"IDAT", _ROWS[:5]) + struct.pack(">I", 4201710138) + b"\x11\x92\0\0" + _ROWS[5:]),
+], ids=["bomb", "ppm", "dds", "png-chunk"])
+def test_malformed_images_are_typed_errors(data):
+    with pytest.raises(InvalidRequestError, match="image"):
+        load_image(data, max_pixels=10**12)
 
 
 def test_malformed_and_slow_remote_urls_are_typed_errors(monkeypatch):

@@ -242,10 +242,13 @@ async def test_the_draft_scores_only_what_its_own_cache_does_not_hold(qwen3_5_pa
 async def test_short_prompts_and_opt_outs_prefill_normally(llama_path, draft_path):
     async with _engine(llama_path, draft_path) as engine:
         await engine.complete(_prompt(100), {"max_tokens": 2})  # under the threshold
+        await engine.complete(_prompt(255, 2), {"max_tokens": 2})  # one under it
         await engine.complete(_prompt(600), {"max_tokens": 2, "specprefill": False})
         assert engine.stats()["specprefill"]["requests"] == 0
-        await engine.complete(_prompt(100, 1), {"max_tokens": 2, "specprefill": True})
+        await engine.complete(_prompt(256, 3), {"max_tokens": 2})  # exactly the threshold: it applies
         assert engine.stats()["specprefill"]["requests"] == 1
+        await engine.complete(_prompt(100, 1), {"max_tokens": 2, "specprefill": True})
+        assert engine.stats()["specprefill"]["requests"] == 2
 
 
 async def test_bad_settings_are_typed_errors(llama_path, draft_path, tiny_models):
@@ -311,21 +314,22 @@ async def test_cancelling_during_the_sparse_prefill_frees_the_request(llama_path
         assert plain.token_ids == reference_greedy(llama_path, _prompt(60, seed=11), 4)
 
 
-async def test_a_failed_sparse_prefill_fails_its_request_only(llama_path, draft_path, monkeypatch):
+@pytest.mark.parametrize("where", ["advance", "__init__"])  # while it runs, or while it is set up
+async def test_a_failed_sparse_prefill_fails_its_request_only(llama_path, draft_path, monkeypatch, where):
     """An error inside SpecPrefill is the engine's (EngineStepError naming SpecPrefill), not
     the request's; a request decoding beside it and later SpecPrefill requests are unaffected."""
     async with _engine(llama_path, draft_path) as engine:
         beside = await engine.open_complete_stream(_prompt(40, seed=3), {"max_tokens": 12})
-        advance = SparsePrefill.advance
+        real = getattr(SparsePrefill, where)
 
-        def broken(self):
+        def broken(self, *a, **k):
             raise RuntimeError("draft scoring broke")
 
-        monkeypatch.setattr(SparsePrefill, "advance", broken)
+        monkeypatch.setattr(SparsePrefill, where, broken)
         with pytest.raises(EngineStepError, match="SpecPrefill failed: RuntimeError: draft scoring broke") as info:
             await engine.complete(_prompt(600, seed=4), {"max_tokens": 4})
         assert isinstance(info.value.__cause__, RuntimeError)
-        monkeypatch.setattr(SparsePrefill, "advance", advance)
+        monkeypatch.setattr(SparsePrefill, where, real)
         assert (await beside.collect()).token_ids == reference_greedy(llama_path, _prompt(40, seed=3), 12)
         out = await engine.complete(_prompt(600, seed=4), {"max_tokens": 4})
         assert out.usage.completion_tokens == 4

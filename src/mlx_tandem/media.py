@@ -115,16 +115,22 @@ def _bytes_of(source: Any, *, allow_remote: bool) -> Any:
 
 def load_image(source: Any, *, allow_remote: bool = False, max_pixels: int = 4096 * 4096):
     """A decoded RGB PIL image from any accepted source."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     data = _bytes_of(source, allow_remote=allow_remote)
     if isinstance(data, Image.Image):
         img = data
     else:
+        # Pillow's format plugins raise many types on malformed input (OSError, ValueError,
+        # SyntaxError, NotImplementedError, struct.error, ...; fuzzed with Pillow 12): any of
+        # them is a bad image, the caller's fault, never the engine's.
         try:
             img = Image.open(io.BytesIO(data))
-        except (UnidentifiedImageError, OSError) as exc:
-            raise InvalidRequestError(f"could not decode image: {exc}") from exc
+        except Image.DecompressionBombError as exc:  # its header claims over ~179M pixels
+            raise InvalidRequestError(f"image is too large: {exc} (engine option max_image_pixels "
+                                      f"is {max_pixels})") from exc
+        except Exception as exc:  # noqa: BLE001 - see above
+            raise InvalidRequestError(f"could not decode image: {type(exc).__name__}: {exc}") from exc
     w, h = img.size
     if w * h > max_pixels:  # checked before decoding the pixels: no decompression bombs
         raise InvalidRequestError(f"image is {w}x{h} = {w * h} pixels; the limit is {max_pixels} "
@@ -134,8 +140,8 @@ def load_image(source: Any, *, allow_remote: bool = False, max_pixels: int = 409
     try:
         img.load()
         return img.convert("RGB")
-    except (OSError, ValueError) as exc:
-        raise InvalidRequestError(f"could not decode image: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - as for Image.open above
+        raise InvalidRequestError(f"could not decode image: {type(exc).__name__}: {exc}") from exc
 
 
 def load_images(messages: Iterable[dict], *, allow_remote: bool, max_pixels: int) -> list:

@@ -22,7 +22,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..constraints import TokenBan
-from ..errors import EngineStepError
+from ..errors import EngineStepError, TandemError
 from ..prefix_cache import PrefixCache
 from ..request import Request
 from ..samplers import BannedSampler, SeededSampler, banned_sampler, make_request_processors, make_request_sampler
@@ -161,7 +161,12 @@ class TextLane:
         if self.prefix_cache is not None:
             cache, start = self.prefix_cache.fetch(prompt)
         request.cached_tokens = start
-        job = self._sparse_prefill(request, cache, start)
+        try:
+            job = self._sparse_prefill(request, cache, start)
+        except TandemError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - setting up SpecPrefill is the engine's part
+            raise EngineStepError(f"SpecPrefill failed: {type(exc).__name__}: {exc}") from exc
         if job is not None:
             self._sparse[rid] = _Sparse(request, job, sampler, processors)
             return
@@ -222,7 +227,9 @@ class TextLane:
         n = len(request.prompt_ids)
         system = max((p for p, k in request.cache_points if k == "system" and p < n - 1), default=0)
         dense_end = max(start, system)
-        if n - 1 - dense_end < (1 if want else sp.threshold):
+        # The threshold counts the uncached, non-system tokens (options.py); the draft scores
+        # all of them but the last, which is always prefilled (it gives the first logits).
+        if n - 1 - dense_end < 1 or (not want and n - dense_end < sp.threshold):
             return None
         return SparsePrefill(
             self._gen.model, sp.draft, request.prompt_ids, cache, start=start, dense_end=dense_end,

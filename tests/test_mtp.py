@@ -416,3 +416,21 @@ def test_plain_steps_leave_no_deferred_work_in_the_head_cache(qwen3_5_mtp_path):
     assert mtp["plain_steps"] >= 60 and mtp["spec_steps"] == 0
     assert len(counts) == 2 and all(n > 0 for n, _ in counts)
     assert [ops for _, ops in counts] == [0, 0], counts
+
+
+def test_speculative_steps_keep_no_tokens_of_rows_that_left(qwen3_5_mtp_path):
+    """mlx-lm's extend() adds each joining row's first token to the batch's record of the
+    tokens last fed, which only a plain step resets: under speculation it must not grow
+    with every request the engine serves."""
+    async def run():
+        async with Engine(qwen3_5_mtp_path, show_progress=False, mtp="on", prefix_cache_bytes=0) as engine:
+            for p in TRAINED[:12]:
+                await engine.complete(p, {"max_tokens": 8})
+            batch = engine._core._lanes["text"]._gen._generation_batch
+            rows = engine.run_on_owner_thread(
+                lambda: None if batch._current_tokens is None else batch._current_tokens.shape[0])
+            return rows, len(batch._current_logprobs), engine.stats()["mtp"]
+
+    rows, logprobs, stats = asyncio.run(run())
+    assert stats["spec_steps"] > 0
+    assert (rows or 0) <= 1 and logprobs <= 1, (rows, logprobs)

@@ -285,6 +285,11 @@ class MTPGenerationBatch(GenerationBatch):
 
         self._next_tokens = nxt
         self._next_logprobs = [None] * B
+        # mlx-lm (0.32) keeps the tokens a plain step fed in _current_tokens, and extend()
+        # concatenates a joining row's onto them; only a plain step resets them. Left as
+        # they are, speculative steps let them grow by a row (and a graph node) per request
+        # for the life of the engine.
+        self._current_tokens, self._current_logprobs = None, []
         responses = self._responses(blocks, emitted, finishes)
 
         # Count what reached the output: drafts accepted past a row's max_tokens or stop

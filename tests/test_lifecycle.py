@@ -8,6 +8,7 @@ import asyncio
 import gc
 import threading
 import time
+import weakref
 
 import mlx.core as mx
 import pytest
@@ -74,19 +75,51 @@ def test_a_call_cancelled_before_it_ran_does_not_break_close(llama_path):
     request with EngineClosedError and releases the lanes."""
     engine = Engine(str(llama_path), show_progress=False).start_sync()
     core = engine._core
-    busy = engine.open_complete_stream_sync(_prompt(10), SamplingParams(max_tokens=100, logits_processors=[_slow(0.5)]))
-    next(iter(busy))
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(tokens, logits):  # keeps the owner thread in its step until released
+        holding.set()
+        release.wait(20)
+        return logits
+
+    busy = engine.open_complete_stream_sync(_prompt(10), SamplingParams(max_tokens=100, logits_processors=[hold]))
+    assert holding.wait(20)
     closer = threading.Thread(target=engine.close_sync, daemon=True)
     closer.start()
-    time.sleep(0.1)  # the stop command is queued; the owner thread is still in a step
+    deadline = time.monotonic() + 10
+    while core._inbox.qsize() == 0 and time.monotonic() < deadline:  # the stop command is queued
+        time.sleep(0.01)
     fut = core.call(lambda: None)
-    if not fut.cancel():
-        pytest.skip("the hook ran before it could be cancelled (timing)")
+    assert fut.cancel()  # the owner thread is still held in its step
+    release.set()
     closer.join(20)
     assert not closer.is_alive()
     assert _collect(busy) == "EngineClosedError"
     core._thread.join(20)
     assert not core._thread.is_alive() and not core._lanes  # shutdown ran to its end
+
+
+def test_close_frees_the_lanes_before_it_empties_mlx_buffer_cache(qwen3_5_mtp_path, monkeypatch):
+    """Weights, MTP head and prefix-cache entries must be garbage when close clears MLX's
+    buffer cache; freed after it, their buffers stay cached until the thread ends."""
+    engine = Engine(str(qwen3_5_mtp_path), show_progress=False, mtp="on",
+                    prefix_cache_bytes=1 << 24, prefix_cache_min_tokens=4).start_sync()
+    assert engine.complete_sync(_prompt(12), SamplingParams(max_tokens=4)).usage.completion_tokens == 4
+    lane = engine._core._lanes["text"]
+    assert lane.spec is not None and len(lane.prefix_cache) > 0
+    alive = [weakref.ref(lane), weakref.ref(lane.spec.head), weakref.ref(lane.prefix_cache)]
+    del lane
+    seen = []
+    clear_cache = mx.clear_cache
+
+    def probe():
+        gc.collect()
+        seen.append([ref() is not None for ref in alive])
+        clear_cache()
+
+    monkeypatch.setattr(mx, "clear_cache", probe)
+    engine.close_sync()
+    assert seen == [[False, False, False]]
 
 
 def test_run_on_owner_thread_from_the_owner_thread_runs_at_once(llama_engine, llama_path):

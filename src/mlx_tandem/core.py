@@ -127,37 +127,7 @@ class EngineCore:
     # ------------------------------------------------------------------ owner thread
     def _run(self) -> None:
         try:
-            # Resolved here, not by the caller: building the default model uses mlx.
-            self.model_path = resolve_model_path(self.model)
-            self.loaded = load_text_model(self.model_path, show_progress=self.options.show_progress)
-            mtp_head = load_mtp_head(self.loaded, self.options.mtp)
-            self._lanes["text"] = TextLane(
-                self.loaded.model,
-                eos_token_ids=self.loaded.eos_token_ids,
-                max_batch_size=self.options.max_batch_size,
-                prefill_batch_size=self.options.prefill_batch_size,
-                prefill_step_size=self.options.prefill_step_size,
-                mtp_head=mtp_head,
-                mtp_mode=self.options.mtp,
-                mtp_depth=self.options.mtp_depth,
-                prefix_cache=(PrefixCache(self.options.prefix_cache_bytes,
-                                          min_tokens=self.options.prefix_cache_min_tokens)
-                              if self.options.prefix_cache_bytes else None),
-                specprefill=self._load_specprefill(),
-            )
-            if self.loaded.vlm is not None:
-                from .lanes.vision import VisionLane
-
-                self._lanes["vision"] = VisionLane(
-                    self.loaded.vlm, self.loaded.processor,
-                    eos_token_ids=self.loaded.eos_token_ids,
-                    max_batch_size=self.options.max_batch_size,
-                    prefill_batch_size=self.options.prefill_batch_size,
-                    prefill_step_size=self.options.prefill_step_size,
-                    context_length=self.options.max_model_len or self.loaded.context_length,
-                )
-            self._memory = self._make_ledger(mtp_head)
-            self._update_queue_stats()
+            self._build_lanes()
         except BaseException as exc:  # noqa: BLE001 - reported through the ready future
             self._mark_closed()
             self.ready.set_exception(exc)
@@ -176,15 +146,59 @@ class EngineCore:
         finally:
             self._mark_closed()
             # Each step on its own: one that fails must not skip the rest (callers left
-            # hanging, or arrays freed by another thread at exit, which aborts).
-            steps = [lambda: self._fail_everything(EngineClosedError("the engine was closed")),
-                     *[lane.close for lane in self._lanes.values()],
-                     self._drain_device, self._release_arrays]
-            for step in steps:
+            # hanging, or arrays freed by another thread at exit, which aborts). No lane is
+            # named in this frame, so _release_arrays frees them before it clears MLX's cache.
+            for step in (self._fail_everything_at_close, self._close_lanes,
+                         self._drain_device, self._release_arrays):
                 try:
                     step()
                 except BaseException:  # noqa: BLE001
                     logger.exception("engine shutdown step failed")
+
+    def _build_lanes(self) -> None:
+        """Load the model (and head, draft, vision tower) and build the lanes and the ledger.
+        A method of its own so no local outlives it: shutdown must be able to free them."""
+        # Resolved here, not by the caller: building the default model uses mlx.
+        self.model_path = resolve_model_path(self.model)
+        self.loaded = load_text_model(self.model_path, show_progress=self.options.show_progress)
+        mtp_head = load_mtp_head(self.loaded, self.options.mtp)
+        self._lanes["text"] = TextLane(
+            self.loaded.model,
+            eos_token_ids=self.loaded.eos_token_ids,
+            max_batch_size=self.options.max_batch_size,
+            prefill_batch_size=self.options.prefill_batch_size,
+            prefill_step_size=self.options.prefill_step_size,
+            mtp_head=mtp_head,
+            mtp_mode=self.options.mtp,
+            mtp_depth=self.options.mtp_depth,
+            prefix_cache=(PrefixCache(self.options.prefix_cache_bytes,
+                                      min_tokens=self.options.prefix_cache_min_tokens)
+                          if self.options.prefix_cache_bytes else None),
+            specprefill=self._load_specprefill(),
+        )
+        if self.loaded.vlm is not None:
+            from .lanes.vision import VisionLane
+
+            self._lanes["vision"] = VisionLane(
+                self.loaded.vlm, self.loaded.processor,
+                eos_token_ids=self.loaded.eos_token_ids,
+                max_batch_size=self.options.max_batch_size,
+                prefill_batch_size=self.options.prefill_batch_size,
+                prefill_step_size=self.options.prefill_step_size,
+                context_length=self.options.max_model_len or self.loaded.context_length,
+            )
+        self._memory = self._make_ledger(mtp_head)
+        self._update_queue_stats()
+
+    def _fail_everything_at_close(self) -> None:
+        self._fail_everything(EngineClosedError("the engine was closed"))
+
+    def _close_lanes(self) -> None:
+        for name in list(self._lanes):
+            try:
+                self._lanes[name].close()
+            except BaseException:  # noqa: BLE001 - the other lanes still close
+                logger.exception("closing the %s lane failed", name)
 
     def _load_specprefill(self) -> Optional[SpecPrefillConfig]:
         opts = self.options

@@ -347,7 +347,7 @@ class Engine:
         # would wait for them. No mlx here (the owner thread makes the arrays).
         req, parser = await asyncio.to_thread(self._make_request, spec, sink)
         self._core.submit(req)
-        return self._keeps_me(AsyncStream(self._core, req, sink, parser))
+        return self._bind_stream(AsyncStream(self._core, req, sink, parser))
 
     async def _relay(self, spec: "_Spec") -> AsyncIterator[StreamDelta]:
         stream = await self._astream(spec)
@@ -360,9 +360,9 @@ class Engine:
         sink = SyncSink()
         req, parser = self._make_request(spec, sink)
         self._core.submit(req)
-        return self._keeps_me(SyncStream(self._core, req, sink, parser))
+        return self._bind_stream(SyncStream(self._core, req, sink, parser))
 
-    def _keeps_me(self, stream):
+    def _bind_stream(self, stream):
         # A stream keeps its engine alive: an engine nobody holds is closed (see _ensure_core).
         stream.engine = self
         return stream

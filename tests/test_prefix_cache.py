@@ -103,6 +103,39 @@ def test_snapshots_are_independent_of_live_caches_and_of_each_other():
     np.testing.assert_array_equal(np.array(copy2[1][0]), np.ones((1, 3)))
 
 
+def _buffer_span(a: mx.array) -> tuple[int, int]:
+    view = np.asarray(memoryview(a))  # no copy: the array's own bytes
+    start = view.__array_interface__["data"][0]
+    return start, start + a.nbytes
+
+
+def test_an_entry_cut_from_a_small_batch_shares_none_of_its_buffers():
+    """mx.contiguous returns a row of a parent of at most 16 KiB as a view into it (mlx
+    0.32): a stored row of a small batched state kept the whole batch alive, uncounted."""
+    rows = 4
+    kv = BatchKVCache([0] * rows)
+    kv.update_and_fetch(mx.full((rows, 2, 8, 4), 1.0), mx.full((rows, 2, 8, 4), 2.0))
+    state = ArraysCache(2)
+    state.cache = [mx.arange(rows * 3 * 8, dtype=mx.float32).reshape(rows, 3, 8),
+                   mx.arange(rows * 2 * 4, dtype=mx.int32).reshape(rows, 2, 4) > 3]
+    mx.eval(kv.keys, kv.values, state.cache)
+    parents = [_buffer_span(a) for a in (kv.keys, kv.values, *state.cache)]
+    row = [kv.extract(2), state.extract(2)]
+    expected = [np.array(a) for a in (row[0].keys, row[0].values, *row[1].cache)]
+
+    pc = PrefixCache(1 << 20, min_tokens=2)
+    assert pc.store(list(range(8)), row, "turn")
+    entry = pc._get(list(range(8)))
+    stored = [entry.cache[0].keys, entry.cache[0].values, *entry.cache[1].cache]
+    for a in stored:
+        start, end = _buffer_span(a)
+        assert all(end <= p_start or start >= p_end for p_start, p_end in parents)
+    assert [a.dtype for a in stored] == [mx.float32, mx.float32, mx.float32, mx.bool_]
+    for got, want in zip(stored, expected):
+        np.testing.assert_array_equal(np.array(got), want)
+    assert pc.nbytes == sum(a.nbytes for a in expected)
+
+
 def test_an_entry_holds_its_own_bytes_not_the_batch_it_was_cut_from():
     """A row extracted from a batch is a slice (or a pending copy) of the batch's buffers. The
     stored entry must own a copy of its row alone, so that the byte budget bounds what the

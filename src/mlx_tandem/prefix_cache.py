@@ -188,17 +188,27 @@ class PrefixCache:
         }
 
 
+def _fresh_buffer(x: mx.array) -> mx.array:
+    """``x`` in a buffer of its own. ``mx.contiguous`` returns a row slice of a parent of at
+    most 16 KiB as a view into the parent (mlx 0.32), so an entry cut from a small batched
+    state (conv states, MTP pending rows) kept the whole batch's buffer uncounted; an
+    elementwise identity always writes a new buffer."""
+    if x.dtype == mx.bool_:
+        return mx.logical_and(x, True)
+    return x * mx.array(1, dtype=x.dtype)
+
+
 def _owned_copy(cache: list[Any]) -> tuple[list[Any], int]:
     """``cache`` deep-copied with every array in a buffer of its own, evaluated; and the bytes
-    those buffers hold. ``mx.contiguous`` copies a slice out of its parent (``copy.deepcopy``
-    and ``mx.array(x)`` share it); evaluating now lets the parent go, where a pending copy
+    those buffers hold. Each array is copied out of its parent (``copy.deepcopy`` and
+    ``mx.array(x)`` share it); evaluating now lets the parent go, where a pending copy
     would keep it alive until first use. Arrays are found in the caches' attributes, through
     lists, tuples, dicts and nested cache objects (mlx-lm's ``CacheList``)."""
     arrays = []
 
     def own(x):
         if isinstance(x, mx.array):
-            arrays.append(mx.contiguous(x))
+            arrays.append(_fresh_buffer(x))
             return arrays[-1]
         if hasattr(x, "__dict__") and not isinstance(x, type):
             for name, value in vars(x).items():

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from mlx_tandem import Engine, SamplingParams
+from mlx_tandem import Engine, RequestTimeoutError, SamplingParams, TandemError
 
 from .prompts import chat_prompts
 
@@ -101,9 +101,20 @@ def test_model_info_reads_the_checkpoint_without_loading(qwen3_5_path, qwen3_5_e
     engine.close_sync()
 
 
+def _keys(tree: dict, prefix: str = "") -> set[str]:
+    """Every key path of nested stats, except inside per-lane / per-row tables (data, not schema)."""
+    out = set()
+    for k, v in tree.items():
+        out.add(prefix + k)
+        if isinstance(v, dict) and k not in ("rows", "lanes", "lane_requests"):
+            out |= _keys(v, prefix + k + ".")
+    return out
+
+
 def test_stats_have_every_key_before_the_first_request(llama_path, llama_engine):
+    llama_engine.complete_sync("warm", SamplingParams(max_tokens=2))
     fresh = Engine(llama_path)
-    assert set(fresh.stats()) == set(llama_engine.stats())
+    assert _keys(fresh.stats()) == _keys(llama_engine.stats())
     assert fresh.stats()["requests"] == 0
     fresh.close_sync()
 
@@ -113,11 +124,12 @@ async def test_stream_deadlines_cancel_and_free_the_slot(llama_engine):
     for open_stream in (lambda: llama_engine.open_chat_stream(msgs, {"max_tokens": 4000}, timeout=0.05),
                         lambda: llama_engine.open_complete_stream("go on", {"max_tokens": 4000}, timeout=0.05)):
         stream = await open_stream()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(RequestTimeoutError):
             await stream.collect()
     sync = llama_engine.open_complete_stream_sync("go on", {"max_tokens": 4000}, timeout=0.05)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(RequestTimeoutError):
         sync.collect()
+    assert issubclass(RequestTimeoutError, TandemError) and issubclass(RequestTimeoutError, TimeoutError)
     for _ in range(100):
         if llama_engine.stats()["running"] == 0:
             break

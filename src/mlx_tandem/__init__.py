@@ -4,12 +4,14 @@ from . import _platform  # noqa: F401  - must run before anything imports mlx
 
 from .engine import AsyncStream, Engine, SyncStream
 from .errors import (
+    ConstraintError,
     ContextLengthError,
     EngineClosedError,
     EngineStepError,
     InvalidRequestError,
     ModelLoadError,
     QueueFullError,
+    RequestTimeoutError,
     RequestTooLargeError,
     TandemError,
     TemplateError,
@@ -24,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncStream",
+    "ConstraintError",
     "ContextLengthError",
     "Engine",
     "EngineClosedError",
@@ -33,6 +36,7 @@ __all__ = [
     "ModelLoadError",
     "QueueFullError",
     "RequestOutput",
+    "RequestTimeoutError",
     "RequestTooLargeError",
     "SamplingParams",
     "StreamDelta",

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from .detokenizer import RequestDetokenizer
 from .errors import (EngineClosedError, EngineStepError, InvalidRequestError, ModelLoadError, QueueFullError,
-                     RequestTooLargeError, TandemError)
+                     RequestTimeoutError, RequestTooLargeError, TandemError)
 from .lanes import Lane, TextLane, TokenEvent
 from .memory import CacheFootprint, MemoryLedger, derive_budget, device_memory_bytes, probe_footprint
 from .model_loader import LoadedModel, load_mtp_head, load_text_model, resolve_model_path
@@ -375,7 +375,7 @@ class EngineCore:
         late = [r for r in (*self._waiting, *self._running.values()) if r.deadline is not None and now > r.deadline]
         for req in late:
             self._take_out(req)
-            self._fail(req, TimeoutError(f"request {req.request_id} exceeded its timeout"))
+            self._fail(req, RequestTimeoutError(f"request {req.request_id} exceeded its timeout"))
 
     def _too_large(self, req: Request, need: int) -> RequestTooLargeError:
         return RequestTooLargeError(

@@ -393,7 +393,7 @@ class Engine:
         """Submit a chat now and return its stream handle (iterate it, ``collect()`` it or ``cancel()`` it).
 
         With ``timeout`` (seconds, for the whole request) the stream cancels the request and
-        raises TimeoutError when the deadline passes.
+        raises RequestTimeoutError (a TimeoutError) when the deadline passes.
         """
         deadline = _deadline(timeout)  # checked before the request is submitted
         stream = await self._astream(_Spec.chat(messages, params, options))
@@ -405,7 +405,7 @@ class Engine:
         """Submit a chat now; return its blocking stream handle.
 
         With ``timeout`` (seconds, for the whole request) the stream cancels the request and
-        raises TimeoutError when the deadline passes.
+        raises RequestTimeoutError (a TimeoutError) when the deadline passes.
         """
         deadline = _deadline(timeout)  # checked before the request is submitted
         stream = self._sstream(_Spec.chat(messages, params, options))

@@ -51,6 +51,11 @@ class QueueFullError(TandemError):
     overloaded, the request is fine. Retry later (or raise ``max_waiting``)."""
 
 
+class RequestTimeoutError(TandemError, TimeoutError):
+    """The request ran past its ``timeout``: it was cancelled and its batch slot freed. Also a
+    built-in ``TimeoutError``, so ``except TimeoutError`` catches it as well."""
+
+
 class EngineStepError(TandemError):
     """A forward step failed unexpectedly; the requests in it were failed, the engine recovered."""
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from typing import Any
 
+from .prefix_cache import PrefixCache
 
-_EMPTY_PREFIX_CACHE = {"hits": 0, "misses": 0, "hit_tokens": 0, "stored": 0, "evicted": 0,
-                       "entries": 0, "bytes": 0}
+
+# Before the text lane reports (and on an engine without a prefix cache): the same keys, zeros.
+_EMPTY_PREFIX_CACHE = PrefixCache(0).snapshot()
 
 
 _EMPTY_MEMORY = {"budget_bytes": 0, "reserved_bytes": 0, "rows": {}, "waiting_for_memory": 0}
@@ -115,7 +118,7 @@ class EngineStats:
                 "uptime_s": time.perf_counter() - self.started_at,
                 "mtp": self._mtp(),
                 "lane_requests": dict(self.lane_requests),
-                "prefix_cache": dict(self.sections.get("prefix_cache") or _EMPTY_PREFIX_CACHE),
+                "prefix_cache": copy.deepcopy(self.sections.get("prefix_cache") or _EMPTY_PREFIX_CACHE),
                 "specprefill": dict(self.sections.get("specprefill") or _EMPTY_SPECPREFILL),
                 "memory": {**(self.sections.get("memory") or _EMPTY_MEMORY), "waits": self.memory_waits},
             }

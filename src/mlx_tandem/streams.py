@@ -14,7 +14,7 @@ from typing import Optional
 
 from .chat_output import ChatOutputParser
 from .core import EngineCore
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, RequestTimeoutError
 from .outputs import RequestOutput, StreamDelta, Usage
 from .request import Request
 
@@ -200,7 +200,7 @@ class AsyncStream(_StreamBase):
         await asyncio.sleep(0)  # deliveries already scheduled on this loop land first
         item = self._sink.get_nowait()
         if item is None:
-            raise TimeoutError(f"request {self.request_id} exceeded its timeout")
+            raise RequestTimeoutError(f"request {self.request_id} exceeded its timeout")
         return item
 
     async def collect(self) -> RequestOutput:
@@ -234,7 +234,7 @@ class SyncStream(_StreamBase):
                 try:
                     item = self._sink.get(timeout=max(left, 0.0) or 1e-6)
                 except queue.Empty:
-                    raise TimeoutError(f"request {self.request_id} exceeded its timeout") from None
+                    raise RequestTimeoutError(f"request {self.request_id} exceeded its timeout") from None
         except BaseException:
             self.cancel()
             raise

@@ -73,7 +73,8 @@ class ChatMLX(BaseChatModel):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     engine_options: dict[str, Any] = Field(default_factory=dict)
     timeout: Optional[float] = None
-    """Seconds per call; the request is cancelled (its slot freed) and TimeoutError raised."""
+    """Seconds per call; the request is cancelled (its slot freed) and
+    mlx_tandem.RequestTimeoutError (a TimeoutError) raised."""
     max_retries: int = 0
     """Accepted for LangChain compatibility; local inference has no transient failures to retry."""
 

@@ -92,7 +92,8 @@ class MLXTandemLLM(FunctionCallingLLM):
         default_factory=dict, description="Default per-call options, e.g. response_format or tool_choice.")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="Options for Engine.shared.")
     timeout: Optional[float] = Field(
-        default=None, description="Seconds per call; the request is cancelled (its slot freed) and TimeoutError raised.")
+        default=None, description="Seconds per call; the request is cancelled (its slot freed) and "
+                                  "mlx_tandem.RequestTimeoutError (a TimeoutError) raised.")
 
     @model_validator(mode="before")
     @classmethod

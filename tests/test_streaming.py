@@ -219,3 +219,59 @@ def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped(
         assert (grouped.token_ids, grouped.text, grouped.usage, grouped.finish_reason) == \
             (plain.token_ids, plain.text, plain.usage, plain.finish_reason)
         assert [(c.name, c.arguments) for c in grouped.tool_calls] == [("add", {"a": 1})]
+
+
+def _counting_deliveries(monkeypatch):
+    """Counts the items the owner thread hands to readers, per request id."""
+    from mlx_tandem import request as request_mod
+
+    counts: dict[str, int] = {}
+    real = request_mod.dispatch
+
+    def counting(items):
+        for _, item in items:
+            rid = getattr(item, "request_id", None)
+            counts[rid] = counts.get(rid, 0) + 1
+        return real(items)
+
+    monkeypatch.setattr("mlx_tandem.core.dispatch", counting)
+    return counts
+
+
+@pytest.mark.parametrize("text", TEXTS[:2])
+async def test_a_collected_answer_is_handed_over_once_and_equals_the_stream(engine, text, monkeypatch):
+    """collect() wants only the whole answer: the owner thread holds the deltas and sends them
+    as one, so a step costs no wake-up of that reader. Text, tokens and usage are the same
+    as a stream's, async and sync."""
+    counts = _counting_deliveries(monkeypatch)
+    ids, _ = _forced(engine, text)  # a forcing processor counts its steps: one per request
+    streamed = [d async for d in engine.stream_chat(USER, _forced(engine, text)[1], request_id="streamed")]
+    collected = await engine.chat(USER, _forced(engine, text)[1], request_id="collected")
+    collected_sync = engine.chat_sync(USER, _forced(engine, text)[1], request_id="collected-sync")
+    assert counts["streamed"] >= len(ids) // 2  # per step (a few tokens per delta at most)
+    for out in (collected, collected_sync):
+        assert out.text == "".join(d.text for d in streamed) == text
+        assert out.token_ids == ids
+        assert (out.finish_reason, out.usage) == (streamed[-1].finish_reason, streamed[-1].usage)
+    # What the engine sent before collect() flagged the request still counts (at most a step).
+    assert counts["collected"] <= 2 and counts["collected-sync"] <= 2, counts
+
+
+async def test_a_collected_answer_ended_at_its_call_still_frees_its_row_at_the_call(qwen3_5_engine, monkeypatch):
+    """parallel_tool_calls=False: the reader must see the call to end the answer there, so
+    collect() keeps the per-step deltas, and the row does not decode on to max_tokens."""
+    engine = qwen3_5_engine
+    fmt = engine.chat_format
+    call = f'{fmt.tool_call_start}\n{{"name": "add", "arguments": {{"a": 1}}}}\n{fmt.tool_call_end}'
+    ids = engine.tokenizer.encode(call, add_special_tokens=False)
+    filler = engine.tokenizer.encode(" and more text after the call" * 8, add_special_tokens=False)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+    params = SamplingParams(max_tokens=len(ids) + len(filler),
+                            logits_processors=[forcing_processor(ids + filler, engine.loaded.eos_token_ids[0])])
+    counts = _counting_deliveries(monkeypatch)
+    out = await engine.chat(USER, params, tools=tools, parallel_tool_calls=False, request_id="one-call")
+    assert out.finish_reason == "tool_calls" and [(c.name, c.arguments) for c in out.tool_calls] == [("add", {"a": 1})]
+    assert out.token_ids == ids
+    assert counts["one-call"] > 2  # delivered per step, so the reader could stop the row
+    assert counts["one-call"] < len(ids) + len(filler) // 2  # and the row stopped near the call

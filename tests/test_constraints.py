@@ -143,6 +143,51 @@ async def test_json_schema_outputs_validate(qwen3_5_engine):
             raise AssertionError(f"schema {name!r}, sampling {s}: {exc!r}\n{out.text!r}") from exc
 
 
+# Schemas that closing objects by default (additionalProperties: false) must leave as they are.
+UNCLOSABLE = {
+    # const/enum/default values are data: a value with a "properties" key is no object schema.
+    "data_with_a_properties_key": {
+        "type": "object",
+        "properties": {"o": {"const": {"properties": 1}}, "e": {"enum": [{"properties": {}}, 3]},
+                       "d": {"type": "object", "default": {"properties": {"x": 1}}, "properties": {}}},
+        "required": ["o", "e"]},
+    # Each allOf branch names only its own keys; closed, the branches refuse each other's.
+    "all_of_branches": {"allOf": [{"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+                                  {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+    # Requires a key it does not list: closed, nothing could satisfy it.
+    "required_key_not_listed": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
+}
+
+
+@pytest.mark.parametrize("name", UNCLOSABLE)
+async def test_objects_are_closed_only_where_the_schema_still_allows_its_documents(qwen3_5_engine, name):
+    import jsonschema as js
+
+    schema = UNCLOSABLE[name]
+    source = json.loads(Constraint.json_schema(schema).source)
+    if name == "data_with_a_properties_key":
+        props = source["properties"]
+        assert (props["o"], props["e"], props["d"]["default"]) == (
+            schema["properties"]["o"], schema["properties"]["e"], schema["properties"]["d"]["default"])
+        assert props["d"]["additionalProperties"] is False and source["additionalProperties"] is False
+    outs = await asyncio.gather(*[
+        qwen3_5_engine.chat(USER, SamplingParams(max_tokens=60, **sampling), response_format=rf(schema))
+        for sampling in SAMPLINGS])
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        js.validate(json.loads(out.text), schema)
+
+
+def test_schemas_that_are_not_json_data_or_too_deep_are_constraint_errors():
+    deep: dict = {"type": "string"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    for bad in (deep, {"type": "object", "properties": {"a": {"const": float("nan")}}},
+                {"type": "object", "properties": {"a": {"const": object()}}}):
+        with pytest.raises(ConstraintError):
+            Constraint.json_schema(bad)
+
+
 async def test_schema_given_as_json_text_and_bare_form(llama_engine):
     schema, pytype = SCHEMAS["nested_object"]
     outs = await asyncio.gather(*[
@@ -625,6 +670,7 @@ BAD_REQUESTS = [
     (dict(response_format=rf({"type": "integer", "minimum": "zero"})), ConstraintError),
     (dict(response_format={"type": "json_schema", "json_schema": {"schema": "{not json"}}), ConstraintError),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "no schema"}}), ConstraintError),
+    (dict(response_format={"type": "json_schema", "json_schema": "not a dict"}), ConstraintError),
     (dict(response_format={"type": "regex", "pattern": "(("}), ConstraintError),
     (dict(response_format={"type": "lark", "grammar": "start: undefined_rule"}), ConstraintError),
     (dict(response_format={"type": "xml"}), ConstraintError),

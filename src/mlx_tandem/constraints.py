@@ -57,7 +57,13 @@ class Constraint:
                 raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise ConstraintError("a JSON schema must be an object")
-        return cls("json_schema", json.dumps(_closed_objects(schema)), name or "json_schema")
+        try:
+            source = json.dumps(_closed_objects(schema), allow_nan=False)
+        except RecursionError:
+            raise ConstraintError("the JSON schema is nested too deeply") from None
+        except (TypeError, ValueError) as exc:  # values JSON cannot hold, or a cycle
+            raise ConstraintError(f"the JSON schema is not JSON data: {exc}") from None
+        return cls("json_schema", source, name or "json_schema")
 
     @classmethod
     def json_object(cls) -> "Constraint":
@@ -72,20 +78,47 @@ class Constraint:
         return cls("regex", pattern, "regex")
 
 
-def _closed_objects(schema: Any) -> Any:
+# Where a JSON Schema holds subschemas (draft 2020-12 and draft 7). Everything else, const,
+# enum, default and examples above all, is data: a value that has a "properties" key is not
+# an object schema.
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems",
+              "contains", "propertyNames", "not", "if", "then", "else")
+
+
+def _closed_objects(schema: Any, *, in_all_of: bool = False) -> Any:
     """Default ``additionalProperties`` to false on objects that list their properties.
 
     Every output still validates against the caller's schema (it only forbids keys the
-    schema did not name), and a tool never receives arguments it does not declare.
+    schema did not name), and a tool never receives arguments it does not declare. Left
+    open where closing would refuse what the schema allows: an ``allOf`` branch or an object
+    combined with other subschemas (their keys are not in its ``properties``), and an object
+    that requires a key it does not list.
     """
-    if isinstance(schema, dict):
-        out = {k: _closed_objects(v) for k, v in schema.items()}
-        if "properties" in out and "additionalProperties" not in out and out.get("type", "object") == "object":
-            out["additionalProperties"] = False
-        return out
-    if isinstance(schema, list):
-        return [_closed_objects(v) for v in schema]
-    return schema
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed_objects(sub, in_all_of=key == "allOf") for sub in out[key]]
+    for key in _SUBSCHEMA:
+        sub = out.get(key)
+        if isinstance(sub, list):  # draft 7 tuple "items"
+            out[key] = [_closed_objects(s) for s in sub]
+        elif isinstance(sub, dict):
+            out[key] = _closed_objects(sub)
+    properties = out.get("properties")
+    required = out.get("required", [])
+    if (isinstance(properties, dict) and not in_all_of and out.get("type", "object") == "object"
+            and "additionalProperties" not in out and "unevaluatedProperties" not in out
+            and not any(k in out for k in ("allOf", "anyOf", "oneOf", "$ref", "if"))
+            and isinstance(required, list) and all(k in properties for k in required)):
+        out["additionalProperties"] = False
+    return out
 
 
 def response_format_constraint(response_format: Optional[dict]) -> Optional[Constraint]:
@@ -103,6 +136,8 @@ def response_format_constraint(response_format: Optional[dict]) -> Optional[Cons
         return Constraint.json_object()
     if kind == "json_schema":
         spec = response_format.get("json_schema", response_format)
+        if not isinstance(spec, dict):
+            raise ConstraintError("response_format json_schema must be a dict with a 'schema'")
         schema = spec.get("schema")
         if schema is None:
             raise ConstraintError("response_format json_schema needs a 'schema'")

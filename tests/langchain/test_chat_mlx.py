@@ -9,9 +9,11 @@ from typing import Optional
 
 import jsonschema
 import pytest
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
@@ -317,6 +319,38 @@ def test_structured_output_include_raw():
     assert isinstance(out["raw"], AIMessage) and isinstance(out["parsed"], Joke)
     assert out["parsing_error"] is None
     assert Joke.model_validate_json(out["raw"].content) == out["parsed"]
+
+
+class Tree(BaseModel):
+    """A labelled tree."""
+
+    v: int
+    kids: list["Tree"] = []
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_structured_output_of_a_recursive_model_holds_every_level(method):
+    """langchain-core inlines refs and turns a recursive one into {} (anything goes), so the
+    nested items failed the model; its own $defs/$ref schema is sent instead."""
+    outs = [make_llm(max_tokens=120, temperature=1.0, seed=seed).with_structured_output(Tree, method=method).invoke("a tree")
+            for seed in (1, 2, 3)]
+    assert all(isinstance(t, Tree) for t in outs), outs
+    bound = make_llm().bind_tools([Tree], tool_choice="Tree")
+    assert bound.kwargs["tools"][0]["function"]["parameters"] == Tree.model_json_schema()
+    assert make_llm().bind_tools([Joke]).kwargs["tools"][0] == convert_to_openai_tool(Joke)  # not recursive: as core
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_structured_output_cut_by_max_tokens_is_a_parsing_error_not_a_partial_result(method):
+    schema = {"title": "Point", "type": "object",
+              "properties": {"x": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["x", "tags"]}
+    for target in (schema, Joke):
+        out = make_llm(max_tokens=4).with_structured_output(target, method=method, include_raw=True).invoke("a point")
+        assert out["raw"].response_metadata["finish_reason"] == "length"
+        assert out["parsed"] is None and isinstance(out["parsing_error"], OutputParserException), out
+        with pytest.raises(OutputParserException):
+            make_llm(max_tokens=4).with_structured_output(target, method=method).invoke("a point")
 
 
 async def test_structured_output_concurrent_batch_all_valid():

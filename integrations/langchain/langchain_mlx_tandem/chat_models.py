@@ -15,7 +15,6 @@ from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.messages.utils import convert_to_messages
-from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
@@ -29,6 +28,8 @@ from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 from mlx_tandem.errors import TemplateError
 
 from ._convert import PROVIDER, ChunkBuilder, to_ai_message, to_engine_messages
+from ._parsers import WholeJsonKeyToolsParser, WholeJsonParser, WholePydanticParser, WholePydanticToolsParser
+from ._schemas import recursive_model_schema
 
 
 class ChatMLX(BaseChatModel):
@@ -251,7 +252,7 @@ class ChatMLX(BaseChatModel):
         some tool), or a tool name / ``{"type": "function", "function": {"name": ...}}``.
         Forced calls are grammar-constrained: valid JSON matching the tool's schema.
         """
-        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
+        formatted = [_openai_tool(t, strict) for t in tools]
         if tool_choice is not None:
             kwargs["tool_choice"] = tool_choice
         if parallel_tool_calls is not None:
@@ -279,13 +280,13 @@ class ChatMLX(BaseChatModel):
         if method == "function_calling":
             if schema is None:
                 raise ValueError("method='function_calling' needs a schema")
-            tool = convert_to_openai_tool(schema, strict=strict)
+            tool = _openai_tool(schema, strict)
             name = tool["function"]["name"]
             llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, strict=strict,
                                   ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
                                                                "schema": tool})
-            parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
-                                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+            parser: Runnable = (WholePydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
+                                else WholeJsonKeyToolsParser(key_name=name, first_tool_only=True))
         elif method in ("json_schema", "json_mode"):
             if schema is None and method == "json_schema":
                 raise ValueError("method='json_schema' needs a schema")
@@ -294,13 +295,17 @@ class ChatMLX(BaseChatModel):
                 ls_schema = None
             else:
                 json_schema = convert_to_json_schema(schema)
+                full = recursive_model_schema(schema)
+                if full is not None:
+                    json_schema = {**full, "title": json_schema.get("title"),
+                                   "description": json_schema.get("description", "")}
                 response_format = {"type": "json_schema", "json_schema": {
                     "name": json_schema.get("title", "response"), "schema": json_schema, "strict": strict}}
                 ls_schema = json_schema
             llm = self.bind(response_format=response_format,
                             ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
                                                          "schema": ls_schema})
-            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+            parser = WholePydanticParser(pydantic_object=schema) if is_pydantic else WholeJsonParser()
         else:
             raise ValueError(f"unknown method {method!r}; use 'json_schema', 'function_calling' or 'json_mode'")
         if not include_raw:
@@ -311,6 +316,14 @@ class ChatMLX(BaseChatModel):
 
 
 # ---------------------------------------------------------------------- helpers
+def _openai_tool(tool: Any, strict: Optional[bool]) -> dict:
+    formatted = convert_to_openai_tool(tool, strict=strict)
+    full = recursive_model_schema(tool)
+    if full is not None:
+        formatted["function"]["parameters"] = full
+    return formatted
+
+
 def _collect(chunks: Iterator[ChatGenerationChunk]) -> ChatResult:
     full: Optional[ChatGenerationChunk] = None
     for c in chunks:

@@ -22,6 +22,7 @@ the smallest valid answer (then finish_reason is "length").
 from __future__ import annotations
 
 import copy
+from collections import Counter
 import json
 import logging
 import threading
@@ -58,7 +59,7 @@ class Constraint:
         if not isinstance(schema, dict):
             raise ConstraintError("a JSON schema must be an object")
         try:
-            source = json.dumps(_closed_objects(schema), allow_nan=False)
+            source = json.dumps(_prepared_schema(schema), allow_nan=False)
         except RecursionError:
             raise ConstraintError("the JSON schema is nested too deeply") from None
         except (TypeError, ValueError) as exc:  # values JSON cannot hold, or a cycle
@@ -87,30 +88,45 @@ _SUBSCHEMA = ("additionalProperties", "unevaluatedProperties", "items", "additio
               "contains", "propertyNames", "not", "if", "then", "else")
 
 
-def _closed_objects(schema: Any, *, in_all_of: bool = False) -> Any:
-    """Default ``additionalProperties`` to false on objects that list their properties.
+# RFC 3339 (and llguidance) allow year 0000 and a leap second :60; Python's datetime, so
+# Pydantic and jsonschema's format checker, refuse both. Intersected with the format by
+# llguidance; a string that has its own pattern keeps it.
+_YEAR = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_FORMAT_PATTERNS = {
+    "date": rf"^{_YEAR}-.*$",
+    "date-time": rf"^{_YEAR}-[0-9]{{2}}-[0-9]{{2}}[Tt ][0-9]{{2}}:[0-9]{{2}}:[0-5][0-9].*$",
+    "time": r"^[0-9]{2}:[0-9]{2}:[0-5][0-9].*$",
+}
 
-    Every output still validates against the caller's schema (it only forbids keys the
-    schema did not name), and a tool never receives arguments it does not declare. Left
-    open where closing would refuse what the schema allows: an ``allOf`` branch or an object
-    combined with other subschemas (their keys are not in its ``properties``), and an object
-    that requires a key it does not list.
+
+def _prepared_schema(schema: Any, *, in_all_of: bool = False) -> Any:
+    """The caller's schema as the grammar gets it; every output still validates against it.
+
+    - ``additionalProperties`` defaults to false on objects that list their properties: it
+      only forbids keys the schema did not name, and a tool never receives arguments it does
+      not declare. Left open where closing would refuse what the schema allows: an ``allOf``
+      branch or an object combined with other subschemas (their keys are not in its
+      ``properties``), and an object that requires a key it does not list.
+    - ``date``, ``date-time`` and ``time`` strings also exclude year 0000 and second 60.
     """
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _closed_objects(sub) for name, sub in out[key].items()}
+            out[key] = {name: _prepared_schema(sub) for name, sub in out[key].items()}
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_closed_objects(sub, in_all_of=key == "allOf") for sub in out[key]]
+            out[key] = [_prepared_schema(sub, in_all_of=key == "allOf") for sub in out[key]]
     for key in _SUBSCHEMA:
         sub = out.get(key)
         if isinstance(sub, list):  # draft 7 tuple "items"
-            out[key] = [_closed_objects(s) for s in sub]
+            out[key] = [_prepared_schema(s) for s in sub]
         elif isinstance(sub, dict):
-            out[key] = _closed_objects(sub)
+            out[key] = _prepared_schema(sub)
+    fmt = out.get("format")
+    if isinstance(fmt, str) and fmt in _FORMAT_PATTERNS and "pattern" not in out:
+        out["pattern"] = _FORMAT_PATTERNS[fmt]
     properties = out.get("properties")
     required = out.get("required", [])
     if (isinstance(properties, dict) and not in_all_of and out.get("type", "object") == "object"
@@ -190,7 +206,7 @@ def _call_body_schema(tools: Sequence[dict], names: Sequence[str]) -> dict:
     variants = []
     defs: dict[str, Any] = {}
     for i, name in enumerate(names):
-        params = _closed_objects(by_name[name].get("parameters") or {"type": "object", "properties": {}})
+        params = _prepared_schema(by_name[name].get("parameters") or {"type": "object", "properties": {}})
         if _has_local_ref(params):
             # Local refs ("#/$defs/Model", as pydantic writes them) resolve against the
             # document root; nested under "arguments" they failed to compile. Keep the
@@ -253,11 +269,19 @@ _DIGITS = frozenset(b"0123456789")
 # optional key): with a slack of one, such a token right before the end left no completion
 # that fits, and a valid-looking request ended with "length" and broken JSON.
 _SLACK = 8
+# Within this many tokens of the end, a choice of structure follows the completion (see
+# GrammarProcessor.mask); content (string text, digits) stays the model's.
+_STRUCTURE_SLACK = 32
 # closing_path: candidates tried per step when the best one makes no progress, and extra
 # tries per simulation (each a consume, a mask and a rollback, on the engine thread).
 _TRIES = 128
 _TRY_BUDGET = 512
 _MAX_SAME_CLOSES = 16
+# A content state may be reached this many times between closers and still count as progress:
+# once was too few where the way out passes the state the string began in ("First Last").
+_REVISITS = 2
+# Candidates tried on a step that follows one without progress.
+_STUCK_TRIES = 8
 
 
 class GrammarCompiler:
@@ -271,7 +295,7 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
         self._llt = None
-        self._tiers: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+        self._tiers: Optional[tuple[np.ndarray, ...]] = None
 
     @property
     def tokenizer(self):
@@ -310,18 +334,24 @@ class GrammarCompiler:
             raise ConstraintError(f"invalid {constraint.description}: {matcher.get_error()}")
         return matcher
 
-    def tiers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per-token closing preference (tier), byte length and whether the token starts
-        with a quote, computed once."""
+    def tiers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per-token closing preference (tier), byte length, whether the token starts with a
+        quote and whether it is awkward content (a backslash, or bytes that are not whole
+        UTF-8 characters), computed once."""
         if self._tiers is None:
             llt = self.tokenizer
             tier = np.full(self.vocab_size, 4, dtype=np.int64)
             length = np.zeros(self.vocab_size, dtype=np.int64)
             quote_first = np.zeros(self.vocab_size, dtype=bool)
+            awkward = np.zeros(self.vocab_size, dtype=bool)
             for i in range(self.vocab_size):
                 b = llt.decode_bytes([i])
                 length[i] = len(b)
                 quote_first[i] = b[:1] == b'"'
+                try:
+                    awkward[i] = b"\\" in b or not b.decode("utf-8")
+                except UnicodeDecodeError:
+                    awkward[i] = True
                 if b and all(ch in _CLOSERS for ch in b):
                     tier[i] = 1
                 elif b and all(ch in _SEPARATORS for ch in b):
@@ -329,7 +359,7 @@ class GrammarCompiler:
                 elif b and all(ch in _DIGITS for ch in b):
                     tier[i] = 3  # numbers start with a digit, not "-"
             tier[self.eos_token_ids] = 0
-            self._tiers = (tier, length, quote_first)
+            self._tiers = (tier, length, quote_first, awkward)
         return self._tiers
 
 
@@ -341,7 +371,7 @@ def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
     return allowed
 
 
-def closing_path(matcher, tiers: tuple[np.ndarray, np.ndarray, np.ndarray], eos: frozenset[int],
+def closing_path(matcher, tiers: tuple[np.ndarray, ...], eos: frozenset[int],
                  limit: int) -> Optional[list[int]]:
     """A short completion from the matcher's state (on a copy), or None if over ``limit``.
 
@@ -368,14 +398,17 @@ def closing_path(matcher, tiers: tuple[np.ndarray, np.ndarray, np.ndarray], eos:
        same choices (``}`` then ``}`` again, where the vocabulary has no ``}}``);
     3. the first of the best ``_TRIES`` other candidates after which the set is one not
        seen since the last closer;
-    4. the best candidate.
+    4. the best candidate, and on each further step without progress the next one in
+       turn: where every candidate leaves the set as it was (free text held to an
+       unanchored pattern such as ``[0-9]{3}``), repeating the best one would never reach
+       the content that lets the string close.
     Ending the grammar counts as progress.
     Judging a candidate costs a consume, a mask and, when it is refused, a rollback, on the
     engine thread: ``_TRY_BUDGET`` bounds the refusals per simulation, then it is plain
     greedy. Tested on fuzzed schemas, formats, patterns and grammars, on the factory and
     the demo tokenizers.
     """
-    tier, length, quote_first = tiers
+    tier, length, quote_first, awkward = tiers
     vocab = tier.shape[0]
     closer = tier == 1
     in_text = np.where(closer & ~quote_first, 4, tier)
@@ -384,20 +417,20 @@ def closing_path(matcher, tiers: tuple[np.ndarray, np.ndarray, np.ndarray], eos:
     m = matcher.deep_copy()
     path: list[int] = []
     allowed = allowed_tokens(m, vocab)
-    seen = {allowed.tobytes()}
-    budget, same_closes = _TRY_BUDGET, 0
+    seen = Counter([allowed.tobytes()])  # visits of each allowed set since the last closer
+    budget, same_closes, stuck = _TRY_BUDGET, 0, 0
 
     def take(tok: int) -> np.ndarray:
         if not m.consume_token(tok):
             raise ValueError(tok)
         return allowed_tokens(m, vocab)
 
-    def progress(tok: int, strict: bool) -> Optional[np.ndarray]:
+    def progress(tok: int, strict: bool, visits: int = 1) -> Optional[np.ndarray]:
         """Take ``tok`` if the allowed set after it is new (``strict``) or at least another
         one (or the grammar ended); else undo it."""
         nonlocal budget
         after = take(tok)
-        if m.is_stopped() or (after.tobytes() not in seen if strict else not np.array_equal(after, allowed)):
+        if m.is_stopped() or (seen[after.tobytes()] < visits if strict else not np.array_equal(after, allowed)):
             return after
         m.rollback(1)
         budget -= 1
@@ -410,16 +443,22 @@ def closing_path(matcher, tiers: tuple[np.ndarray, np.ndarray, np.ndarray], eos:
             n_allowed = int(allowed.sum())
             if not n_allowed:
                 return None
-            free_text = 2 * n_allowed > vocab and bool((allowed & quote_first).any())
+            free_text = 2 * n_allowed > vocab
             t = in_text if free_text else in_structure
-            score = np.where(allowed, t * 100_000 + np.where(t >= 3, length, -length), np.iinfo(np.int64).max)
-            n = min(n_allowed, _TRIES if budget > 0 else 1)
+            # Content never needs an escape or a piece of a character to close, and either
+            # reads as progress (only a few tokens may follow): it looped on ``\"``.
+            usable = allowed & ~awkward if free_text else allowed
+            score = np.where(usable, t * 100_000 + np.where(t >= 3, length, -length), np.iinfo(np.int64).max)
+            n_allowed = int(usable.sum())
+            n = min(n_allowed, _TRIES)
             best = np.sort(np.argpartition(score, n - 1)[:n]) if n < vocab else np.arange(vocab)
             best = [int(i) for i in best[np.argsort(score[best], kind="stable")]]  # ties: lowest id first
             if best[0] in eos:
                 return path + [best[0]]
-            closing = [i for i in best if t[i] == 1 or lone_quote[i]]
-            others = [i for i in best if not (t[i] == 1 or lone_quote[i])]
+            # Out of tries: the best closer, else the candidates in turn (4).
+            tries = best if budget > 0 else best[:1]
+            closing = [i for i in tries if t[i] == 1 or lone_quote[i]]
+            others = [i for i in tries if not (t[i] == 1 or lone_quote[i])] if budget > 0 else []
             structure = 8 * n_allowed < vocab
             tok = after = None
             for i in closing:  # 1
@@ -436,19 +475,28 @@ def closing_path(matcher, tiers: tuple[np.ndarray, np.ndarray, np.ndarray], eos:
                 else:
                     m.rollback(1)
             same_closes = same_closes + 1 if same_level else 0
-            if tok is None:  # 3
-                for i in others:
-                    if (after := progress(i, strict=True)) is not None:
-                        tok = i
+            # 3 and 4 go round the candidates from where the last step without progress
+            # left off; after such a step only the next few are tried (tries are the cost).
+            k = stuck % len(best)
+            turn = best[k:] + best[:k]
+            if tok is None:  # 3: a set not seen since the last closer, else one seen once
+                window = others if not stuck else [i for i in turn[:_STUCK_TRIES] if i in others]
+                for visits in range(1, _REVISITS + 1):
+                    tok = next((i for i in window if (after := progress(i, strict=True, visits=visits)) is not None),
+                               None)
+                    if tok is not None:
                         break
             if tok is None:  # 4
-                tok = best[0]
+                tok = turn[0]
                 after = take(tok)
+                stuck += 1
+            else:
+                stuck = 0
             path.append(tok)
             if ended:  # something ended: the same content states may recur (array items)
-                seen = set()
+                seen = Counter()
             allowed = after
-            seen.add(allowed.tobytes())
+            seen[allowed.tobytes()] += 1
     except ValueError:  # an allowed token the matcher then refused
         return None
     return None
@@ -472,7 +520,7 @@ class GrammarProcessor:
         self._forced: list[int] = []
         self._estimate = 0  # tokens the last simulated completion needed
         self._next_check = 1  # call number of the next simulation far from the end
-        self._checking = True
+        self._retry_at = 0  # after a simulation that found no completion: when to try again
         self.closed_early = False
 
     def cap_budget(self, max_tokens: int) -> None:
@@ -500,22 +548,33 @@ class GrammarProcessor:
         # is within twice the last estimate: cheap far from the end, exact near it.
         # Also re-simulate far from the end, at shrinking intervals: the completion grows
         # while the model nests ("[[[[..."), so the last estimate alone can be far too low.
-        if self._checking and not self._forced and (
-                self._calls >= self._next_check or remaining <= 2 * self._estimate + 16):
+        steer = None
+        if not self._forced and self._calls >= self._retry_at and (
+                self._calls >= self._next_check or remaining <= 2 * self._estimate + _STRUCTURE_SLACK):
             path = closing_path(self.matcher, self._tiers, self._eos, limit=remaining)
             if path is None:
-                self._checking = False  # no completion fits: it ends with "length"
+                # None fits now (or the search found none): look again later, less often;
+                # the model may reach a state it can close from.
+                self._retry_at = self._calls + max(4, remaining // 4)
             elif len(path) >= remaining - _SLACK:
                 self._forced = path  # the budget only just covers a completion: take it
                 self.closed_early = True
             else:
                 self._estimate = len(path)
                 self._next_check = self._calls + max(1, (remaining - len(path) - _SLACK) // 4)
+                if len(path) >= remaining - _STRUCTURE_SLACK and self._tiers[0][path[0]] <= 2:
+                    steer = path[0]  # a closer or separator: the model's content is never chosen
         if self._forced:
             allowed = np.zeros(logits.shape[-1], dtype=bool)
             allowed[self._forced.pop(0)] = True
         else:
             allowed = allowed_tokens(self.matcher, logits.shape[-1])
+            if steer is not None and 8 * int(allowed.sum()) < allowed.shape[0]:
+                # Near the end, at a choice of structure (a new key, item or nesting, or the
+                # closer), close: one such token can lengthen the completion past any fixed
+                # slack (a long optional key, a dict entry holding an object).
+                allowed = np.zeros_like(allowed)
+                allowed[steer] = True
         return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
 
 

@@ -228,6 +228,11 @@ def test_reasoning_goes_to_thinking_block_and_thinking_delta():
     last = [b for b in chunks[-1].message.blocks if isinstance(b, ThinkingBlock)]
     assert last[0].num_tokens == n and chunks[-1].raw["usage"]["completion_tokens_details"] == {"reasoning_tokens": n}
     assert "completion_tokens_details" not in llm.chat(user("hi"), reasoning=False).raw["usage"]
+    # Completions: complete() and the last streamed response both carry the whole reasoning.
+    done = llm.complete("think first", response_format=fmt)
+    streamed = list(llm.stream_complete("think first", response_format=fmt))
+    assert done.additional_kwargs["thinking"] == streamed[-1].additional_kwargs["thinking"] == "weighing it"
+    assert streamed[-1].text == done.text == "the answer"
 
 
 def test_reasoning_flag_reaches_the_template():

@@ -5,21 +5,21 @@ answer cut by the token budget, ``{"a": -``, would parse as ``{}`` and reach the
 a result, with required keys missing. Constrained decoding guarantees a complete document
 whenever the answer ends by itself; one that ended with ``finish_reason="length"`` is an
 ``OutputParserException`` (with ``include_raw=True``: ``parsing_error``), as LlamaIndex's
-structured predict and OpenAI's ``parse`` API treat it. Streaming partial results
-(``partial=True``) are unchanged.
+structured predict and OpenAI's ``parse`` API treat it. A stream yields its partial results
+as before and then raises the same exception when the cut chunk arrives, instead of ending
+on a partial document.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, AsyncIterator, Iterator
 
 from langchain_core.exceptions import OutputParserException
 from langchain_core.output_parsers import (JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser,
                                            PydanticToolsParser)
 
 
-def _refuse_cut(result: list) -> None:
-    message = getattr(result[0], "message", None) if result else None
+def _refuse_cut(message: Any) -> None:
     finish = (getattr(message, "response_metadata", None) or {}).get("finish_reason")
     if finish == "length":
         text = message.content if isinstance(message.content, str) else ""
@@ -28,11 +28,30 @@ def _refuse_cut(result: list) -> None:
             "raise max_tokens", llm_output=text)
 
 
+def _refusing_cut(chunks: Iterator[Any]) -> Iterator[Any]:
+    for chunk in chunks:
+        _refuse_cut(chunk)
+        yield chunk
+
+
+async def _arefusing_cut(chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for chunk in chunks:
+        _refuse_cut(chunk)
+        yield chunk
+
+
 class _WholeAnswer:
     def parse_result(self, result: list, *, partial: bool = False) -> Any:
-        if not partial:
-            _refuse_cut(result)
+        if not partial and result:
+            _refuse_cut(getattr(result[0], "message", None))
         return super().parse_result(result, partial=partial)
+
+    def _transform(self, input: Iterator[Any]) -> Iterator[Any]:
+        yield from super()._transform(_refusing_cut(input))
+
+    async def _atransform(self, input: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for value in super()._atransform(_arefusing_cut(input)):
+            yield value
 
 
 class WholeJsonParser(_WholeAnswer, JsonOutputParser):

@@ -7,7 +7,6 @@ forward step. Construction is cheap: the model loads on the first call.
 
 from __future__ import annotations
 
-from operator import itemgetter
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, Union
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -16,7 +15,7 @@ from langchain_core.language_models.chat_models import BaseChatModel, LangSmithP
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.messages.utils import convert_to_messages
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -310,9 +309,17 @@ class ChatMLX(BaseChatModel):
             raise ValueError(f"unknown method {method!r}; use 'json_schema', 'function_calling' or 'json_mode'")
         if not include_raw:
             return llm | parser
-        parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
-        no_parse = RunnablePassthrough.assign(parsed=lambda _: None)
-        return RunnableMap(raw=llm) | parse.with_fallbacks([no_parse], exception_key="parsing_error")
+
+        def parsed(out: dict) -> dict:
+            # One step over the whole raw message, not core's fallback chain: a stream's
+            # parse error comes at its end, after the fallback could take over, and the
+            # result must be the same dict as invoke's (parsed None, the parsing_error).
+            try:
+                return {**out, "parsed": parser.invoke(out["raw"]), "parsing_error": None}
+            except Exception as exc:  # noqa: BLE001 - reported as ChatOpenAI reports it
+                return {**out, "parsed": None, "parsing_error": exc}
+
+        return RunnableMap(raw=llm) | RunnableLambda(parsed)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -214,7 +214,8 @@ def to_completion_response(out, model_name: str) -> CompletionResponse:
 
 class StreamAccumulator:
     """StreamDeltas -> LlamaIndex stream responses: ``message.content``/``text`` is the text so
-    far, ``delta`` the new piece, ``additional_kwargs["thinking_delta"]`` the new reasoning."""
+    far, ``delta`` the new piece, ``additional_kwargs["thinking_delta"]`` the new reasoning
+    (and, for completions, ``additional_kwargs["thinking"]`` the reasoning so far)."""
 
     def __init__(self, model_name: str, request_id: str):
         self._model_name = model_name
@@ -254,6 +255,8 @@ class StreamAccumulator:
         extra = self._update(delta)
         if extra is None:
             return None
+        if self.reasoning:  # cumulative, as ``text`` is, and as complete() reports it
+            extra["thinking"] = self.reasoning
         return CompletionResponse(
             text=self.content, delta=delta.content or "",
             raw=raw_response(self._model_name, self._request_id, delta.finish_reason, delta.usage),

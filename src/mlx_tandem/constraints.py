@@ -22,10 +22,10 @@ the smallest valid answer (then finish_reason is "length").
 from __future__ import annotations
 
 import copy
-from collections import Counter
 import json
 import logging
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -397,7 +397,8 @@ def closing_path(matcher, tiers: tuple[np.ndarray, ...], eos: frozenset[int],
        ``_MAX_SAME_CLOSES`` times in a row: closing one level of nesting can leave the
        same choices (``}`` then ``}`` again, where the vocabulary has no ``}}``);
     3. the first of the best ``_TRIES`` other candidates after which the set is one not
-       seen since the last closer;
+       seen since the last closer, else one seen once (``_REVISITS``): the way out of
+       "First Last" passes the state the string began in;
     4. the best candidate, and on each further step without progress the next one in
        turn: where every candidate leaves the set as it was (free text held to an
        unanchored pattern such as ``[0-9]{3}``), repeating the best one would never reach
@@ -448,6 +449,8 @@ def closing_path(matcher, tiers: tuple[np.ndarray, ...], eos: frozenset[int],
             # Content never needs an escape or a piece of a character to close, and either
             # reads as progress (only a few tokens may follow): it looped on ``\"``.
             usable = allowed & ~awkward if free_text else allowed
+            if not usable.any():
+                usable = allowed
             score = np.where(usable, t * 100_000 + np.where(t >= 3, length, -length), np.iinfo(np.int64).max)
             n_allowed = int(usable.sum())
             n = min(n_allowed, _TRIES)
@@ -480,7 +483,8 @@ def closing_path(matcher, tiers: tuple[np.ndarray, ...], eos: frozenset[int],
             k = stuck % len(best)
             turn = best[k:] + best[:k]
             if tok is None:  # 3: a set not seen since the last closer, else one seen once
-                window = others if not stuck else [i for i in turn[:_STUCK_TRIES] if i in others]
+                pool = set(others)
+                window = others if not stuck else [i for i in turn[:_STUCK_TRIES] if i in pool]
                 for visits in range(1, _REVISITS + 1):
                     tok = next((i for i in window if (after := progress(i, strict=True, visits=visits)) is not None),
                                None)

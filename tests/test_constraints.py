@@ -13,11 +13,13 @@ import json
 import re
 from typing import Literal, Optional
 
+import numpy as np
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from mlx_tandem import SamplingParams
-from mlx_tandem.constraints import Constraint, closing_path
+from mlx_tandem.chat_format import ChatFormat
+from mlx_tandem.constraints import Constraint, closing_path, open_call_constraint, tool_call_constraint
 from mlx_tandem.default_model import is_packaged
 from mlx_tandem.errors import ConstraintError, InvalidRequestError
 
@@ -157,6 +159,13 @@ UNCLOSABLE = {
                                   {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
     # Requires a key it does not list: closed, nothing could satisfy it.
     "required_key_not_listed": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
+    # allOf branches given as refs: the $defs entries share one object.
+    "all_of_refs": {"$defs": {"A": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                              "B": {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}},
+                    "allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]},
+    # A branch beside its parent's properties names keys of the same object.
+    "any_of_beside_properties": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                                 "anyOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
 }
 
 
@@ -180,6 +189,7 @@ async def test_objects_are_closed_only_where_the_schema_still_allows_its_documen
 
 
 def test_schemas_that_are_not_json_data_or_too_deep_are_constraint_errors():
+    fmt = ChatFormat(tool_call_start="<tool_call>", tool_call_end="</tool_call>", tool_format="json_tools")
     deep: dict = {"type": "string"}
     for _ in range(5000):
         deep = {"type": "array", "items": deep}
@@ -187,6 +197,11 @@ def test_schemas_that_are_not_json_data_or_too_deep_are_constraint_errors():
                 {"type": "object", "properties": {"a": {"const": object()}}}):
         with pytest.raises(ConstraintError):
             Constraint.json_schema(bad)
+        tool = {"type": "function", "function": {"name": "f", "parameters": bad}}
+        with pytest.raises(ConstraintError):  # a tool's parameters too, forced or opened lazily
+            tool_call_constraint(fmt, [tool], ["f"], parallel=False, marker=json.dumps)
+        with pytest.raises(ConstraintError):
+            open_call_constraint(fmt, [tool], marker=json.dumps)
 
 
 async def test_schema_given_as_json_text_and_bare_form(llama_engine):
@@ -484,6 +499,46 @@ async def test_a_dict_of_objects_closes_at_every_budget(qwen3_5_engine):
         assert_valid_structured(out, schema, Shelter, n)
 
 
+def _allowed_near_the_end(grammar, constraint, prefix: str, remaining: int) -> set[str]:
+    """What a row's grammar processor lets through after ``prefix``, ``remaining`` tokens
+    before the end of its budget (as text of the allowed tokens)."""
+    import mlx.core as mx
+
+    from mlx_tandem.constraints import GrammarProcessor
+
+    matcher = grammar.compile(constraint)
+    for t in grammar.tokenizer.tokenize_str(prefix):
+        assert matcher.consume_token(t), prefix
+    proc = GrammarProcessor(matcher, tiers=grammar.tiers(), eos_token_ids=grammar.eos_token_ids,
+                            max_tokens=remaining, vocab_size=grammar.vocab_size)
+    masked = np.array(proc.mask(mx.zeros((1, grammar.vocab_size))))[0]
+    return {grammar.tokenizer.decode_str([i]) for i in np.flatnonzero(masked == 0)}
+
+
+@pytest.mark.parametrize("vocabulary", ["factory", "demo"])
+def test_near_the_end_only_choices_of_structure_are_steered(qwen3_5_engine, vocabulary):
+    """Within the structure slack of the end, closing takes a new key, entry or item away
+    (a long optional key or a dict entry would overrun), but never what goes on with a value:
+    the next digit of a number, a longer enum value, a regex match that may go on."""
+    if vocabulary == "demo" and not is_packaged():
+        pytest.skip("a source tree without the packaged weights")
+    grammar = qwen3_5_engine._grammar if vocabulary == "factory" else _demo_grammar()
+    integer = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    enum = Constraint.json_schema({"type": "object", "properties": {"a": {"enum": ["x", "xy"]}}, "required": ["a"]})
+    digits = Constraint.regex("[0-9]+")
+    for remaining in (12, 20, 30):
+        assert "2" in _allowed_near_the_end(grammar, integer, '{"a": 1', remaining)
+        assert "y" in _allowed_near_the_end(grammar, enum, '{"a": "x', remaining)
+        assert "2" in _allowed_near_the_end(grammar, digits, "4", remaining)
+        # A choice of structure alone: no new entry in the dict, it closes.
+        steered = _allowed_near_the_end(grammar, Constraint.json_schema(Shelter.model_json_schema()),
+                                        '{"xs": [1, 2], "cats": {', remaining)
+        assert len(steered) == 1 and steered.pop().startswith("}")
+    far = _allowed_near_the_end(grammar, Constraint.json_schema(Shelter.model_json_schema()),
+                                '{"xs": [1, 2], "cats": {', 400)
+    assert "}" in far and '"' in far  # far from the end the model may add an entry
+
+
 PATTERNS = [r"^[A-Z][a-z]+ [A-Z][a-z]+$", r"[0-9]{3}", r"^.*x$", r"[a-z]+$", r"^\d{3}-\d{4}$",
             r"^[a-f0-9]{8}-[a-f0-9]{4}$", "@"]
 
@@ -511,6 +566,31 @@ class Event(_Strict):
     when: datetime.date
     at: datetime.datetime
     alarm: datetime.time
+
+
+def test_date_formats_take_exactly_the_dates_python_reads(qwen3_5_engine):
+    """Year 0000, second 60 and February 29 outside leap years pass RFC 3339 (and
+    llguidance's own format) but not Python's datetime, so not Pydantic."""
+    grammar = qwen3_5_engine._grammar
+
+    def takes(fmt: str, text: str) -> bool:
+        matcher = grammar.compile(Constraint.json_schema({"type": "string", "format": fmt}))
+        return all(matcher.consume_token(t) for t in grammar.tokenizer.tokenize_str(json.dumps(text))) \
+            and matcher.is_accepting()
+
+    def python_reads(text: str) -> bool:
+        try:
+            datetime.date.fromisoformat(text)
+            return True
+        except ValueError:
+            return False
+
+    days = [f"{y:04d}-{m:02d}-{d:02d}" for y in (1900, 2000, 2023, 2024) for m in (2, 4, 12) for d in range(27, 32)]
+    assert [takes("date", d) for d in days] == [python_reads(d) for d in days]
+    assert not takes("date", "0000-01-01") and takes("date", "0001-01-01")
+    assert takes("date-time", "2024-02-29T23:59:59.5+05:30") and not takes("date-time", "2023-02-29T00:00:00Z")
+    assert not takes("date-time", "2024-01-01T23:59:60Z") and not takes("time", "23:59:60Z")
+    assert takes("time", "23:59:59Z")
 
 
 async def test_dates_and_times_are_ones_python_can_read(qwen3_5_engine):

@@ -27,7 +27,7 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -58,13 +58,7 @@ class Constraint:
                 raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise ConstraintError("a JSON schema must be an object")
-        try:
-            source = json.dumps(_prepared_schema(schema), allow_nan=False)
-        except RecursionError:
-            raise ConstraintError("the JSON schema is nested too deeply") from None
-        except (TypeError, ValueError) as exc:  # values JSON cannot hold, or a cycle
-            raise ConstraintError(f"the JSON schema is not JSON data: {exc}") from None
-        return cls("json_schema", source, name or "json_schema")
+        return cls("json_schema", _schema_text(lambda: _prepared_schema(schema)), name or "json_schema")
 
     @classmethod
     def json_object(cls) -> "Constraint":
@@ -79,6 +73,17 @@ class Constraint:
         return cls("regex", pattern, "regex")
 
 
+def _schema_text(build: Callable[[], Any]) -> str:
+    """``build()``'s schema as JSON text; a schema too deep to walk, or holding what JSON
+    cannot (NaN, objects, a cycle), is a ConstraintError."""
+    try:
+        return json.dumps(build(), allow_nan=False)
+    except RecursionError:
+        raise ConstraintError("the JSON schema is nested too deeply") from None
+    except (TypeError, ValueError) as exc:
+        raise ConstraintError(f"the JSON schema is not JSON data: {exc}") from None
+
+
 # Where a JSON Schema holds subschemas (draft 2020-12 and draft 7). Everything else, const,
 # enum, default and examples above all, is data: a value that has a "properties" key is not
 # an object schema.
@@ -88,48 +93,86 @@ _SUBSCHEMA = ("additionalProperties", "unevaluatedProperties", "items", "additio
               "contains", "propertyNames", "not", "if", "then", "else")
 
 
-# RFC 3339 (and llguidance) allow year 0000 and a leap second :60; Python's datetime, so
-# Pydantic and jsonschema's format checker, refuse both. Intersected with the format by
-# llguidance; a string that has its own pattern keeps it.
+# llguidance's date formats allow year 0000, a leap second :60 and February 29 in any year;
+# Python's datetime (so Pydantic, and jsonschema's format checker) refuses all three. These
+# patterns are intersected with the format by llguidance; a string with its own pattern
+# keeps it.
 _YEAR = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+              r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_DATE = rf"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
 _FORMAT_PATTERNS = {
-    "date": rf"^{_YEAR}-.*$",
-    "date-time": rf"^{_YEAR}-[0-9]{{2}}-[0-9]{{2}}[Tt ][0-9]{{2}}:[0-9]{{2}}:[0-5][0-9].*$",
+    "date": rf"^{_DATE}$",
+    "date-time": rf"^{_DATE}[Tt ][0-9]{{2}}:[0-9]{{2}}:[0-5][0-9].*$",
     "time": r"^[0-9]{2}:[0-9]{2}:[0-5][0-9].*$",
 }
 
 
-def _prepared_schema(schema: Any, *, in_all_of: bool = False) -> Any:
+def _prepared_schema(schema: Any) -> Any:
     """The caller's schema as the grammar gets it; every output still validates against it.
 
     - ``additionalProperties`` defaults to false on objects that list their properties: it
       only forbids keys the schema did not name, and a tool never receives arguments it does
-      not declare. Left open where closing would refuse what the schema allows: an ``allOf``
-      branch or an object combined with other subschemas (their keys are not in its
-      ``properties``), and an object that requires a key it does not list.
+      not declare. Left open where closing would refuse what the schema allows, because
+      other subschemas name keys too: an ``allOf`` branch (inline or a ``$defs`` entry it
+      refers to), an ``anyOf``/``oneOf`` branch beside its parent's own properties, an object
+      combined with such subschemas or a ``$ref``, and an object that requires a key it does
+      not list.
     - ``date``, ``date-time`` and ``time`` strings also exclude year 0000 and second 60.
     """
+    return _prepare(schema, open_defs=_defs_combined(schema), keep_open=False)
+
+
+def _defs_combined(schema: Any) -> set[str]:
+    """Names of the ``$defs``/``definitions`` entries that an ``allOf`` (or an ``anyOf``/
+    ``oneOf`` beside properties) refers to: they share their object with other subschemas."""
+    names: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            for key in ("allOf", "anyOf", "oneOf"):
+                branches = node.get(key)
+                if isinstance(branches, list) and (key == "allOf" or "properties" in node):
+                    for b in branches:
+                        ref = b.get("$ref") if isinstance(b, dict) else None
+                        if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+                            names.add(ref.rsplit("/", 1)[1])
+            stack.extend(node.values())
+    return names
+
+
+def _prepare(schema: Any, *, open_defs: set[str], keep_open: bool) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+
+    def sub(value: Any, keep: bool = False) -> Any:
+        return _prepare(value, open_defs=open_defs, keep_open=keep)
+
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _prepared_schema(sub) for name, sub in out[key].items()}
+            is_defs = key in ("$defs", "definitions")
+            out[key] = {name: sub(v, keep=is_defs and name in open_defs) for name, v in out[key].items()}
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_prepared_schema(sub, in_all_of=key == "allOf") for sub in out[key]]
+            shared = key == "allOf" or (key in ("anyOf", "oneOf") and "properties" in out)
+            out[key] = [sub(v, keep=shared) for v in out[key]]
     for key in _SUBSCHEMA:
-        sub = out.get(key)
-        if isinstance(sub, list):  # draft 7 tuple "items"
-            out[key] = [_prepared_schema(s) for s in sub]
-        elif isinstance(sub, dict):
-            out[key] = _prepared_schema(sub)
+        value = out.get(key)
+        if isinstance(value, list):  # draft 7 tuple "items"
+            out[key] = [sub(v) for v in value]
+        elif isinstance(value, dict):
+            out[key] = sub(value)
     fmt = out.get("format")
     if isinstance(fmt, str) and fmt in _FORMAT_PATTERNS and "pattern" not in out:
         out["pattern"] = _FORMAT_PATTERNS[fmt]
     properties = out.get("properties")
     required = out.get("required", [])
-    if (isinstance(properties, dict) and not in_all_of and out.get("type", "object") == "object"
+    if (isinstance(properties, dict) and not keep_open and out.get("type", "object") == "object"
             and "additionalProperties" not in out and "unevaluatedProperties" not in out
             and not any(k in out for k in ("allOf", "anyOf", "oneOf", "$ref", "if"))
             and isinstance(required, list) and all(k in properties for k in required)):
@@ -185,7 +228,7 @@ def tool_call_constraint(fmt: ChatFormat, tools: Sequence[dict], names: Sequence
             "this model's chat template has no tool-call markers, so a tool call cannot be forced")
     call = f'{marker(fmt.tool_call_start)} "\\n" body "\\n" {marker(fmt.tool_call_end)}'
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    grammar = f"{start}\ncall: {call}\nbody: %json {json.dumps(_call_body_schema(tools, names))}\n"
+    grammar = f"{start}\ncall: {call}\nbody: %json {_schema_text(lambda: _call_body_schema(tools, names))}\n"
     return Constraint("lark", grammar, f"tool_call({', '.join(names)})")
 
 
@@ -196,7 +239,7 @@ def open_call_constraint(fmt: ChatFormat, tools: Sequence[dict], *, marker: Call
     """
     names = tool_names(tools)
     grammar = (f'start: "\\n" body "\\n" {marker(fmt.tool_call_end)}\n'
-               f"body: %json {json.dumps(_call_body_schema(tools, names))}\n")
+               f"body: %json {_schema_text(lambda: _call_body_schema(tools, names))}\n")
     return Constraint("lark", grammar, f"open_tool_call({', '.join(names)})")
 
 
@@ -264,6 +307,7 @@ def _grammar_text(c: Constraint) -> str:
 _CLOSERS = frozenset(b'"}])')
 _SEPARATORS = frozenset(b",:")
 _DIGITS = frozenset(b"0123456789")
+_STRUCTURE = frozenset(b'"{}[](),: \t\n\r')
 # Take the closing path while the budget still exceeds it by this many tokens. One token can
 # lengthen the shortest completion by several (a "," in an array, " {" in an object, a new
 # optional key): with a slack of one, such a token right before the end left no completion
@@ -282,6 +326,21 @@ _MAX_SAME_CLOSES = 16
 _REVISITS = 2
 # Candidates tried on a step that follows one without progress.
 _STUCK_TRIES = 8
+# Steps without progress after which escapes and pieces of characters are candidates again.
+_AWKWARD_AFTER = 16
+# Searches that may find no completion in one request before closing mode gives up on it.
+_MAX_FAILED_SEARCHES = 3
+
+
+class TokenClasses(NamedTuple):
+    """What closing mode needs to know of each token id (arrays over the vocabulary)."""
+
+    tier: np.ndarray  # closing preference: 0 EOS, 1 closers, 2 separators, 3 digits, 4 the rest
+    length: np.ndarray  # bytes
+    quote_first: np.ndarray  # starts with a quote
+    awkward: np.ndarray  # holds a backslash (an escape, in a JSON string)
+    partial: np.ndarray  # bytes that are not whole UTF-8 characters
+    structural: np.ndarray  # only JSON punctuation and whitespace (or EOS): no content
 
 
 class GrammarCompiler:
@@ -295,7 +354,7 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
         self._llt = None
-        self._tiers: Optional[tuple[np.ndarray, ...]] = None
+        self._tiers: Optional[TokenClasses] = None
 
     @property
     def tokenizer(self):
@@ -334,24 +393,26 @@ class GrammarCompiler:
             raise ConstraintError(f"invalid {constraint.description}: {matcher.get_error()}")
         return matcher
 
-    def tiers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per-token closing preference (tier), byte length, whether the token starts with a
-        quote and whether it is awkward content (a backslash, or bytes that are not whole
-        UTF-8 characters), computed once."""
+    def tiers(self) -> "TokenClasses":
+        """Per-token closing preference and classes (``TokenClasses``), computed once."""
         if self._tiers is None:
             llt = self.tokenizer
             tier = np.full(self.vocab_size, 4, dtype=np.int64)
             length = np.zeros(self.vocab_size, dtype=np.int64)
             quote_first = np.zeros(self.vocab_size, dtype=bool)
             awkward = np.zeros(self.vocab_size, dtype=bool)
+            partial = np.zeros(self.vocab_size, dtype=bool)
+            structural = np.zeros(self.vocab_size, dtype=bool)
             for i in range(self.vocab_size):
                 b = llt.decode_bytes([i])
                 length[i] = len(b)
                 quote_first[i] = b[:1] == b'"'
+                structural[i] = bool(b) and all(ch in _STRUCTURE for ch in b)
                 try:
-                    awkward[i] = b"\\" in b or not b.decode("utf-8")
+                    b.decode("utf-8")
+                    awkward[i] = b"\\" in b
                 except UnicodeDecodeError:
-                    awkward[i] = True
+                    partial[i] = True
                 if b and all(ch in _CLOSERS for ch in b):
                     tier[i] = 1
                 elif b and all(ch in _SEPARATORS for ch in b):
@@ -359,7 +420,8 @@ class GrammarCompiler:
                 elif b and all(ch in _DIGITS for ch in b):
                     tier[i] = 3  # numbers start with a digit, not "-"
             tier[self.eos_token_ids] = 0
-            self._tiers = (tier, length, quote_first, awkward)
+            structural[self.eos_token_ids] = True
+            self._tiers = TokenClasses(tier, length, quote_first, awkward, partial, structural)
         return self._tiers
 
 
@@ -371,7 +433,7 @@ def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
     return allowed
 
 
-def closing_path(matcher, tiers: tuple[np.ndarray, ...], eos: frozenset[int],
+def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int],
                  limit: int) -> Optional[list[int]]:
     """A short completion from the matcher's state (on a copy), or None if over ``limit``.
 
@@ -405,11 +467,11 @@ def closing_path(matcher, tiers: tuple[np.ndarray, ...], eos: frozenset[int],
        the content that lets the string close.
     Ending the grammar counts as progress.
     Judging a candidate costs a consume, a mask and, when it is refused, a rollback, on the
-    engine thread: ``_TRY_BUDGET`` bounds the refusals per simulation, then it is plain
-    greedy. Tested on fuzzed schemas, formats, patterns and grammars, on the factory and
+    engine thread: ``_TRY_BUDGET`` bounds the refusals per simulation, then only the best
+    closer is judged and step 4 goes on in turn. Tested on fuzzed schemas, formats, patterns and grammars, on the factory and
     the demo tokenizers.
     """
-    tier, length, quote_first, awkward = tiers
+    tier, length, quote_first, awkward, partial, _ = tiers
     vocab = tier.shape[0]
     closer = tier == 1
     in_text = np.where(closer & ~quote_first, 4, tier)
@@ -419,7 +481,7 @@ def closing_path(matcher, tiers: tuple[np.ndarray, ...], eos: frozenset[int],
     path: list[int] = []
     allowed = allowed_tokens(m, vocab)
     seen = Counter([allowed.tobytes()])  # visits of each allowed set since the last closer
-    budget, same_closes, stuck = _TRY_BUDGET, 0, 0
+    budget, same_closes, stuck, turned = _TRY_BUDGET, 0, 0, 0
 
     def take(tok: int) -> np.ndarray:
         if not m.consume_token(tok):
@@ -446,9 +508,13 @@ def closing_path(matcher, tiers: tuple[np.ndarray, ...], eos: frozenset[int],
                 return None
             free_text = 2 * n_allowed > vocab
             t = in_text if free_text else in_structure
-            # Content never needs an escape or a piece of a character to close, and either
-            # reads as progress (only a few tokens may follow): it looped on ``\"``.
-            usable = allowed & ~awkward if free_text else allowed
+            # Content never needs a piece of a character to close and rarely an escape, and
+            # either reads as progress (only a few tokens may follow): it looped on ``\"``.
+            # Escapes come back once the search has been stuck a while (a pattern ending in
+            # a quote or a backslash needs one).
+            usable = allowed
+            if free_text:
+                usable = allowed & ~partial & ~(awkward if stuck < _AWKWARD_AFTER else False)
             if not usable.any():
                 usable = allowed
             score = np.where(usable, t * 100_000 + np.where(t >= 3, length, -length), np.iinfo(np.int64).max)
@@ -468,7 +534,8 @@ def closing_path(matcher, tiers: tuple[np.ndarray, ...], eos: frozenset[int],
                 if (after := progress(i, strict=not structure)) is not None:
                     tok = i
                     break
-            ended = tok is not None
+            # A closer right after an escape (``\"``) is content: nothing ended.
+            ended = tok is not None and not (path and awkward[path[-1]])
             same_level = False
             if tok is None and closing and structure and same_closes < _MAX_SAME_CLOSES:
                 after = take(closing[0])  # 2
@@ -480,7 +547,7 @@ def closing_path(matcher, tiers: tuple[np.ndarray, ...], eos: frozenset[int],
             same_closes = same_closes + 1 if same_level else 0
             # 3 and 4 go round the candidates from where the last step without progress
             # left off; after such a step only the next few are tried (tries are the cost).
-            k = stuck % len(best)
+            k = turned % len(best)
             turn = best[k:] + best[:k]
             if tok is None:  # 3: a set not seen since the last closer, else one seen once
                 pool = set(others)
@@ -494,6 +561,7 @@ def closing_path(matcher, tiers: tuple[np.ndarray, ...], eos: frozenset[int],
                 tok = turn[0]
                 after = take(tok)
                 stuck += 1
+                turned += 1  # not reset by progress: the next round starts where this one ended
             else:
                 stuck = 0
             path.append(tok)
@@ -525,6 +593,7 @@ class GrammarProcessor:
         self._estimate = 0  # tokens the last simulated completion needed
         self._next_check = 1  # call number of the next simulation far from the end
         self._retry_at = 0  # after a simulation that found no completion: when to try again
+        self._failed = 0
         self.closed_early = False
 
     def cap_budget(self, max_tokens: int) -> None:
@@ -557,26 +626,32 @@ class GrammarProcessor:
                 self._calls >= self._next_check or remaining <= 2 * self._estimate + _STRUCTURE_SLACK):
             path = closing_path(self.matcher, self._tiers, self._eos, limit=remaining)
             if path is None:
-                # None fits now (or the search found none): look again later, less often;
-                # the model may reach a state it can close from.
-                self._retry_at = self._calls + max(4, remaining // 4)
+                # None fits now (or the search found none): look again later, less often,
+                # since the model may reach a state it can close from; a failed search
+                # walks the whole budget, so after _MAX_FAILED_SEARCHES stop looking.
+                self._failed += 1
+                self._retry_at = (self._calls + max(4, remaining // 4) if self._failed < _MAX_FAILED_SEARCHES
+                                  else self._max_tokens + 1)
             elif len(path) >= remaining - _SLACK:
                 self._forced = path  # the budget only just covers a completion: take it
                 self.closed_early = True
             else:
                 self._estimate = len(path)
                 self._next_check = self._calls + max(1, (remaining - len(path) - _SLACK) // 4)
-                if len(path) >= remaining - _STRUCTURE_SLACK and self._tiers[0][path[0]] <= 2:
-                    steer = path[0]  # a closer or separator: the model's content is never chosen
+                if len(path) >= remaining - _STRUCTURE_SLACK and self._tiers.tier[path[0]] <= 2:
+                    steer = path[0]  # a closer, separator or EOS
         if self._forced:
             allowed = np.zeros(logits.shape[-1], dtype=bool)
             allowed[self._forced.pop(0)] = True
         else:
             allowed = allowed_tokens(self.matcher, logits.shape[-1])
-            if steer is not None and 8 * int(allowed.sum()) < allowed.shape[0]:
-                # Near the end, at a choice of structure (a new key, item or nesting, or the
-                # closer), close: one such token can lengthen the completion past any fixed
-                # slack (a long optional key, a dict entry holding an object).
+            classes = self._tiers
+            if steer is not None and not (allowed & ~(classes.structural | classes.quote_first)).any():
+                # Near the end, at a choice of structure only (a new key, item, nesting or
+                # call, or the closer), close: one such token can lengthen the completion
+                # past any fixed slack (a long optional key, a dict entry holding an object).
+                # Where a token may go on with the value (a digit, a letter of an enum
+                # value), the choice is the model's.
                 allowed = np.zeros_like(allowed)
                 allowed[steer] = True
         return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))

@@ -9,8 +9,7 @@ three produced the same tokens, and writes JSON to the path given (and a PNG plo
 
 Then (d), the engine's host time per step: 16 requests on a model whose forward costs almost
 nothing (hidden 64, 2 layers), through the engine and through the raw BatchGenerator,
-alternating, best of 7; and once more through the engine with callers that read every delta
-(streaming) instead of collecting the answer. On a fast GPU a step of a small model takes a few milliseconds, and
+alternating, best of 7. On a fast GPU a step of a small model takes a few milliseconds, and
 what the engine adds per step (detokenizing, stop strings, handing outputs to the event
 loop) shows there; on the CPU it hides behind the forward, so (b)/(c) cannot see it.
 
@@ -158,26 +157,18 @@ async def host_overhead(model_dir: Path) -> dict:
         eos = engine.loaded.eos_token_ids
         params = SamplingParams(max_tokens=max_tokens)
         await engine.complete(ids[0], SamplingParams(max_tokens=2))  # warm-up
-        async def streamed(prompt):  # a caller that reads every delta (one wake-up a step)
-            return [t async for d in engine.stream_complete(prompt, params) for t in d.token_ids]
-
-        best_engine = best_streamed = best_raw = float("inf")
+        best_engine = best_raw = float("inf")
         for _ in range(cfg["repeats"]):
             t0 = time.perf_counter()
             outs = await asyncio.gather(*(engine.complete(i, params) for i in ids))
             best_engine = min(best_engine, time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            streams = await asyncio.gather(*(streamed(i) for i in ids))
-            best_streamed = min(best_streamed, time.perf_counter() - t0)
             raw, wall = run_raw_batch_generator(path, ids, max_tokens, eos, n, 512)
             best_raw = min(best_raw, wall)
-        same = [o.token_ids for o in outs] == raw == streams
+        same = [o.token_ids for o in outs] == raw
     steps = max(len(o.token_ids) for o in outs)
     return {"sizes": cfg["sizes"], "n": n, "max_tokens": max_tokens, "steps": steps,
             "engine_ms_per_step": 1e3 * best_engine / steps, "raw_ms_per_step": 1e3 * best_raw / steps,
-            "streamed_ms_per_step": 1e3 * best_streamed / steps,
             "host_ms_per_step": 1e3 * (best_engine - best_raw) / steps, "ratio_raw_over_engine": best_raw / best_engine,
-            "ratio_streamed_over_collected": best_streamed / best_engine,
             "outputs_identical": same}
 
 
@@ -213,8 +204,6 @@ def main(argv=None) -> int:
     print(f"\n(d) host time per step, {h['n']} requests on a near-free forward: engine {h['engine_ms_per_step']:.2f} ms, "
           f"raw mlx-lm {h['raw_ms_per_step']:.2f} ms: the engine adds {h['host_ms_per_step']:.2f} ms a step "
           f"(raw/engine {h['ratio_raw_over_engine']:.2f}), same tokens: {h['outputs_identical']}")
-    print(f"    callers reading every delta: {h['streamed_ms_per_step']:.2f} ms a step "
-          f"({h['ratio_streamed_over_collected']:.2f}x the collected answers')")
     report.write(results, args.output, plot)
     if not all(r["outputs_identical"] for r in results["runs"] + [h]):
         print("FAILED: batched greedy outputs differ from one-at-a-time greedy", file=sys.stderr)

@@ -75,8 +75,7 @@ class ChatOutputParser:
         max_tool_calls: Optional[int] = None,
     ):
         self._fmt = fmt
-        #: Calls allowed before the answer ends (parallel_tool_calls=False: 1); None: any.
-        self.max_tool_calls = max_tool_calls
+        self._max_calls = max_tool_calls
         #: The answer has made its last allowed call; everything after it is dropped.
         self.calls_exhausted = False
         self._tools = list(tools or [])
@@ -211,7 +210,7 @@ class ChatOutputParser:
             if isinstance(item, ToolCall):
                 out.tool_calls.append(item)
                 self.num_tool_calls += 1
-                self.calls_exhausted = self.max_tool_calls is not None and self.num_tool_calls >= self.max_tool_calls
+                self.calls_exhausted = self._max_calls is not None and self.num_tool_calls >= self._max_calls
             else:
                 out.invalid_tool_calls.append(item)
 

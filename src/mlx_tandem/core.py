@@ -27,7 +27,7 @@ from .lanes import Lane, TextLane, TokenEvent
 from .memory import CacheFootprint, MemoryLedger, derive_budget, device_memory_bytes, probe_footprint
 from .model_loader import LoadedModel, load_mtp_head, load_text_model, resolve_model_path
 from .options import EngineOptions
-from .outputs import StreamDelta, Usage, merge_deltas
+from .outputs import StreamDelta, Usage
 from .prefix_cache import PrefixCache
 from .specprefill import SpecPrefillConfig
 from .request import Request, RequestState, dispatch
@@ -530,13 +530,6 @@ class EngineCore:
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, req: Request, item) -> None:
-        if req.final_only and isinstance(item, StreamDelta):
-            if item.finish_reason is None:
-                req.held.append(item)
-                return
-            if req.held:
-                item = merge_deltas([*req.held, item])
-                req.held.clear()
         self._outbox.append((req, item))
 
     def _flush(self) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -91,11 +90,3 @@ class RequestOutput:
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     invalid_tool_calls: list[InvalidToolCall] = field(default_factory=list)
-
-
-def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
-    """Raw deltas of one request (no parsed fields yet) as one: text and tokens joined, the
-    last one's finish and usage."""
-    last = deltas[-1]
-    return dataclasses.replace(last, text="".join(d.text for d in deltas),
-                               token_ids=tuple(t for d in deltas for t in d.token_ids))

@@ -126,10 +126,6 @@ class Request:
     cached_tokens: int = 0
     # time.monotonic() past which the engine fails the request with TimeoutError (None: never).
     deadline: Optional[float] = None
-    # Set by a reader that wants only the whole answer (collect()): the owner thread then holds
-    # the deltas and sends them merged with the last, instead of waking the reader every step.
-    final_only: bool = False
-    held: list = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

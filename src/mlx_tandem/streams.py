@@ -52,13 +52,6 @@ class _StreamBase:
     def deadline(self, value: Optional[float]) -> None:
         self._req.deadline = value
 
-    def _want_final_only(self) -> None:
-        """A reader that collects needs no delta before the last: one wake-up per request,
-        not one per step. Not when the answer ends at its first call
-        (parallel_tool_calls=False): the reader must see that call to free the row."""
-        if self._parser is None or self._parser.max_tool_calls is None:
-            self._req.final_only = True  # read by the owner thread; what it sent before still counts
-
     def _accept(self, item) -> StreamDelta:
         if isinstance(item, BaseException):
             self._done = True
@@ -211,7 +204,6 @@ class AsyncStream(_StreamBase):
         return item
 
     async def collect(self) -> RequestOutput:
-        self._want_final_only()
         async with self:
             async for _ in self:
                 pass
@@ -249,7 +241,6 @@ class SyncStream(_StreamBase):
         return self._accept(item)
 
     def collect(self) -> RequestOutput:
-        self._want_final_only()
         with self:
             for _ in self:
                 pass

@@ -116,6 +116,8 @@ def test_stats_have_every_key_before_the_first_request(llama_path, llama_engine)
     fresh = Engine(llama_path)
     assert _keys(fresh.stats()) == _keys(llama_engine.stats())
     assert fresh.stats()["requests"] == 0
+    fresh.start_sync()  # the configured prefix-cache budget shows before any request
+    assert fresh.stats()["prefix_cache"]["budget_bytes"] == fresh.options.prefix_cache_bytes > 0
     fresh.close_sync()
 
 

@@ -122,6 +122,31 @@ def test_close_frees_the_lanes_before_it_empties_mlx_buffer_cache(qwen3_5_mtp_pa
     assert seen == [[False, False, False]]
 
 
+def test_a_load_that_fails_part_way_frees_what_it_loaded_on_its_thread(qwen3_5_mtp_path, tiny_models):
+    """A SpecPrefill draft with another tokenizer fails the load after the target and its
+    MTP head are loaded: they are freed on the owner thread (arrays freed at exit by another
+    thread abort the process), not kept by the error's frames."""
+    from mlx_tandem import ModelLoadError
+
+    other_vocab = tiny_models.get("draft", vocab_size=1024)
+    engine = Engine(str(qwen3_5_mtp_path), show_progress=False, specprefill_draft=str(other_vocab))
+    with pytest.raises(ModelLoadError, match="tokenizer") as err:
+        engine.start_sync()
+    core = engine._core
+    core._thread.join(20)
+    assert not core._thread.is_alive()
+    assert core.loaded is not None and dict(core.loaded.model.parameters()) == {}  # released
+    heads = [f.f_locals.get("mtp_head") for f in _frames(err.value.__traceback__)]
+    assert not any(h is not None for h in heads)  # no frame of the error keeps the head
+    engine.close_sync()
+
+
+def _frames(tb):
+    while tb is not None:
+        yield tb.tb_frame
+        tb = tb.tb_next
+
+
 def test_run_on_owner_thread_from_the_owner_thread_runs_at_once(llama_engine, llama_path):
     """From a processor, or from inside another call, it runs inline: queued, it would
     wait for the very loop that is waiting for it."""

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+import traceback
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -130,6 +131,10 @@ class EngineCore:
             self._build_lanes()
         except BaseException as exc:  # noqa: BLE001 - reported through the ready future
             self._mark_closed()
+            # What loaded before the failure (weights, head) is freed here, on this thread:
+            # the error keeps _build_lanes' frame, so its locals go too.
+            traceback.clear_frames(exc.__traceback__)
+            self._shut_down(fail_requests=False)
             self.ready.set_exception(exc)
             self._fail_inbox(exc)
             return
@@ -145,15 +150,18 @@ class EngineCore:
             logger.exception("engine loop crashed")
         finally:
             self._mark_closed()
-            # Each step on its own: one that fails must not skip the rest (callers left
-            # hanging, or arrays freed by another thread at exit, which aborts). No lane is
-            # named in this frame, so _release_arrays frees them before it clears MLX's cache.
-            for step in (self._fail_everything_at_close, self._close_lanes,
-                         self._drain_device, self._release_arrays):
-                try:
-                    step()
-                except BaseException:  # noqa: BLE001
-                    logger.exception("engine shutdown step failed")
+            self._shut_down(fail_requests=True)
+
+    def _shut_down(self, *, fail_requests: bool) -> None:
+        # Each step on its own: one that fails must not skip the rest (callers left hanging,
+        # or arrays freed by another thread at exit, which aborts). No lane is named in the
+        # caller's frame, so _release_arrays frees them before it clears MLX's cache.
+        steps = (self._fail_everything_at_close,) if fail_requests else ()
+        for step in (*steps, self._close_lanes, self._drain_device, self._release_arrays):
+            try:
+                step()
+            except BaseException:  # noqa: BLE001
+                logger.exception("engine shutdown step failed")
 
     def _build_lanes(self) -> None:
         """Load the model (and head, draft, vision tower) and build the lanes and the ledger.
@@ -189,6 +197,8 @@ class EngineCore:
             )
         self._memory = self._make_ledger(mtp_head)
         self._update_queue_stats()
+        for lane in self._lanes.values():  # the configured budgets show before the first step
+            self._publish_lane_stats(lane)
 
     def _fail_everything_at_close(self) -> None:
         self._fail_everything(EngineClosedError("the engine was closed"))
@@ -475,6 +485,11 @@ class EngineCore:
             generation_tokens=st.generation_tokens,
             decode_time=st.decode_time,
         )
+        self._publish_lane_stats(lane)
+        for ev in events:
+            self._process(lane, ev)
+
+    def _publish_lane_stats(self, lane: Lane) -> None:
         mtp = getattr(lane, "mtp_stats", None)
         if mtp is not None and (snap := mtp()) is not None:
             self.stats.set_mtp(lane.name, snap)
@@ -482,8 +497,6 @@ class EngineCore:
             report = getattr(lane, f"{section}_stats", None)
             if report is not None and (snap := report()) is not None:
                 self.stats.set_section(section, snap)
-        for ev in events:
-            self._process(lane, ev)
 
     def _process(self, lane: Lane, ev: TokenEvent) -> None:
         req = self._running.get(ev.request_id)

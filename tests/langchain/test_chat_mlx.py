@@ -350,7 +350,7 @@ def test_structured_output_cut_by_max_tokens_is_a_parsing_error_not_a_partial_re
         out = raw.invoke("a point")
         assert out["raw"].response_metadata["finish_reason"] == "length"
         assert out["parsed"] is None and isinstance(out["parsing_error"], OutputParserException), out
-        streamed = list(raw.stream("a point"))[-1]  # the same dict, streamed: not a partial document
+        streamed = list(raw.stream("a point"))[-1]  # ends on the same verdict: not a partial document
         assert streamed["parsed"] is None and isinstance(streamed["parsing_error"], OutputParserException)
         plain = make_llm(max_tokens=4).with_structured_output(target, method=method)
         with pytest.raises(OutputParserException):
@@ -362,9 +362,13 @@ def test_structured_output_cut_by_max_tokens_is_a_parsing_error_not_a_partial_re
 async def test_structured_output_include_raw_streams_what_invoke_returns():
     llm = make_llm(max_tokens=100).with_structured_output(Joke, include_raw=True)
     want = await llm.ainvoke("tell a joke")
-    got = [c async for c in llm.astream("tell a joke")][-1]
+    chunks = [c async for c in llm.astream("tell a joke")]
+    assert all(set(c) == {"raw"} for c in chunks[:-1]) and len(chunks) > 2  # raw chunks as they come
+    got = chunks[0]
+    for c in chunks[1:]:
+        got = got + c
     assert isinstance(want["parsed"], Joke) and got["parsed"] == want["parsed"] and got["parsing_error"] is None
-    assert got["raw"].content == want["raw"].content
+    assert got["raw"].content == want["raw"].content and isinstance(want["raw"], AIMessage)
 
 
 async def test_structured_output_concurrent_batch_all_valid():

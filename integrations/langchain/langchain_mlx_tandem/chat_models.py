@@ -15,7 +15,8 @@ from langchain_core.language_models.chat_models import BaseChatModel, LangSmithP
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.messages.utils import convert_to_messages
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap
+from langchain_core.runnables import Runnable, RunnableGenerator, RunnableMap
+from langchain_core.runnables.utils import AddableDict
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -310,19 +311,41 @@ class ChatMLX(BaseChatModel):
         if not include_raw:
             return llm | parser
 
-        def parsed(out: dict) -> dict:
-            # One step over the whole raw message, not core's fallback chain: a stream's
-            # parse error comes at its end, after the fallback could take over, and the
-            # result must be the same dict as invoke's (parsed None, the parsing_error).
-            try:
-                return {**out, "parsed": parser.invoke(out["raw"]), "parsing_error": None}
-            except Exception as exc:  # noqa: BLE001 - reported as ChatOpenAI reports it
-                return {**out, "parsed": None, "parsing_error": exc}
-
-        return RunnableMap(raw=llm) | RunnableLambda(parsed)
+        return RunnableMap(raw=llm) | _raw_then_parsed(parser)
 
 
 # ---------------------------------------------------------------------- helpers
+def _raw_then_parsed(parser: Runnable) -> Runnable:
+    """``include_raw=True``: the raw chunks as they come, then ``parsed`` and
+    ``parsing_error`` from the whole message. Not core's fallback chain: a stream's parse
+    error comes at its end, past the point where the fallback can take over, so a stream
+    and ``invoke`` must both end on the same dict (``parsed=None`` and the error)."""
+
+    def parsed(raw: Any) -> AddableDict:
+        try:
+            return AddableDict(parsed=parser.invoke(raw), parsing_error=None)
+        except Exception as exc:  # noqa: BLE001 - reported as ChatOpenAI reports it
+            return AddableDict(parsed=None, parsing_error=exc)
+
+    def transform(chunks: Iterator[dict]) -> Iterator[AddableDict]:
+        raw = None
+        for chunk in chunks:
+            if "raw" in chunk:
+                raw = chunk["raw"] if raw is None else raw + chunk["raw"]
+                yield AddableDict(raw=chunk["raw"])
+        yield parsed(raw)
+
+    async def atransform(chunks: AsyncIterator[dict]) -> AsyncIterator[AddableDict]:
+        raw = None
+        async for chunk in chunks:
+            if "raw" in chunk:
+                raw = chunk["raw"] if raw is None else raw + chunk["raw"]
+                yield AddableDict(raw=chunk["raw"])
+        yield parsed(raw)
+
+    return RunnableGenerator(transform, atransform, name="parse_structured_output")
+
+
 def _openai_tool(tool: Any, strict: Optional[bool]) -> dict:
     formatted = convert_to_openai_tool(tool, strict=strict)
     full = recursive_model_schema(tool)

@@ -23,7 +23,8 @@ from . import _platform
 from .chat_format import ChatFormat
 from .chat_output import ChatOutputParser
 from .chat_plan import plan_chat
-from .constraints import GrammarCompiler, GrammarProcessor, TokenBan, response_format_constraint
+from .closing import GrammarProcessor
+from .constraints import GrammarCompiler, TokenBan, response_format_constraint
 from .tool_call_grammar import LazyToolCallGrammar
 from .core import EngineCore
 from .default_model import DEFAULT_MODEL_NAME

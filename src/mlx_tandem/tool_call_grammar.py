@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-from .constraints import GrammarProcessor
+from .closing import GrammarProcessor
 
 
 class LazyToolCallGrammar:

@@ -1,0 +1,319 @@
+"""Closing mode: steer a grammar-constrained row to a valid end within its token budget.
+
+Random or weak weights, and any model near its ``max_tokens``, would otherwise leave a JSON
+string or object open ("length", broken JSON). ``GrammarProcessor`` masks each step to the
+grammar and, near the end of the budget, onto a short completion that ``closing_path``
+finds by simulation on a copy of the matcher (see docs/design.md, "Budget").
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from .errors import ConstraintError
+
+# Closing-mode preferences: lower tier first. Closers end strings, arrays and objects (and
+# parentheses, in Lark and regex grammars); separators move on to the next required key.
+# EOS ends the answer once it is complete.
+_CLOSERS = frozenset(b'"}])')
+_SEPARATORS = frozenset(b",:")
+_DIGITS = frozenset(b"0123456789")
+_STRUCTURE = frozenset(b'"{}[](),: \t\n\r')
+# Take the closing path while the budget still exceeds it by this many tokens. One token can
+# lengthen the shortest completion by several (a "," in an array, " {" in an object, a new
+# optional key): with a slack of one, such a token right before the end left no completion
+# that fits, and a valid-looking request ended with "length" and broken JSON.
+_SLACK = 8
+# Within this many tokens of the end, a choice of structure follows the completion (see
+# GrammarProcessor.mask); content (string text, digits) stays the model's.
+_STRUCTURE_SLACK = 32
+# closing_path: candidates tried per step when the best one makes no progress, and extra
+# tries per simulation (each a consume, a mask and a rollback, on the engine thread).
+_TRIES = 128
+_TRY_BUDGET = 512
+_MAX_SAME_CLOSES = 16
+# A content state may be reached this many times between closers and still count as progress:
+# once was too few where the way out passes the state the string began in ("First Last").
+_REVISITS = 2
+# Candidates tried on a step that follows one without progress.
+_STUCK_TRIES = 8
+# Steps without progress after which escapes and pieces of characters are candidates again.
+_AWKWARD_AFTER = 16
+# Searches that may find no completion in one request before closing mode gives up on it.
+_MAX_FAILED_SEARCHES = 3
+
+
+class TokenClasses(NamedTuple):
+    """What closing mode needs to know of each token id (arrays over the vocabulary)."""
+
+    tier: np.ndarray  # closing preference: 0 EOS, 1 closers, 2 separators, 3 digits, 4 the rest
+    length: np.ndarray  # bytes
+    quote_first: np.ndarray  # starts with a quote
+    awkward: np.ndarray  # holds a backslash (an escape, in a JSON string)
+    partial: np.ndarray  # bytes that are not whole UTF-8 characters
+    structural: np.ndarray  # only JSON punctuation and whitespace (or EOS): no content
+
+
+def token_classes(llt, vocab_size: int, eos_token_ids: Sequence[int]) -> TokenClasses:
+    """``TokenClasses`` of an llguidance tokenizer's vocabulary."""
+    tier = np.full(vocab_size, 4, dtype=np.int64)
+    length = np.zeros(vocab_size, dtype=np.int64)
+    quote_first = np.zeros(vocab_size, dtype=bool)
+    awkward = np.zeros(vocab_size, dtype=bool)
+    partial = np.zeros(vocab_size, dtype=bool)
+    structural = np.zeros(vocab_size, dtype=bool)
+    for i in range(vocab_size):
+        b = llt.decode_bytes([i])
+        length[i] = len(b)
+        quote_first[i] = b[:1] == b'"'
+        structural[i] = bool(b) and all(ch in _STRUCTURE for ch in b)
+        try:
+            b.decode("utf-8")
+            awkward[i] = b"\\" in b
+        except UnicodeDecodeError:
+            partial[i] = True
+        if b and all(ch in _CLOSERS for ch in b):
+            tier[i] = 1
+        elif b and all(ch in _SEPARATORS for ch in b):
+            tier[i] = 2
+        elif b and all(ch in _DIGITS for ch in b):
+            tier[i] = 3  # numbers start with a digit, not "-"
+    eos = list(eos_token_ids)
+    tier[eos] = 0
+    structural[eos] = True
+    return TokenClasses(tier, length, quote_first, awkward, partial, structural)
+
+
+def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    allowed = np.zeros(vocab_size, dtype=bool)
+    n = min(vocab_size, bits.shape[0])
+    allowed[:n] = bits[:n].astype(bool)
+    return allowed
+
+
+def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int],
+                 limit: int) -> Optional[list[int]]:
+    """A short completion from the matcher's state (on a copy), or None if over ``limit``.
+
+    Greedy over preference tiers: EOS, then closers (longest first: ``"}`` closes two
+    levels), then separators, then digits, then anything allowed, shortest first (a long
+    byte-level token can leave a UTF-8 sequence open; a single byte completes it); ties go
+    to the lowest token id.
+
+    A quote ends a string or opens one, and the other closer characters are a string's
+    content. So in free text (most of the vocabulary allowed, a quote among it: a JSON
+    string) only closers that start with a quote keep their tier; elsewhere a closer that
+    starts with a quote opens a string with content, and ``"`` alone opens an empty one,
+    which then needs closing: it goes after the other closers.
+
+    Greedy alone loops where the best token is content: ``]`` in a string held to a
+    pattern, ``0`` where a number must not be zero, ``(`` in a Lark grammar of nested
+    parentheses, ``.`` and ``}`` in turn in an email address. So each step judges a
+    candidate by the set of tokens allowed after it, and takes, in order of preference:
+    1. a closer (or ``"``) after which that set differs: in structure (few tokens
+       allowed), from the current one; in content (many allowed, where a closer character
+       may be content), from every set seen since the last closer;
+    2. in structure, the best closer that leaves the set as it is, at most
+       ``_MAX_SAME_CLOSES`` times in a row: closing one level of nesting can leave the
+       same choices (``}`` then ``}`` again, where the vocabulary has no ``}}``);
+    3. the first of the best ``_TRIES`` other candidates after which the set is one not
+       seen since the last closer, else one seen once (``_REVISITS``): the way out of
+       "First Last" passes the state the string began in;
+    4. the best candidate, and on each further step without progress the next one in
+       turn: where every candidate leaves the set as it was (free text held to an
+       unanchored pattern such as ``[0-9]{3}``), repeating the best one would never reach
+       the content that lets the string close.
+    Ending the grammar counts as progress.
+    Judging a candidate costs a consume, a mask and, when it is refused, a rollback, on the
+    engine thread: ``_TRY_BUDGET`` bounds the refusals per simulation, then only the best
+    closer is judged and step 4 goes on in turn. Tested on fuzzed schemas, formats, patterns and grammars, on the factory and
+    the demo tokenizers.
+    """
+    tier, length, quote_first, awkward, partial, _ = tiers
+    vocab = tier.shape[0]
+    closer = tier == 1
+    in_text = np.where(closer & ~quote_first, 4, tier)
+    in_structure = np.where(closer & quote_first, np.where(length > 1, 4, 2), tier)
+    lone_quote = quote_first & (length == 1)
+    m = matcher.deep_copy()
+    path: list[int] = []
+    allowed = allowed_tokens(m, vocab)
+    seen = Counter([allowed.tobytes()])  # visits of each allowed set since the last closer
+    budget, same_closes, stuck, turned = _TRY_BUDGET, 0, 0, 0
+
+    def take(tok: int) -> np.ndarray:
+        if not m.consume_token(tok):
+            raise ValueError(tok)
+        return allowed_tokens(m, vocab)
+
+    def progress(tok: int, strict: bool, visits: int = 1) -> Optional[np.ndarray]:
+        """Take ``tok`` if the allowed set after it is new (``strict``) or at least another
+        one (or the grammar ended); else undo it."""
+        nonlocal budget
+        after = take(tok)
+        if m.is_stopped() or (seen[after.tobytes()] < visits if strict else not np.array_equal(after, allowed)):
+            return after
+        m.rollback(1)
+        budget -= 1
+        return None
+
+    try:
+        while len(path) <= limit:
+            if m.is_stopped():
+                return path + [min(eos)]
+            n_allowed = int(allowed.sum())
+            if not n_allowed:
+                return None
+            free_text = 2 * n_allowed > vocab
+            t = in_text if free_text else in_structure
+            # Content never needs a piece of a character to close and rarely an escape, and
+            # either reads as progress (only a few tokens may follow): it looped on ``\"``.
+            # Escapes come back once the search has been stuck a while (a pattern ending in
+            # a quote or a backslash needs one).
+            usable = allowed
+            if free_text:
+                usable = allowed & ~partial & ~(awkward if stuck < _AWKWARD_AFTER else False)
+            if not usable.any():
+                usable = allowed
+            score = np.where(usable, t * 100_000 + np.where(t >= 3, length, -length), np.iinfo(np.int64).max)
+            n_allowed = int(usable.sum())
+            n = min(n_allowed, _TRIES)
+            best = np.sort(np.argpartition(score, n - 1)[:n]) if n < vocab else np.arange(vocab)
+            best = [int(i) for i in best[np.argsort(score[best], kind="stable")]]  # ties: lowest id first
+            if best[0] in eos:
+                return path + [best[0]]
+            # Out of tries: the best closer, else the candidates in turn (4).
+            tries = best if budget > 0 else best[:1]
+            closing = [i for i in tries if t[i] == 1 or lone_quote[i]]
+            others = [i for i in tries if not (t[i] == 1 or lone_quote[i])] if budget > 0 else []
+            structure = 8 * n_allowed < vocab
+            tok = after = None
+            for i in closing:  # 1
+                if (after := progress(i, strict=not structure)) is not None:
+                    tok = i
+                    break
+            # A closer right after an escape (``\"``) is content: nothing ended.
+            ended = tok is not None and not (path and awkward[path[-1]])
+            same_level = False
+            if tok is None and closing and structure and same_closes < _MAX_SAME_CLOSES:
+                after = take(closing[0])  # 2
+                same_level = np.array_equal(after, allowed)
+                if same_level:
+                    tok, ended = closing[0], True
+                else:
+                    m.rollback(1)
+            same_closes = same_closes + 1 if same_level else 0
+            # 3 and 4 go round the candidates from where the last step without progress
+            # left off; after such a step only the next few are tried (tries are the cost).
+            k = turned % len(best)
+            turn = best[k:] + best[:k]
+            if tok is None:  # 3: a set not seen since the last closer, else one seen once
+                pool = set(others)
+                window = others if not stuck else [i for i in turn[:_STUCK_TRIES] if i in pool]
+                for visits in range(1, _REVISITS + 1):
+                    tok = next((i for i in window if (after := progress(i, strict=True, visits=visits)) is not None),
+                               None)
+                    if tok is not None:
+                        break
+            if tok is None:  # 4
+                tok = turn[0]
+                after = take(tok)
+                stuck += 1
+                turned += 1  # not reset by progress: the next round starts where this one ended
+            else:
+                stuck = 0
+            path.append(tok)
+            if ended:  # something ended: the same content states may recur (array items)
+                seen = Counter()
+            allowed = after
+            seen[allowed.tobytes()] += 1
+    except ValueError:  # an allowed token the matcher then refused
+        return None
+    return None
+
+
+class GrammarProcessor:
+    """mlx-lm logits processor for one row: mask to the grammar, close within budget.
+
+    mlx-lm calls a row's processors once per generated token, with the row's token
+    context whose last element is the token sampled at the previous call.
+    """
+
+    def __init__(self, matcher, *, tiers, eos_token_ids: Sequence[int], max_tokens: int,
+                 vocab_size: int):
+        self.matcher = matcher
+        self._tiers = tiers
+        self._eos = frozenset(int(t) for t in eos_token_ids)
+        self._max_tokens = int(max_tokens)
+        self._vocab = int(vocab_size)
+        self._calls = 0
+        self._forced: list[int] = []
+        self._estimate = 0  # tokens the last simulated completion needed
+        self._next_check = 1  # call number of the next simulation far from the end
+        self._retry_at = 0  # after a simulation that found no completion: when to try again
+        self._failed = 0
+        self.closed_early = False
+
+    def cap_budget(self, max_tokens: int) -> None:
+        """Lower the row's token budget before it starts (the vision lane learns the real
+        one only once the images are expanded), so the answer still closes within it."""
+        self._max_tokens = min(self._max_tokens, int(max_tokens))
+
+    def __call__(self, tokens, logits):
+        if self._calls > 0:
+            self.consume(int(tokens[-1].item()))
+        return self.mask(logits)
+
+    def consume(self, tok: int) -> None:
+        """Advance the matcher by a token the row emitted."""
+        if not self.matcher.consume_token(tok):
+            raise ConstraintError(f"grammar rejected token {tok}: {self.matcher.get_error()}")
+
+    def mask(self, logits):
+        """The logits for the next token, masked to the grammar (one call per token)."""
+        import mlx.core as mx
+
+        self._calls += 1
+        remaining = self._max_tokens - self._calls + 1  # tokens left, this one included
+        # Simulate at the start (the smallest answer's length) and whenever the budget left
+        # is within twice the last estimate: cheap far from the end, exact near it.
+        # Also re-simulate far from the end, at shrinking intervals: the completion grows
+        # while the model nests ("[[[[..."), so the last estimate alone can be far too low.
+        steer = None
+        if not self._forced and self._calls >= self._retry_at and (
+                self._calls >= self._next_check or remaining <= 2 * self._estimate + _STRUCTURE_SLACK):
+            path = closing_path(self.matcher, self._tiers, self._eos, limit=remaining)
+            if path is None:
+                # None fits now (or the search found none): look again later, less often,
+                # since the model may reach a state it can close from; a failed search
+                # walks the whole budget, so after _MAX_FAILED_SEARCHES stop looking.
+                self._failed += 1
+                self._retry_at = (self._calls + max(4, remaining // 4) if self._failed < _MAX_FAILED_SEARCHES
+                                  else self._max_tokens + 1)
+            elif len(path) >= remaining - _SLACK:
+                self._forced = path  # the budget only just covers a completion: take it
+                self.closed_early = True
+            else:
+                self._estimate = len(path)
+                self._next_check = self._calls + max(1, (remaining - len(path) - _SLACK) // 4)
+                if len(path) >= remaining - _STRUCTURE_SLACK and self._tiers.tier[path[0]] <= 2:
+                    steer = path[0]  # a closer, separator or EOS
+        if self._forced:
+            allowed = np.zeros(logits.shape[-1], dtype=bool)
+            allowed[self._forced.pop(0)] = True
+        else:
+            allowed = allowed_tokens(self.matcher, logits.shape[-1])
+            classes = self._tiers
+            if steer is not None and not (allowed & ~(classes.structural | classes.quote_first)).any():
+                # Near the end, at a choice of structure only (a new key, item, nesting or
+                # call, or the closer), close: one such token can lengthen the completion
+                # past any fixed slack (a long optional key, a dict entry holding an object).
+                # Where a token may go on with the value (a digit, a letter of an enum
+                # value), the choice is the model's.
+                allowed = np.zeros_like(allowed)
+                allowed[steer] = True
+        return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))

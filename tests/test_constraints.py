@@ -164,6 +164,10 @@ UNCLOSABLE = {
     "all_of_refs": {"$defs": {"A": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
                               "B": {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}},
                     "allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]},
+    # A lone allOf branch is a wrapper (a description beside a $ref): nothing is left open.
+    "single_all_of_wrapper": {"type": "object", "required": ["sub", "other"], "properties": {
+        "sub": {"allOf": [{"$ref": "#/$defs/Sub"}], "description": "d"}, "other": {"$ref": "#/$defs/Sub"}},
+        "$defs": {"Sub": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
     # A branch beside its parent's properties names keys of the same object.
     "any_of_beside_properties": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
                                  "anyOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
@@ -176,6 +180,8 @@ async def test_objects_are_closed_only_where_the_schema_still_allows_its_documen
 
     schema = UNCLOSABLE[name]
     source = json.loads(Constraint.json_schema(schema).source)
+    if name == "single_all_of_wrapper":  # the wrapped object is still closed, wherever it is used
+        assert source["$defs"]["Sub"]["additionalProperties"] is False
     if name == "data_with_a_properties_key":
         props = source["properties"]
         assert (props["o"], props["e"], props["d"]["default"]) == (
@@ -194,7 +200,9 @@ def test_schemas_that_are_not_json_data_or_too_deep_are_constraint_errors():
     deep: dict = {"type": "string"}
     for _ in range(5000):
         deep = {"type": "array", "items": deep}
-    for bad in (deep, {"type": "object", "properties": {"a": {"const": float("nan")}}},
+    cyclic: dict = {"type": "array"}
+    cyclic["items"] = cyclic  # a dict that holds itself: refused, never walked for ever
+    for bad in (deep, cyclic, {"type": "object", "properties": {"a": {"const": float("nan")}}},
                 {"type": "object", "properties": {"a": {"const": object()}}}):
         with pytest.raises(ConstraintError):
             Constraint.json_schema(bad)
@@ -500,7 +508,7 @@ async def test_a_dict_of_objects_closes_at_every_budget(qwen3_5_engine):
         assert_valid_structured(out, schema, Shelter, n)
 
 
-def _allowed_near_the_end(grammar, constraint, prefix: str, remaining: int) -> set[str]:
+def _allowed_near_the_end(grammar, constraint, prefix: str, remaining: int, width: int = 0) -> set[str]:
     """What a row's grammar processor lets through after ``prefix``, ``remaining`` tokens
     before the end of its budget (as text of the allowed tokens)."""
     import mlx.core as mx
@@ -512,7 +520,7 @@ def _allowed_near_the_end(grammar, constraint, prefix: str, remaining: int) -> s
         assert matcher.consume_token(t), prefix
     proc = GrammarProcessor(matcher, tiers=grammar.tiers(), eos_token_ids=grammar.eos_token_ids,
                             max_tokens=remaining, vocab_size=grammar.vocab_size)
-    masked = np.array(proc.mask(mx.zeros((1, grammar.vocab_size))))[0]
+    masked = np.array(proc.mask(mx.zeros((1, width or grammar.vocab_size))))[0]
     return {grammar.tokenizer.decode_str([i]) for i in np.flatnonzero(masked == 0)}
 
 
@@ -537,6 +545,10 @@ def test_near_the_end_only_choices_of_structure_are_steered(qwen3_5_engine, voca
     far = _allowed_near_the_end(grammar, Constraint.json_schema(Shelter.model_json_schema()),
                                 '{"xs": [1, 2], "cats": {', 400)
     assert "}" in far and '"' in far  # far from the end the model may add an entry
+    # Logits wider than the tokenizer's vocabulary (padded embeddings) steer the same.
+    steered = _allowed_near_the_end(grammar, Constraint.json_schema(Shelter.model_json_schema()),
+                                    '{"xs": [1, 2], "cats": {', 20, width=grammar.vocab_size + 64)
+    assert len(steered) == 1 and steered.pop().startswith("}")
 
 
 PATTERNS = [r"^[A-Z][a-z]+ [A-Z][a-z]+$", r"[0-9]{3}", r"^.*x$", r"[a-z]+$", r"^\d{3}-\d{4}$",

@@ -123,10 +123,11 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int],
     3. the first of the best ``_TRIES`` other candidates after which the set is one not
        seen since the last closer, else one seen once (``_REVISITS``): the way out of
        "First Last" passes the state the string began in;
-    4. the best candidate, and on each further step without progress the next one in
-       turn: where every candidate leaves the set as it was (free text held to an
-       unanchored pattern such as ``[0-9]{3}``), repeating the best one would never reach
-       the content that lets the string close.
+    4. a candidate in turn: each step without progress takes the next one, going on
+       from where the last such step left off (progress does not restart the round):
+       where every candidate leaves the set as it was (free text held to an unanchored
+       pattern such as ``[0-9]{3}``), repeating the best one would never reach the
+       content that lets the string close.
     Ending the grammar counts as progress.
     Judging a candidate costs a consume, a mask and, when it is refused, a rollback, on the
     engine thread: ``_TRY_BUDGET`` bounds the refusals per simulation, then only the best
@@ -176,7 +177,9 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int],
             # a quote or a backslash needs one).
             usable = allowed
             if free_text:
-                usable = allowed & ~partial & ~(awkward if stuck < _AWKWARD_AFTER else False)
+                usable = allowed & ~partial
+                if stuck < _AWKWARD_AFTER:
+                    usable &= ~awkward
             if not usable.any():
                 usable = allowed
             score = np.where(usable, t * 100_000 + np.where(t >= 3, length, -length), np.iinfo(np.int64).max)
@@ -308,7 +311,9 @@ class GrammarProcessor:
         else:
             allowed = allowed_tokens(self.matcher, logits.shape[-1])
             classes = self._tiers
-            if steer is not None and not (allowed & ~(classes.structural | classes.quote_first)).any():
+            n = min(allowed.shape[0], classes.structural.shape[0])  # logits may be wider than the vocab
+            if steer is not None and not (allowed[n:].any() or (
+                    allowed[:n] & ~(classes.structural[:n] | classes.quote_first[:n])).any()):
                 # Near the end, at a choice of structure only (a new key, item, nesting or
                 # call, or the closer), close: one such token can lengthen the completion
                 # past any fixed slack (a long optional key, a dict entry holding an object).

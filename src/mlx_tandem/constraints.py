@@ -128,15 +128,23 @@ def _defs_combined(schema: Any) -> set[str]:
     """Names of the ``$defs``/``definitions`` entries that an ``allOf`` (or an ``anyOf``/
     ``oneOf`` beside properties) refers to: they share their object with other subschemas."""
     names: set[str] = set()
-    stack = [schema]
+    stack, visited = [schema], set()
     while stack:
         node = stack.pop()
+        if id(node) in visited:  # a schema that holds itself: _prepare refuses it
+            continue
+        visited.add(id(node))
         if isinstance(node, list):
             stack.extend(node)
         elif isinstance(node, dict):
             for key in ("allOf", "anyOf", "oneOf"):
                 branches = node.get(key)
-                if isinstance(branches, list) and (key == "allOf" or "properties" in node):
+                if not isinstance(branches, list):
+                    continue
+                # A lone allOf branch is only a wrapper (Pydantic v1's description beside a
+                # $ref): its object shares keys with nothing.
+                shares = "properties" in node or (key == "allOf" and len(branches) > 1)
+                if shares:
                     for b in branches:
                         ref = b.get("$ref") if isinstance(b, dict) else None
                         if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
@@ -159,7 +167,8 @@ def _prepare(schema: Any, *, open_defs: set[str], keep_open: bool) -> Any:
             out[key] = {name: sub(v, keep=is_defs and name in open_defs) for name, v in out[key].items()}
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            shared = key == "allOf" or (key in ("anyOf", "oneOf") and "properties" in out)
+            shared = (key == "allOf" and (len(out[key]) > 1 or "properties" in out)) or (
+                key in ("anyOf", "oneOf") and "properties" in out)
             out[key] = [sub(v, keep=shared) for v in out[key]]
     for key in _SUBSCHEMA:
         value = out.get(key)

@@ -41,6 +41,19 @@ OWNER_THREAD_NAME = "mlx-tandem-engine"
 _STOP = object()
 
 
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the locals of every frame in ``exc``'s traceback and in the errors it chains."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        stack += [err.__cause__, err.__context__, *getattr(err, "exceptions", ())]
+
+
 class EngineCore:
     def __init__(self, model: Any, options: EngineOptions):
         self.model = model  # as given: a path, a repo id, or None for the default model
@@ -132,8 +145,8 @@ class EngineCore:
         except BaseException as exc:  # noqa: BLE001 - reported through the ready future
             self._mark_closed()
             # What loaded before the failure (weights, head) is freed here, on this thread:
-            # the error keeps _build_lanes' frame, so its locals go too.
-            traceback.clear_frames(exc.__traceback__)
+            # the error and the errors it chains keep frames whose locals hold arrays.
+            _clear_frames(exc)
             self._shut_down(fail_requests=False)
             self.ready.set_exception(exc)
             self._fail_inbox(exc)

@@ -144,7 +144,7 @@ def test_a_load_that_fails_part_way_frees_what_it_loaded_on_its_thread(qwen3_5_m
 def test_clearing_a_failed_load_reaches_the_errors_it_chains():
     """Loaders wrap failures (``raise ModelLoadError(...) from exc``): the cause's frames
     hold the half-loaded weights, so they are cleared too."""
-    from mlx_tandem.core import _clear_frames
+    from mlx_tandem.teardown import clear_frames
 
     def inner():
         weights = [1, 2, 3]  # noqa: F841 - stands in for arrays
@@ -160,7 +160,7 @@ def test_clearing_a_failed_load_reaches_the_errors_it_chains():
         outer()
     cause_frames = list(_frames(err.value.__cause__.__traceback__))
     assert any("weights" in f.f_locals for f in cause_frames)
-    _clear_frames(err.value)
+    clear_frames(err.value)
     assert not any("weights" in f.f_locals for f in cause_frames)
 
 

@@ -14,7 +14,6 @@ import logging
 import queue
 import threading
 import time
-import traceback
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -31,6 +30,7 @@ from .options import EngineOptions
 from .outputs import StreamDelta, Usage
 from .prefix_cache import PrefixCache
 from .specprefill import SpecPrefillConfig
+from .teardown import clear_frames, drain_device, release_arrays
 from .request import Request, RequestState, dispatch
 from .stats import EngineStats
 
@@ -39,19 +39,6 @@ logger = logging.getLogger(__name__)
 OWNER_THREAD_NAME = "mlx-tandem-engine"
 
 _STOP = object()
-
-
-def _clear_frames(exc: BaseException) -> None:
-    """Drop the locals of every frame in ``exc``'s traceback and in the errors it chains."""
-    seen: set[int] = set()
-    stack = [exc]
-    while stack:
-        err = stack.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        traceback.clear_frames(err.__traceback__)
-        stack += [err.__cause__, err.__context__, *getattr(err, "exceptions", ())]
 
 
 class EngineCore:
@@ -146,7 +133,7 @@ class EngineCore:
             self._mark_closed()
             # What loaded before the failure (weights, head) is freed here, on this thread:
             # the error and the errors it chains keep frames whose locals hold arrays.
-            _clear_frames(exc)
+            clear_frames(exc)
             self._shut_down(fail_requests=False)
             self.ready.set_exception(exc)
             self._fail_inbox(exc)
@@ -170,7 +157,7 @@ class EngineCore:
         # or arrays freed by another thread at exit, which aborts). No lane is named in the
         # caller's frame, so _release_arrays frees them before it clears MLX's cache.
         steps = (self._fail_everything_at_close,) if fail_requests else ()
-        for step in (*steps, self._close_lanes, self._drain_device, self._release_arrays):
+        for step in (*steps, self._close_lanes, drain_device, self._release_arrays):
             try:
                 step()
             except BaseException:  # noqa: BLE001
@@ -264,46 +251,8 @@ class EngineCore:
                            "fail; lower prefix_cache_bytes or set request_memory_bytes", budget)
         return ledger
 
-    @staticmethod
-    def _drain_device() -> None:
-        """Wait for work still in flight on this thread's streams before the thread ends.
-
-        mlx-lm's generator keeps the next step in flight (async_eval); a thread that exits
-        with it pending can make MLX abort the process at exit ("terminate called without
-        an active exception", seen with mlx 0.32.4 on CPU).
-        """
-        import mlx.core as mx
-        from mlx_lm.generate import generation_stream
-
-        try:
-            mx.synchronize(generation_stream)  # thread-local: this thread's stream
-            mx.synchronize()
-        except Exception:  # noqa: BLE001 - best effort at shutdown
-            logger.debug("synchronize at shutdown failed", exc_info=True)
-
     def _release_arrays(self) -> None:
-        """Free every mx.array this thread made while the thread is still alive.
-
-        Arrays made here and freed later, by the interpreter's final teardown on another
-        thread, abort the process ("terminate called without an active exception", mlx
-        0.32.4 CPU), e.g. a script that keeps its engine in a global. So close() releases
-        the weights: the model's parameters are dropped here, on the owner thread.
-        """
-        import gc
-
-        self._lanes.clear()
-        if self.loaded is not None:
-            for module in (self.loaded.model, self.loaded.vlm):
-                if hasattr(module, "clear"):
-                    module.clear()  # nn.Module is a dict of its children and parameters
-        gc.collect()
-        import mlx.core as mx
-
-        mx.clear_cache()
-        # mlx >= 0.32 wants each thread that used MLX to destroy its streams before it
-        # ends (ml-explore/mlx#3395, mlx-vlm#1945); otherwise exit may abort.
-        if hasattr(mx, "clear_streams"):
-            mx.clear_streams()
+        release_arrays(self._lanes, self.loaded)
 
     def _loop(self) -> None:
         coalesce = self.options.coalesce_ms / 1000.0

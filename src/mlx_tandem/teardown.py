@@ -1,0 +1,66 @@
+"""Ending the owner thread without leaving MLX state to other threads.
+
+Arrays or streams this thread made and another thread frees (the interpreter's final
+teardown, a caller holding an error) can abort the process at exit ("terminate called
+without an active exception", mlx 0.32.4 on CPU). So the owner thread, before it ends,
+waits for its work in flight, drops the weights and caches it made, and clears the frames
+of a load error it hands to callers.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import traceback
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def clear_frames(exc: BaseException) -> None:
+    """Drop the locals of every frame in ``exc``'s traceback and in the errors it chains."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        stack += [err.__cause__, err.__context__, *getattr(err, "exceptions", ())]
+
+
+def drain_device() -> None:
+    """Wait for work still in flight on this thread's streams before the thread ends.
+
+    mlx-lm's generator keeps the next step in flight (async_eval); a thread that exits
+    with it pending can make MLX abort the process at exit.
+    """
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    try:
+        mx.synchronize(generation_stream)  # thread-local: this thread's stream
+        mx.synchronize()
+    except Exception:  # noqa: BLE001 - best effort at shutdown
+        logger.debug("synchronize at shutdown failed", exc_info=True)
+
+
+def release_arrays(lanes: dict, loaded: Any) -> None:
+    """Free every mx.array this thread made while the thread is still alive: the lanes
+    (caches, MTP head, prefix-cache entries) and the model's parameters, e.g. for a script
+    that keeps its engine in a global. Called with no lane held by the caller's frame, so
+    they are garbage before MLX's buffer cache is emptied."""
+    import mlx.core as mx
+
+    lanes.clear()
+    if loaded is not None:
+        for module in (loaded.model, loaded.vlm):
+            if hasattr(module, "clear"):
+                module.clear()  # nn.Module is a dict of its children and parameters
+    gc.collect()
+    mx.clear_cache()
+    # mlx >= 0.32 wants each thread that used MLX to destroy its streams before it ends
+    # (ml-explore/mlx#3395, mlx-vlm#1945); otherwise exit may abort.
+    if hasattr(mx, "clear_streams"):
+        mx.clear_streams()

@@ -252,8 +252,9 @@ async def test_regex_and_lark_response_formats(qwen3_5_engine):
 def _closing_length(engine, schema) -> int:
     """Tokens the closing mode needs to finish ``schema`` from scratch (EOS included)."""
     grammar = engine._grammar  # white-box: the engine's own compiler and closing preferences
-    path = closing_path(grammar.compile(Constraint.json_schema(schema)), grammar.tiers(),
-                        frozenset(grammar.eos_token_ids), limit=10_000)
+    constraint = Constraint.json_schema(schema)
+    path = closing_path(grammar.compile(constraint), grammar.tiers(), frozenset(grammar.eos_token_ids),
+                        limit=10_000, hints=grammar.hint_ids(constraint))
     assert path is not None
     return len(path)
 
@@ -280,11 +281,13 @@ def _demo_grammar():
 
 def _close_from(grammar, schema, prefix: str) -> str:
     """The document closing mode writes after ``prefix`` (``schema``: a JSON schema or a Constraint)."""
-    matcher = grammar.compile(schema if isinstance(schema, Constraint) else Constraint.json_schema(schema))
+    constraint = schema if isinstance(schema, Constraint) else Constraint.json_schema(schema)
+    matcher = grammar.compile(constraint)
     ids = grammar.tokenizer.tokenize_str(prefix)
     for t in ids:
         assert matcher.consume_token(t), prefix
-    path = closing_path(matcher, grammar.tiers(), frozenset(grammar.eos_token_ids), limit=200)
+    path = closing_path(matcher, grammar.tiers(), frozenset(grammar.eos_token_ids), limit=200,
+                        hints=grammar.hint_ids(constraint))
     assert path is not None, prefix
     body = [t for t in path if t not in grammar.eos_token_ids]
     return grammar.tokenizer.decode_str(ids + body)
@@ -347,6 +350,30 @@ def test_closing_mode_gets_past_content_it_could_repeat(qwen3_5_engine, vocabula
     assert _close_from(grammar, Constraint.lark(sexpr), "(a (b") == "(a (b))"
     assert _close_from(grammar, Constraint.lark(arith), "(1+(2") == "(1+(2))"
     assert _close_from(grammar, Constraint.regex(r"\(\d+(,\d+)*\)"), "(07") == "(07)"
+
+
+@pytest.mark.skipif(not is_packaged(), reason="a source tree without the packaged weights")
+@pytest.mark.parametrize("vocabulary", ["factory", "demo"])
+def test_closing_mode_spells_out_what_a_pattern_needs(qwen3_5_engine, vocabulary):
+    """In a string held to an unanchored literal ("foo"), to one ending in a quote or a
+    backslash, every single token leaves the allowed set as it was: the search found no
+    completion and the answer ended with "length". It writes out a witness of the pattern
+    (pattern_witness.py), escaped as the JSON string needs, from wherever the string is."""
+    grammar = qwen3_5_engine._grammar if vocabulary == "factory" else _demo_grammar()
+    email = r"^[a-z0-9._%+-]+@[a-z0-9.-]+\.[a-z]{2,}$"
+    for pattern in ["foo", "bar[0-9]", "hello world", r'a"$', r"\\$", r"x\d{2}y", email]:
+        schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+        for prefix in ["", '{"s": "', '{"s": "some text ']:
+            if pattern == email and prefix.endswith(" "):
+                continue  # the pattern refuses the prefix
+            doc = _close_from(grammar, schema, prefix)
+            value = validate(doc, schema, dict)["s"]
+            assert re.search(pattern, value) and value.startswith(prefix[7:]), (pattern, prefix, doc)
+    # Several patterns in one schema, and a top-level regex.
+    two = {"type": "object", "properties": {"a": {"type": "string", "pattern": "foo"},
+                                            "b": {"type": "string", "pattern": "bar"}}, "required": ["a", "b"]}
+    assert validate(_close_from(grammar, two, '{"a": "x'), two, dict)["a"].startswith("x")
+    assert re.fullmatch(r"(ab)+c", _close_from(grammar, Constraint.regex(r"(ab)+c"), "abab"))
 
 
 async def test_answers_with_formats_and_patterns_close_within_their_budget(qwen3_5_engine):
@@ -552,7 +579,7 @@ def test_near_the_end_only_choices_of_structure_are_steered(qwen3_5_engine, voca
 
 
 PATTERNS = [r"^[A-Z][a-z]+ [A-Z][a-z]+$", r"[0-9]{3}", r"^.*x$", r"[a-z]+$", r"^\d{3}-\d{4}$",
-            r"^[a-f0-9]{8}-[a-f0-9]{4}$", "@"]
+            r"^[a-f0-9]{8}-[a-f0-9]{4}$", "@", "foo", r'a"$', r"\\$"]
 
 
 async def test_strings_held_to_a_pattern_close(qwen3_5_engine):

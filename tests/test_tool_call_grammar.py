@@ -101,6 +101,28 @@ async def test_calls_a_random_model_opens_are_valid(engine, model_path):
     assert sum(bool(o.invalid_tool_calls) or not o.tool_calls for o in raw) >= len(seeds) // 2
 
 
+PATTERNED = [{"type": "function", "function": {"name": "tag", "description": "tag a record", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string", "pattern": "foo"},
+                                     "path": {"type": "string", "pattern": r"\\$"}},
+    "required": ["code", "path"], "additionalProperties": False}}}]
+
+
+async def test_opened_and_forced_calls_meet_their_patterns_within_the_budget(qwen3_5_engine):
+    """Arguments held to an unanchored literal or to a trailing backslash: closing mode
+    writes out what the pattern needs, so a random model's call still closes in budget,
+    opened under "auto" or forced."""
+    runs = [dict(params=SamplingParams(max_tokens=n, temperature=1.0, seed=s,
+                                       logits_processors=[_opens_a_call(qwen3_5_engine)]))
+            for n in (40, 80) for s in range(3)]
+    runs += [dict(params=SamplingParams(max_tokens=n, temperature=1.0, seed=s), tool_choice="tag")
+             for n in (40, 80) for s in range(2)]
+    outs = await asyncio.gather(*[qwen3_5_engine.chat(USER, tools=PATTERNED, **r) for r in runs])
+    for out in outs:
+        assert out.invalid_tool_calls == [] and len(out.tool_calls) >= 1, out.text
+        for call in out.tool_calls:
+            assert "foo" in call.arguments["code"] and call.arguments["path"].endswith("\\"), call.arguments
+
+
 async def test_text_before_a_call_is_not_masked(qwen3_5_engine):
     """Until a call opens, the grammar passes the logits through: greedy text without
     tools equals greedy text with tools whenever no call is opened."""

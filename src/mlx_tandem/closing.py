@@ -95,8 +95,8 @@ def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
     return allowed
 
 
-def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int],
-                 limit: int) -> Optional[list[int]]:
+def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
+                 hints: Sequence[Sequence[int]] = ()) -> Optional[list[int]]:
     """A short completion from the matcher's state (on a copy), or None if over ``limit``.
 
     Greedy over preference tiers: EOS, then closers (longest first: ``"}`` closes two
@@ -128,6 +128,10 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int],
        where every candidate leaves the set as it was (free text held to an unanchored
        pattern such as ``[0-9]{3}``), repeating the best one would never reach the
        content that lets the string close.
+    In free text, before 3, each of ``hints`` (token ids of a witness of a pattern,
+    pattern_witness.py) is tried whole: taken if the grammar takes it and the set after it
+    is new. In a string held to "foo" no single token shows progress, and turning through
+    candidates never spells the word.
     Ending the grammar counts as progress.
     Judging a candidate costs a consume, a mask and, when it is refused, a rollback, on the
     engine thread: ``_TRY_BUDGET`` bounds the refusals per simulation, then only the best
@@ -159,6 +163,18 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int],
         if m.is_stopped() or (seen[after.tobytes()] < visits if strict else not np.array_equal(after, allowed)):
             return after
         m.rollback(1)
+        budget -= 1
+        return None
+
+    def spell(ids: Sequence[int]) -> Optional[np.ndarray]:
+        """Take all of ``ids`` if the grammar does and the set after them is new; else undo."""
+        nonlocal budget
+        n = m.try_consume_tokens(list(ids))
+        if n == len(ids):
+            after = allowed_tokens(m, vocab)
+            if m.is_stopped() or not seen[after.tobytes()]:
+                return after
+        m.rollback(n)
         budget -= 1
         return None
 
@@ -214,6 +230,12 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int],
             # left off; after such a step only the next few are tried (tries are the cost).
             k = turned % len(best)
             turn = best[k:] + best[:k]
+            spelled: Sequence[int] = ()
+            if tok is None and free_text and budget > 0:  # 3, first: a pattern's witness
+                for ids in hints:
+                    if len(path) + len(ids) <= limit and (after := spell(ids)) is not None:
+                        *spelled, tok = ids
+                        break
             if tok is None:  # 3: a set not seen since the last closer, else one seen once
                 pool = set(others)
                 window = others if not stuck else [i for i in turn[:_STUCK_TRIES] if i in pool]
@@ -229,6 +251,7 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int],
                 turned += 1  # not reset by progress: the next round starts where this one ended
             else:
                 stuck = 0
+            path.extend(spelled)
             path.append(tok)
             if ended:  # something ended: the same content states may recur (array items)
                 seen = Counter()
@@ -247,9 +270,10 @@ class GrammarProcessor:
     """
 
     def __init__(self, matcher, *, tiers, eos_token_ids: Sequence[int], max_tokens: int,
-                 vocab_size: int):
+                 vocab_size: int, hints: Sequence[Sequence[int]] = ()):
         self.matcher = matcher
         self._tiers = tiers
+        self._hints = hints
         self._eos = frozenset(int(t) for t in eos_token_ids)
         self._max_tokens = int(max_tokens)
         self._vocab = int(vocab_size)
@@ -289,7 +313,7 @@ class GrammarProcessor:
         steer = None
         if not self._forced and self._calls >= self._retry_at and (
                 self._calls >= self._next_check or remaining <= 2 * self._estimate + _STRUCTURE_SLACK):
-            path = closing_path(self.matcher, self._tiers, self._eos, limit=remaining)
+            path = closing_path(self.matcher, self._tiers, self._eos, limit=remaining, hints=self._hints)
             if path is None:
                 # None fits now (or the search found none): look again later, less often,
                 # since the model may reach a state it can close from; a failed search

@@ -25,7 +25,7 @@ import copy
 import json
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -33,6 +33,7 @@ import numpy as np
 from .chat_format import ChatFormat
 from .closing import TokenClasses, token_classes
 from .errors import ConstraintError
+from .pattern_witness import schema_patterns, shortest_match, witnesses
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ class Constraint:
     kind: str  # "json_schema" | "lark" | "regex"
     source: str  # the schema (JSON text), grammar or pattern
     description: str = ""
+    # Texts, as the output spells them, that get a string past its pattern: closing mode
+    # writes one out where no single token shows progress (pattern_witness.py).
+    hints: tuple[str, ...] = field(default=(), compare=False)
 
     @classmethod
     def json_schema(cls, schema: dict | str, *, name: str = "") -> "Constraint":
@@ -58,7 +62,8 @@ class Constraint:
                 raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise ConstraintError("a JSON schema must be an object")
-        return cls("json_schema", _schema_text(lambda: _prepared_schema(schema)), name or "json_schema")
+        text = _schema_text(lambda: _prepared_schema(schema))
+        return cls("json_schema", text, name or "json_schema", _string_hints(text))
 
     @classmethod
     def json_object(cls) -> "Constraint":
@@ -70,7 +75,18 @@ class Constraint:
 
     @classmethod
     def regex(cls, pattern: str) -> "Constraint":
-        return cls("regex", pattern, "regex")
+        witness = shortest_match(pattern) if isinstance(pattern, str) else None
+        return cls("regex", pattern, "regex", (witness,) if witness else ())
+
+
+# Closing mode tries each hint on every free-text step it takes: keep them few.
+_MAX_HINTS = 8
+
+
+def _string_hints(schema_text: str) -> tuple[str, ...]:
+    """Witnesses of a schema's string patterns, escaped as they appear inside a JSON string."""
+    found = witnesses(schema_patterns(json.loads(schema_text)))[:_MAX_HINTS]
+    return tuple(json.dumps(w, ensure_ascii=False)[1:-1] for w in found)
 
 
 def _schema_text(build: Callable[[], Any]) -> str:
@@ -237,8 +253,9 @@ def tool_call_constraint(fmt: ChatFormat, tools: Sequence[dict], names: Sequence
             "this model's chat template has no tool-call markers, so a tool call cannot be forced")
     call = f'{marker(fmt.tool_call_start)} "\\n" body "\\n" {marker(fmt.tool_call_end)}'
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    grammar = f"{start}\ncall: {call}\nbody: %json {_schema_text(lambda: _call_body_schema(tools, names))}\n"
-    return Constraint("lark", grammar, f"tool_call({', '.join(names)})")
+    body = _schema_text(lambda: _call_body_schema(tools, names))
+    grammar = f"{start}\ncall: {call}\nbody: %json {body}\n"
+    return Constraint("lark", grammar, f"tool_call({', '.join(names)})", _string_hints(body))
 
 
 def open_call_constraint(fmt: ChatFormat, tools: Sequence[dict], *, marker: Callable[[str], str]) -> Constraint:
@@ -247,9 +264,9 @@ def open_call_constraint(fmt: ChatFormat, tools: Sequence[dict], *, marker: Call
     What a lazy grammar (tool_call_grammar.py) applies after the model opens a call itself.
     """
     names = tool_names(tools)
-    grammar = (f'start: "\\n" body "\\n" {marker(fmt.tool_call_end)}\n'
-               f"body: %json {_schema_text(lambda: _call_body_schema(tools, names))}\n")
-    return Constraint("lark", grammar, f"open_tool_call({', '.join(names)})")
+    body = _schema_text(lambda: _call_body_schema(tools, names))
+    grammar = f'start: "\\n" body "\\n" {marker(fmt.tool_call_end)}\nbody: %json {body}\n'
+    return Constraint("lark", grammar, f"open_tool_call({', '.join(names)})", _string_hints(body))
 
 
 def _call_body_schema(tools: Sequence[dict], names: Sequence[str]) -> dict:
@@ -359,6 +376,10 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ConstraintError(f"invalid {constraint.description}: {matcher.get_error()}")
         return matcher
+
+    def hint_ids(self, constraint: Constraint) -> tuple[tuple[int, ...], ...]:
+        """``constraint.hints`` as token ids, for closing mode."""
+        return tuple(tuple(self.tokenizer.tokenize_str(h)) for h in constraint.hints)
 
     def tiers(self) -> TokenClasses:
         """Per-token closing preference and classes (``TokenClasses``), computed once."""

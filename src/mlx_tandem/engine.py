@@ -327,7 +327,7 @@ class Engine:
             grammar = self._grammar
             processors.append(GrammarProcessor(
                 grammar.compile(constraint), tiers=grammar.tiers(), eos_token_ids=grammar.eos_token_ids,
-                max_tokens=req.max_tokens, vocab_size=grammar.vocab_size))
+                max_tokens=req.max_tokens, vocab_size=grammar.vocab_size, hints=grammar.hint_ids(constraint)))
             req.extra["constrained"] = constraint.description
         if open_call is not None:
             grammar = self._grammar
@@ -336,7 +336,7 @@ class Engine:
             processors.append(LazyToolCallGrammar(
                 pristine.deep_copy, start_id=plan.call_start_id, tiers=grammar.tiers(),
                 eos_token_ids=grammar.eos_token_ids, max_tokens=req.max_tokens,
-                vocab_size=grammar.vocab_size))
+                vocab_size=grammar.vocab_size, hints=grammar.hint_ids(open_call)))
         req.processors = processors
         return req, parser
 

@@ -37,8 +37,10 @@ class LazyToolCallGrammar:
     """
 
     def __init__(self, compile_call: Callable[[], Any], *, start_id: int, tiers,
-                 eos_token_ids: Sequence[int], max_tokens: int, vocab_size: int):
+                 eos_token_ids: Sequence[int], max_tokens: int, vocab_size: int,
+                 hints: Sequence[Sequence[int]] = ()):
         self._compile = compile_call  # a fresh matcher for the rest of one call
+        self._hints = hints
         self.start_id = int(start_id)
         self._tiers = tiers
         self._eos = list(eos_token_ids)
@@ -85,7 +87,7 @@ class LazyToolCallGrammar:
                 # mask's closing logic finishes the call within max_tokens.
                 left = max(1, self._max_tokens - (n - self._origin))
                 self._open = GrammarProcessor(self._compile(), tiers=self._tiers, eos_token_ids=self._eos,
-                                              max_tokens=left, vocab_size=self._vocab)
+                                              max_tokens=left, vocab_size=self._vocab, hints=self._hints)
             return
         self._open.consume(tok)
         if self._open.matcher.is_accepting():  # the end marker closed the call

@@ -280,6 +280,20 @@ def test_call_ids_are_unique_and_prefixed():
     assert len(set(ids)) == len(ids) == 102
 
 
+def test_an_id_the_model_writes_is_kept_once():
+    """Mistral-style calls carry the model's own id, which its template wants back in the
+    history (9 characters, no "call_"); a missing, blank or repeated one gets a fresh id."""
+    from mlx_lm.tool_parsers import mistral
+
+    fmt = ChatFormat(tool_call_start="[TOOL_CALLS]", tool_call_end="\n", tool_parser=mistral.parse_tool_call)
+    body = [{"name": "add", "arguments": {"a": 1}, "id": "a1B2c3D4e"}, {"name": "add", "arguments": {"a": 2}},
+            {"name": "add", "arguments": {"a": 3}, "id": "a1B2c3D4e"}, {"name": "add", "arguments": {}, "id": " "}]
+    r = parse([f"[TOOL_CALLS]{json.dumps(body)}\n"], fmt, parse_tool_calls=True)
+    ids = [c.id for c in r.tool_calls]
+    assert [c.arguments for c in r.tool_calls] == [b["arguments"] for b in body]
+    assert ids[0] == "a1B2c3D4e" and all(i.startswith("call_") for i in ids[1:]) and len(set(ids)) == 4
+
+
 def test_tool_calls_not_parsed_when_disabled():
     text = "Sure.\n" + call("get_weather", {"city": "Paris"}) + "\n"
     r = parse_every_split(text, parse_tool_calls=False)

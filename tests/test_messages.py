@@ -8,6 +8,7 @@ import pytest
 
 from mlx_tandem import InvalidRequestError, SamplingParams, normalize_messages
 from mlx_tandem.errors import TemplateError
+from mlx_tandem.messages import hoisted_order
 
 TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
@@ -34,7 +35,7 @@ def test_system_messages_mid_conversation_are_hoisted():
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
 
 
-def test_tool_messages_and_tool_calls_are_never_merged_or_dropped():
+def test_tool_messages_are_never_merged_and_calls_merge_with_their_ids():
     msgs = [
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
@@ -45,11 +46,41 @@ def test_tool_messages_and_tool_calls_are_never_merged_or_dropped():
         {"role": "assistant", "content": "Anything else?"},
     ]
     out = normalize_messages(msgs)
-    assert out[1]["tool_calls"][0]["id"] == "call_1"
-    assert out[2]["tool_calls"][0]["id"] == "call_2"
-    assert [m.get("tool_call_id") for m in out[3:5]] == ["call_1", "call_2"]
-    assert out[5] == {"role": "assistant", "content": "Sunny and rainy.\n\nAnything else?"}
-    assert len(out) == 6
+    assert [c["id"] for c in out[1]["tool_calls"]] == ["call_1", "call_2"]  # one turn, both calls
+    assert [m.get("tool_call_id") for m in out[2:4]] == ["call_1", "call_2"]
+    assert out[4] == {"role": "assistant", "content": "Sunny and rainy.\n\nAnything else?"}
+    assert len(out) == 5
+
+
+def test_text_then_calls_is_one_assistant_turn_and_text_after_calls_stays_apart():
+    """Responses-style histories (and LangGraph's) give the text and each call their own
+    assistant message; Gemma's and Mistral's templates refuse two assistant turns in a row."""
+    later = {"role": "assistant", "content": "Done."}
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Let me check.",
+                                                "reasoning_content": "R"},
+            {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}, later]
+    out = normalize_messages(msgs)
+    assert out[1] == {"role": "assistant", "content": "Let me check.", "reasoning_content": "R",
+                      "tool_calls": [TOOL_CALL]}
+    assert out[2] == later  # templates print a turn's text before its calls: kept apart
+    named = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "name": "x"},
+             {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL], "name": "y"}]
+    assert len(normalize_messages(named)) == 3
+
+
+def test_tool_results_follow_the_order_of_their_calls():
+    """Clients match results by id, in any order; Qwen-style templates pair them by position."""
+    calls = [{**TOOL_CALL, "id": i} for i in ("A", "B", "C")]
+    results = [{"role": "tool", "tool_call_id": i, "content": f"r{i}"} for i in ("C", "A", "B")]
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls}, *results,
+            {"role": "system", "content": "S"}]
+    out = normalize_messages(msgs)
+    assert [m["tool_call_id"] for m in out[3:]] == ["A", "B", "C"]
+    # The images of a conversation are read in the same order (media.load_images).
+    assert [i for i, _ in hoisted_order(msgs)] == [5, 0, 1, 3, 4, 2]
+    # Ids that do not answer distinct calls of the turn before: left as given.
+    odd = msgs[:2] + [results[0], {**results[1], "tool_call_id": "Z"}]
+    assert [m["tool_call_id"] for m in normalize_messages(odd)[2:]] == ["C", "Z"]
 
 
 def test_list_content_merges_keep_every_part_and_input_is_untouched():
@@ -98,6 +129,7 @@ def test_different_names_are_not_merged():
     [], "hello", [{"role": "wizard", "content": "x"}], [{"content": "no role"}],
     [{"role": "user", "content": 42}], [{"role": "tool", "content": "no id"}],
     [{"role": "user", "content": [{"text": "no type"}]}],
+    [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}], [{"role": "user", "content": [{"type": {"t": 1}}]}],
 ])
 def test_malformed_messages_are_typed_errors(bad):
     with pytest.raises(InvalidRequestError):
@@ -147,3 +179,23 @@ async def test_hf_style_tool_calls_render_like_openai_style(llama_engine):
     hf = copy.deepcopy(openai)
     hf[1]["tool_calls"] = [{"name": TOOL_CALL["function"]["name"], "arguments": {"city": "Paris"}}]
     assert llama_engine.apply_chat_template(hf) == llama_engine.apply_chat_template(openai)
+
+
+def test_openai_image_parts_reach_the_template_as_image_parts():
+    """Templates such as Gemma's render a placeholder only for ``type == "image"``: an
+    ``image_url`` part was read as an image but got no placeholder in the prompt."""
+    import jinja2
+
+    from mlx_tandem.prompt import _template_ready
+
+    gemma_like = jinja2.Template(
+        "{% for m in messages %}{% for p in m.content %}"
+        "{% if p.type == 'image' %}<image>{% elif p.type == 'text' %}{{ p.text }}{% endif %}"
+        "{% endfor %}{% endfor %}")
+    url = {"url": "data:image/png;base64,AAAA"}
+    msgs = [{"role": "user", "content": [{"type": "input_text", "text": "what?"}, {"type": "image_url", "image_url": url},
+                                         {"type": "input_image", "image_url": "AAAA"}]}]
+    ready = _template_ready(normalize_messages(msgs))
+    assert gemma_like.render(messages=ready) == "what?<image><image>"
+    assert ready[0]["content"][1] == {"type": "image", "image_url": url}  # the source stays for the loader
+    assert msgs[0]["content"][1]["type"] == "image_url"  # the caller's messages are untouched

@@ -88,6 +88,7 @@ class ChatOutputParser:
         self._reasoning = _Channel(strip_leading=True)
         self._seen_content = False
         self.num_tool_calls = 0
+        self._call_ids: set[str] = set()
         #: The answer has reasoned (it started in reasoning or opened it).
         self.reasoned = self._state == REASONING
 
@@ -214,6 +215,14 @@ class ChatOutputParser:
             else:
                 out.invalid_tool_calls.append(item)
 
+    def _call_id(self, given: Any) -> str:
+        """The id the model wrote (Mistral's templates want their own 9-character ids back
+        in the history, as mlx-lm's parser and vLLM keep them), else a fresh one; never one
+        this answer has used already."""
+        cid = given if isinstance(given, str) and given.strip() and given not in self._call_ids else new_tool_call_id()
+        self._call_ids.add(cid)
+        return cid
+
     def _parse_call(self, body: str) -> list:
         try:
             if self._forced_json or self._fmt.tool_parser is None:
@@ -229,7 +238,7 @@ class ChatOutputParser:
                     args = json.loads(args) if args.strip() else {}
                 if not isinstance(name, str) or not isinstance(args, dict):
                     raise ValueError("a tool call needs a string name and object arguments")
-                calls.append(ToolCall(id=new_tool_call_id(), name=name, arguments=args))
+                calls.append(ToolCall(id=self._call_id(item.get("id")), name=name, arguments=args))
             return calls
         except Exception as exc:  # noqa: BLE001 - any parser failure is an invalid call
             name, arguments = _readable_parts(body.strip())

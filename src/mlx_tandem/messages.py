@@ -2,8 +2,9 @@
 
 Normalization makes real clients' histories acceptable to strict chat templates without
 losing anything: developer -> system, system messages hoisted and merged at the front,
-consecutive same-role plain messages merged. A message that carries ``tool_calls`` or
-``tool_call_id`` is never merged or dropped.
+consecutive same-role messages merged (an assistant's calls keep their ids), and each run of
+tool results put in the order of the calls they answer. A tool message is never merged or
+dropped.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def validate_messages(messages: Any) -> list[Message]:
             raise InvalidRequestError(f"messages[{i}].content must be a string, a list of parts or None")
         if isinstance(content, list):
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or "type" not in part:
-                    raise InvalidRequestError(f"messages[{i}].content[{j}] must be a dict with a 'type'")
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise InvalidRequestError(f"messages[{i}].content[{j}] must be a dict with a string 'type'")
                 if part["type"] in TEXT_PART_TYPES and not isinstance(part.get("text", ""), str):
                     raise InvalidRequestError(f"messages[{i}].content[{j}].text must be a string")
                 if part["type"] not in TEXT_PART_TYPES and part["type"] not in MEDIA_PART_TYPES:
@@ -89,18 +90,54 @@ def _is_plain(m: Message) -> bool:
     return not m.get("tool_calls") and not m.get("tool_call_id") and m["role"] != "tool"
 
 
+def _mergeable(prev: Message, m: Message) -> bool:
+    """Whether ``m`` can join ``prev`` whole: same role, no tool result, the same extra
+    fields. Assistant calls join (the ids kept, in order), as text then calls or calls then
+    calls; text after calls stays apart, since templates print a turn's text first."""
+    if prev["role"] != m["role"] or prev["role"] in ("system", "tool") or not _same_extras(prev, m):
+        return False
+    if _is_plain(prev) and _is_plain(m):
+        return True
+    return (prev["role"] == "assistant" and not prev.get("tool_call_id") and not m.get("tool_call_id")
+            and bool(m.get("tool_calls")))
+
+
+def _in_call_order(out: list[tuple[Message, list[int]]]) -> list[tuple[Message, list[int]]]:
+    """Each run of tool results in the order of the calls it answers.
+
+    Clients match a result to its call by id, in any order (OpenAI, LangChain); templates
+    in the Qwen and Hermes style pair them by position, so a run answered out of order
+    would read each result against the wrong call. A run is reordered only when its ids
+    answer distinct calls of the assistant message just before it.
+    """
+    out = list(out)
+    i = 0
+    while i < len(out):
+        j = i
+        while j < len(out) and out[j][0]["role"] == "tool":
+            j += 1
+        calls = out[i - 1][0].get("tool_calls") if j > i + 1 and i > 0 else None
+        if calls:
+            order = {c.get("id"): k for k, c in enumerate(calls) if isinstance(c, dict)}
+            ids = [m.get("tool_call_id") for m, _ in out[i:j]]
+            if all(x in order for x in ids) and len(set(ids)) == len(ids):
+                out[i:j] = sorted(out[i:j], key=lambda item: order[item[0]["tool_call_id"]])
+        i = max(j, i + 1)
+    return out
+
+
 def _is_system(m: Message) -> bool:
     return ROLE_ALIASES.get(m.get("role"), m.get("role")) == "system"
 
 
 def hoisted_order(messages: Sequence[Message]) -> list[tuple[int, Message]]:
-    """(index, message) in the order ``normalize_messages`` renders them: system and
-    developer messages first, each group in its own order."""
-    indexed = list(enumerate(messages))
-    return [im for im in indexed if _is_system(im[1])] + [im for im in indexed if not _is_system(im[1])]
+    """(index, message) of the caller's messages in the order ``normalize_messages``
+    renders their content: system and developer messages first, tool results in call order."""
+    messages = list(messages)
+    return [(i, messages[i]) for _, sources in _normalized(validate_messages(messages)) for i in sources]
 
 
-_MERGED_FIELDS = frozenset({"role", "content", "reasoning_content"})
+_MERGED_FIELDS = frozenset({"role", "content", "reasoning_content", "tool_calls"})
 
 
 def _same_extras(a: Message, b: Message) -> bool:
@@ -137,39 +174,45 @@ def normalize_messages(messages: Iterable[Message]) -> list[Message]:
 
     1. ``developer`` becomes ``system``.
     2. All system messages are hoisted to the front and merged into one, in order.
-    3. Consecutive messages of the same role are merged when neither carries
-       ``tool_calls``/``tool_call_id``, their ``name`` is the same, and they carry no other
-       field that differs; their ``content`` and ``reasoning_content`` are joined. Nothing
-       else is dropped: messages that cannot be merged whole stay apart.
+    3. Consecutive messages of the same role are merged when their ``name`` is the same
+       and they carry no other field that differs; their ``content`` and
+       ``reasoning_content`` are joined, and an assistant's ``tool_calls`` are concatenated
+       (text then calls, or calls then calls; see ``_mergeable``). Strict templates (Gemma,
+       Mistral) refuse two assistant turns in a row, and a Responses-style history often
+       has one for the text and one per call. Tool results are never merged. Nothing else
+       is dropped: messages that cannot be merged whole stay apart.
+    4. Each run of tool results follows the order of the calls it answers (``_in_call_order``).
     """
-    msgs = [_copy(m) for m in validate_messages(messages)]
+    return [m for m, _ in _normalized(validate_messages(messages))]
+
+
+def _normalized(messages: list[Message]) -> list[tuple[Message, list[int]]]:
+    """``normalize_messages``, each message with the caller's indices it was made from."""
+    msgs = [_copy(m) for m in messages]
     for m in msgs:
         m["role"] = ROLE_ALIASES.get(m["role"], m["role"])
 
-    system = [m for m in msgs if _is_system(m)]
-    rest = [m for m in msgs if not _is_system(m)]
-    out: list[Message] = []
+    out: list[tuple[Message, list[int]]] = []
+    system = [i for i, m in enumerate(msgs) if _is_system(m)]
     if system:
         head = {"role": "system", "content": None}
-        for m in system:
-            head["content"] = _merge_content(head["content"], m.get("content"))
+        for i in system:
+            head["content"] = _merge_content(head["content"], msgs[i].get("content"))
         if head["content"] is None:
             head["content"] = ""
-        out.append(head)
+        out.append((head, system))
 
-    for m in rest:
-        prev = out[-1] if out else None
-        if (
-            prev is not None
-            and prev["role"] == m["role"]
-            and prev["role"] != "system"
-            and _is_plain(prev)
-            and _is_plain(m)
-            and _same_extras(prev, m)
-        ):
+    for i, m in enumerate(msgs):
+        if _is_system(m):
+            continue
+        prev = out[-1][0] if out else None
+        if prev is not None and _mergeable(prev, m):
             prev["content"] = _merge_content(prev.get("content"), m.get("content"))
             if m.get("reasoning_content"):
                 prev["reasoning_content"] = _merge_content(prev.get("reasoning_content"), m["reasoning_content"])
+            if m.get("tool_calls"):
+                prev["tool_calls"] = list(prev.get("tool_calls") or []) + m["tool_calls"]
+            out[-1][1].append(i)
             continue
-        out.append(m)
-    return out
+        out.append((m, [i]))
+    return _in_call_order(out)

@@ -16,13 +16,19 @@ from .errors import InvalidRequestError, TemplateError
 from .messages import Message, normalize_messages, text_of, TEXT_PART_TYPES
 
 
+# Part types as templates spell them (the adapters already write "image").
+_TEMPLATE_PART_TYPES = {**{t: "text" for t in TEXT_PART_TYPES}, "image_url": "image", "input_image": "image"}
+
+
 def _template_ready(messages: list[Message]) -> list[Message]:
     """Shape messages the way HF chat templates expect them.
 
     Text-only part lists become strings (many templates only render string content); in
     lists with media, the Responses API's ``input_text``/``output_text`` parts become
-    ``text`` parts (templates render only those); and tool-call arguments given as JSON
-    strings (OpenAI style) become dicts (HF style).
+    ``text`` parts and OpenAI's ``image_url``/``input_image`` parts become ``image`` parts
+    (templates such as Gemma's render only those: the image was read, its placeholder
+    missing); and tool-call arguments given as JSON strings (OpenAI style) become dicts
+    (HF style).
     """
     out = []
     for m in messages:
@@ -31,7 +37,7 @@ def _template_ready(messages: list[Message]) -> list[Message]:
         if isinstance(content, list) and all(p.get("type") in TEXT_PART_TYPES for p in content):
             m["content"] = text_of(content)
         elif isinstance(content, list):
-            m["content"] = [{**p, "type": "text"} if p.get("type") in TEXT_PART_TYPES else p for p in content]
+            m["content"] = [{**p, "type": _TEMPLATE_PART_TYPES.get(p.get("type"), p.get("type"))} for p in content]
         if m.get("content") is None:
             m["content"] = ""
         if m.get("tool_calls"):

@@ -22,7 +22,8 @@ TOOL = {"type": "function", "function": {"name": "add", "description": "Add two 
     dict(top_k=-1), dict(min_p=1.0), dict(repetition_penalty=0), dict(seed=-3), dict(stop=[""]),
     dict(temperature=float("nan")), dict(logits_processors=["not callable"]),
     dict(stop=5), dict(logits_processors=5), dict(seed=2**64), dict(stop={"a": 1}),
-    dict(repetition_context_size=True),
+    dict(repetition_context_size=True), dict(temperature=1e308), dict(repetition_penalty=1e-308),
+    dict(repetition_penalty=1e9),
 ])
 def test_bad_sampling_params(kwargs):
     with pytest.raises(InvalidRequestError):
@@ -38,6 +39,71 @@ async def test_temperatures_too_small_to_sample_are_greedy(llama_engine):
     tiny = await asyncio.gather(*(llama_engine.complete(prompt, {"max_tokens": 12, "temperature": 1e-39, "seed": s})
                                   for s in range(4)))
     assert all(t.token_ids == greedy.token_ids for t in tiny)
+
+
+async def test_a_top_p_too_small_for_float32_keeps_the_top_token(llama_engine):
+    """mlx-lm compares top_p times the total in float32: where that rounded to 0 every
+    token was masked and the draw was random. Any top_p under 1/vocab keeps the top token
+    alone, i.e. greedy."""
+    prompt = [5, 6, 7]
+    greedy = await llama_engine.complete(prompt, {"max_tokens": 10})
+    tiny = await asyncio.gather(*(llama_engine.complete(
+        prompt, {"max_tokens": 10, "temperature": 1.0, "top_p": top_p, "seed": s})
+        for s, top_p in enumerate((1e-6, 1e-46, 1e-300))))
+    assert all(t.token_ids == greedy.token_ids for t in tiny)
+
+
+def test_call_options_of_the_wrong_type_are_typed_errors():
+    from mlx_tandem.call_options import merge_stops, resolve_call
+
+    class Defaults:  # the adapters' fields
+        temperature, top_p, top_k, min_p, repetition_penalty, seed = 0.0, 1.0, 0, 0.0, 1.0, None
+        mtp = specprefill = keep_pct = max_tokens = timeout = reasoning = None
+        stop, chat_template_kwargs = None, {}
+
+    for stop in (5, {"zz": 1}):
+        with pytest.raises(InvalidRequestError):
+            merge_stops(None, stop)
+    with pytest.raises(InvalidRequestError):
+        resolve_call(Defaults(), {"chat_template_kwargs": ["x"]}, owner="test")
+    call = resolve_call(Defaults(), {"chat_template_kwargs": None, "stop": ("a", "b")}, owner="test")
+    assert call.params.stop == ("a", "b")
+
+
+def test_a_model_argument_of_the_wrong_type_is_a_typed_error():
+    from mlx_tandem import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="got int"):
+        Engine(12345)
+
+
+def test_a_request_from_the_engines_own_thread_is_refused_not_a_hang(llama_engine):
+    """A logits processor (or run_on_owner_thread) that makes a request would wait for
+    output only the engine thread can make: the engine, and close(), hung for good."""
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidRequestError, match="own thread"):
+        llama_engine.run_on_owner_thread(lambda: llama_engine.chat_sync(msgs, {"max_tokens": 2}))
+    with pytest.raises(InvalidRequestError, match="own thread"):
+        llama_engine.run_on_owner_thread(lambda: asyncio.run(llama_engine.chat(msgs, {"max_tokens": 2})))
+    seen = []
+
+    def nested(tokens, logits):
+        if not seen:
+            try:
+                llama_engine.chat_sync(msgs, {"max_tokens": 2})
+            except InvalidRequestError as exc:
+                seen.append(exc)
+        return logits
+
+    out = llama_engine.chat_sync(msgs, {"max_tokens": 3, "logits_processors": [nested]})
+    assert len(seen) == 1 and out.finish_reason in ("stop", "length")
+    assert llama_engine.chat_sync(msgs, {"max_tokens": 2}).finish_reason in ("stop", "length")
+
+
+def test_a_sync_timeout_beyond_what_a_thread_can_wait_is_accepted(llama_engine):
+    msgs = [{"role": "user", "content": "hi"}]
+    out = llama_engine.open_chat_stream_sync(msgs, {"max_tokens": 3}, timeout=1e10).collect()
+    assert out.finish_reason in ("stop", "length")
 
 
 def test_bad_engine_options():

@@ -141,6 +141,42 @@ def test_a_load_that_fails_part_way_frees_what_it_loaded_on_its_thread(qwen3_5_m
     engine.close_sync()
 
 
+def test_a_failure_setting_up_after_the_load_reaches_start_not_a_hang(llama_path, monkeypatch):
+    """The owner thread copies the tokenizer after the lanes are built; a failure there
+    killed the thread with ``ready`` never set, and start() waited for ever."""
+    import mlx_tandem.core as core_module
+
+    class Boom(Exception):
+        pass
+
+    class Uncopyable:
+        def __deepcopy__(self, memo):
+            raise Boom("no copy")
+
+    build = core_module.EngineCore._build_lanes
+
+    def build_then_break(self):
+        build(self)
+        self.loaded.tokenizer._tokenizer = Uncopyable()
+
+    monkeypatch.setattr(core_module.EngineCore, "_build_lanes", build_then_break)
+    engine = Engine(str(llama_path), show_progress=False)
+    box = []
+    starter = threading.Thread(target=lambda: box.append(_raised(engine.start_sync)), daemon=True)
+    starter.start()
+    starter.join(60)
+    assert not starter.is_alive() and isinstance(box[0], Boom)
+    engine.close_sync()
+
+
+def _raised(fn):
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    return None
+
+
 def test_clearing_a_failed_load_reaches_the_errors_it_chains():
     """Loaders wrap failures (``raise ModelLoadError(...) from exc``): the cause's frames
     hold the half-loaded weights, so they are cleared too."""

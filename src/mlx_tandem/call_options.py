@@ -6,9 +6,11 @@ accept the same per-call keywords, so the merge lives here once.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from .errors import InvalidRequestError
 from .params import SamplingParams
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "mtp",
@@ -28,8 +30,11 @@ def merge_stops(*lists: Optional[Sequence[str]]) -> list[str]:
     and SamplingParams take it), never its characters."""
     out: list[str] = []
     for stops in lists:
+        if stops is not None and not isinstance(stops, str) and (
+                isinstance(stops, Mapping) or not isinstance(stops, Iterable)):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(stops).__name__}")
         for s in [stops] if isinstance(stops, str) else stops or []:
-            if s not in out:
+            if s not in out:  # SamplingParams checks each is a non-empty string
                 out.append(s)
     return out
 
@@ -48,7 +53,11 @@ def resolve_call(defaults: Any, kwargs: dict, *, owner: str, stop: Optional[Sequ
         params["max_tokens"] = max_tokens
     options = {k: kwargs.pop(k) for k in CHAT_OPTIONS if k in kwargs}
     options.setdefault("reasoning", defaults.reasoning)
-    template_kwargs = {**defaults.chat_template_kwargs, **kwargs.pop("chat_template_kwargs", {})}
+    extra_template_kwargs = kwargs.pop("chat_template_kwargs", None) or {}
+    if not isinstance(extra_template_kwargs, Mapping):
+        raise InvalidRequestError(
+            f"chat_template_kwargs must be a dict, got {type(extra_template_kwargs).__name__}")
+    template_kwargs = {**defaults.chat_template_kwargs, **extra_template_kwargs}
     if template_kwargs:
         options["template_kwargs"] = template_kwargs
     timeout = kwargs.pop("timeout", defaults.timeout)

@@ -129,6 +129,12 @@ class EngineCore:
     def _run(self) -> None:
         try:
             self._build_lanes()
+            # The owner thread decodes with its own tokenizer copy: HF fast tokenizers raise
+            # "Already borrowed" when one instance is used from several threads at once.
+            # Inside the try: a failure here must reach ``ready`` too, or start() waits forever.
+            hf_tokenizer = copy.deepcopy(self.loaded.tokenizer._tokenizer)
+            self._decode = lambda ids: hf_tokenizer.decode(ids, skip_special_tokens=False)
+            self._eos = frozenset(self.loaded.eos_token_ids)
         except BaseException as exc:  # noqa: BLE001 - reported through the ready future
             self._mark_closed()
             # What loaded before the failure (weights, head) is freed here, on this thread:
@@ -138,11 +144,6 @@ class EngineCore:
             self.ready.set_exception(exc)
             self._fail_inbox(exc)
             return
-        # The owner thread decodes with its own tokenizer copy: HF fast tokenizers raise
-        # "Already borrowed" when one instance is used from several threads at once.
-        hf_tokenizer = copy.deepcopy(self.loaded.tokenizer._tokenizer)
-        self._decode = lambda ids: hf_tokenizer.decode(ids, skip_special_tokens=False)
-        self._eos = frozenset(self.loaded.eos_token_ids)
         self.ready.set_result(self.loaded)
         try:
             self._loop()

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import operator
+import os
 import threading
 import time
 import weakref
@@ -28,7 +29,7 @@ from .constraints import GrammarCompiler, TokenBan, response_format_constraint
 from .tool_call_grammar import LazyToolCallGrammar
 from .core import EngineCore
 from .default_model import DEFAULT_MODEL_NAME
-from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, UnsupportedContentError
+from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError, UnsupportedContentError
 from .media import load_images
 from .messages import has_media, validate_messages
 from .model_info import ModelInfo, local_checkpoint, read_model_info
@@ -50,6 +51,9 @@ _live_cores: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
 
 
 def _model_key(model: Optional[str | Path]) -> str:
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ModelLoadError(
+            f"model must be a checkpoint path or hub id (a string or a path), got {type(model).__name__}")
     if model is None:
         return "<default>"
     path = Path(model).expanduser()
@@ -67,6 +71,7 @@ class Engine:
     _shared_lock = threading.Lock()
 
     def __init__(self, model: Optional[str | Path] = None, **options: Any):
+        _model_key(model)  # a model argument of the wrong type fails here, typed
         self.options = EngineOptions.from_kwargs(**options)
         self._model_arg = model
         self._core: Optional[EngineCore] = None
@@ -340,7 +345,17 @@ class Engine:
         req.processors = processors
         return req, parser
 
+    def _not_on_owner_thread(self) -> None:
+        """A request made on the engine's own thread (from a logits processor, say) would
+        wait for output only that thread can make: refuse it rather than hang for good."""
+        core = self._core
+        if core is not None and threading.current_thread() is core.owner_thread:
+            raise InvalidRequestError(
+                "a request cannot be made from the engine's own thread (inside a logits processor or "
+                "run_on_owner_thread): it would wait for itself")
+
     async def _astream(self, spec: "_Spec") -> "AsyncStream":
+        self._not_on_owner_thread()
         await self.start()
         sink = AsyncSink(asyncio.get_running_loop())
         # Off the event loop: templating a long prompt, compiling a grammar and decoding (or
@@ -357,6 +372,7 @@ class Engine:
                 yield delta
 
     def _sstream(self, spec: "_Spec") -> "SyncStream":
+        self._not_on_owner_thread()
         self.start_sync()
         sink = SyncSink()
         req, parser = self._make_request(spec, sink)

@@ -14,6 +14,13 @@ LogitsProcessor = Callable[[Any, Any], Any]
 #: Temperatures below this sample greedily, as vLLM's do: logits divided by a temperature
 #: near 1e-38 overflow float32, and the "sample" became a random pick (measured).
 GREEDY_BELOW = 1e-5
+#: A top_p under this keeps the top token alone, as any top_p under 1/vocab does; raised to it,
+#: since mlx-lm's ``apply_top_p`` compares ``top_p`` times the total in float32, and where that
+#: rounded to 0 it masked every token and drew at random (measured at 1e-46).
+TOP_P_FLOOR = 1e-9
+#: Beyond these the scaled logits overflow or vanish in float32 (NaN, then always the last id).
+MAX_TEMPERATURE = 1e6
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 def _as_tuple(value: Any, name: str) -> tuple:
@@ -29,7 +36,9 @@ def _as_tuple(value: Any, name: str) -> tuple:
 class SamplingParams:
     """How to sample one request.
 
-    temperature 0 (or under 1e-5) means greedy. ``stop`` strings are matched on the decoded text, across
+    temperature 0 (or under 1e-5) means greedy; it is at most 1e6, and ``repetition_penalty``
+    within [1e-6, 1e6] (float32 overflows beyond); a ``top_p`` under 1e-9 is 1e-9 (the top
+    token alone either way). ``stop`` strings are matched on the decoded text, across
     token boundaries, and never emitted. ``seed`` makes sampling reproducible per request,
     whatever else shares the batch. ``logits_processors`` run on the engine thread.
     """
@@ -66,6 +75,8 @@ class SamplingParams:
         self.validate()
         if 0 < self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
+        if self.top_p < TOP_P_FLOOR:
+            object.__setattr__(self, "top_p", TOP_P_FLOOR)
 
     def validate(self) -> None:
         def bad(name, why):
@@ -77,16 +88,17 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 bad(name, "must be a finite number")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}]")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not 0 <= self.min_p < 1:
             bad("min_p", "must be in [0, 1)")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0 (0 disables it)")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0 (1 disables it)")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            bad("repetition_penalty", f"must be in [{low:g}, {high:g}] (1 disables it)")
         if (not isinstance(self.repetition_context_size, int) or isinstance(self.repetition_context_size, bool)
                 or self.repetition_context_size < 1):
             bad("repetition_context_size", "must be an integer >= 1")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import queue
+import threading
 import time
 from typing import Optional
 
@@ -232,7 +233,8 @@ class SyncStream(_StreamBase):
             else:
                 left = self.deadline - time.monotonic()
                 try:
-                    item = self._sink.get(timeout=max(left, 0.0) or 1e-6)
+                    # A wait past threading.TIMEOUT_MAX (292 years) is an OverflowError.
+                    item = self._sink.get(timeout=min(max(left, 0.0) or 1e-6, threading.TIMEOUT_MAX))
                 except queue.Empty:
                     raise RequestTimeoutError(f"request {self.request_id} exceeded its timeout") from None
         except BaseException:

@@ -25,7 +25,8 @@ from langchain_mlx_tandem._convert import to_engine_messages
 from mlx_tandem import Engine
 from mlx_tandem.call_options import resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
-from mlx_tandem.errors import ConstraintError, ContextLengthError, TandemError, UnsupportedContentError
+from mlx_tandem.errors import (ConstraintError, ContextLengthError, InvalidRequestError, TandemError,
+                               UnsupportedContentError)
 
 from .conftest import PATHS
 
@@ -79,6 +80,43 @@ def test_message_conversion_roundtrip():
     assert [p["type"] for p in parts[1:]] == ["image"] * 3
     assert parts[1]["image"] == parts[2]["image"] == "data:image/png;base64," + png
     assert parts[3]["image"] == "https://example.com/cat.png"
+
+
+def test_assistant_blocks_documents_and_invalid_calls_are_kept():
+    """An assistant turn's image is content (it was dropped, unlike every other role's); a
+    text-plain document given as base64 is its text (it became ""); an invalid call goes
+    back as written, so the error result that answers it follows a call."""
+    png = base64.b64encode(b"\x89PNG fake").decode()
+    bad = {"name": "add", "args": '{"a": 1,', "id": "c9", "error": "JSONDecodeError", "type": "invalid_tool_call"}
+    msgs = [HumanMessage("hi"),
+            AIMessage([{"type": "text", "text": "here"}, {"type": "image", "base64": png, "mime_type": "image/png"}]),
+            HumanMessage([{"type": "text-plain", "base64": base64.b64encode("Pump 3 is off. Ü".encode()).decode(),
+                           "mime_type": "text/plain"}]),
+            AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1}, "id": "c8"}], invalid_tool_calls=[bad]),
+            ToolMessage("ok", tool_call_id="c8"), ToolMessage("Error: bad JSON", tool_call_id="c9", status="error")]
+    out = to_engine_messages(msgs)
+    assert out[1]["content"] == [{"type": "text", "text": "here"},
+                                 {"type": "image", "image": f"data:image/png;base64,{png}"}]
+    assert out[2]["content"] == "Pump 3 is off. Ü"
+    assert [c["id"] for c in out[3]["tool_calls"]] == ["c8", "c9"]
+    assert out[3]["tool_calls"][1]["function"] == {"name": "add", "arguments": '{"a": 1,'}
+    for block, error in (({"type": "text-plain", "url": "https://example.com/a.txt", "mime_type": "text/plain"},
+                          UnsupportedContentError),
+                         ({"type": "text-plain", "base64": base64.b64encode(b"\xff\xfe").decode(),
+                           "mime_type": "text/plain"}, InvalidRequestError),
+                         ({"type": "json", "json": {"x": 1}}, UnsupportedContentError)):
+        with pytest.raises(error):
+            to_engine_messages([HumanMessage([block])])
+    # In an assistant turn a provider's own blocks (Anthropic's tool_use) are its output,
+    # not content: skipped, as AIMessage.text skips them; a refusal is text.
+    ai = AIMessage([{"type": "text", "text": "a"}, {"type": "tool_use", "id": "t1", "name": "add", "input": {}},
+                    {"type": "refusal", "refusal": "no"}])
+    assert to_engine_messages([ai])[0]["content"] == "ano"
+    # The whole history renders on the model's template, the invalid call included.
+    llm = make_llm()
+    prompt = llm.engine.tokenizer.decode(llm.engine.apply_chat_template(to_engine_messages(
+        [m for m in msgs if not isinstance(m.content, list)])))
+    assert '{"a": 1,' in prompt and "Error: bad JSON" in prompt
 
 
 def test_image_on_text_model_is_a_typed_error():

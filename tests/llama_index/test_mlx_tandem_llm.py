@@ -12,6 +12,8 @@ from llama_index.core.base.llms.types import (
     CachePoint,
     CacheControl,
     ChatMessage,
+    CitableBlock,
+    CitationBlock,
     ChatResponse,
     DocumentBlock,
     ImageBlock,
@@ -88,6 +90,32 @@ def test_plain_text_documents_are_read_as_text(tmp_path):
                        (DocumentBlock(data=b"\xff\xfe\x00bad", document_mimetype="text/plain"), InvalidRequestError)):
         with pytest.raises(error):
             to_engine_messages([ChatMessage(role="user", blocks=[bad])])
+
+
+def test_tool_outputs_files_and_invalid_calls_convert():
+    """What core hands an LLM that earlier versions refused or lost: a tool's CitableBlock
+    (FunctionTool passes it on), an image as a file-like object (the block type allows it),
+    text blocks beside media (joined by newlines, as without), and this adapter's own
+    invalid calls in the history (the error result that answers one must follow a call)."""
+    import io
+
+    cited = CitableBlock(title="w", source="https://w.example", content=[TextBlock(text="Sunny in Oslo")])
+    citation = CitationBlock(cited_content=TextBlock(text="Rain in Bergen"), source="s", title="t",
+                             additional_location_info={})
+    buf = io.BytesIO(PNG)
+    buf.read()  # a caller's buffer need not be at its start
+    msgs = [ChatMessage(role="user", blocks=[TextBlock(text="Describe."), TextBlock(text="One word."),
+                                             ImageBlock(image=buf, image_mimetype="image/png")]),
+            ChatMessage(role="assistant", content="", additional_kwargs={"invalid_tool_calls": [
+                {"id": "c9", "name": "add", "arguments": '{"a": 1,', "error": "JSONDecodeError"}]}),
+            ChatMessage(role="tool", blocks=[cited, citation], additional_kwargs={"tool_call_id": "c9"})]
+    out = to_engine_messages(msgs)
+    uri = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    assert out[0]["content"] == [{"type": "text", "text": "Describe."}, {"type": "text", "text": "\n"},
+                                 {"type": "text", "text": "One word."}, {"type": "image", "image": uri}]
+    assert out[1]["tool_calls"] == [{"id": "c9", "type": "function",
+                                     "function": {"name": "add", "arguments": '{"a": 1,'}}]
+    assert out[2] == {"role": "tool", "content": "Sunny in Oslo\nRain in Bergen", "tool_call_id": "c9"}
 
 
 def test_images_on_text_model_are_a_typed_error_and_the_engine_keeps_serving():
@@ -342,6 +370,31 @@ def test_metadata_from_the_checkpoint_without_loading():
     assert fresh.engine.stats()["loaded"] is False  # metadata never loads the weights
     assert make_llm(context_window=1000, max_tokens=50).metadata.context_window == 1000
     assert MLXTandemLLM().metadata.model_name == DEFAULT_MODEL_NAME
+    # A caller's own messages_to_prompt renders a raw prompt, which cannot carry tools:
+    # core must not take its tool-calling path.
+    assert not make_llm(messages_to_prompt=lambda ms: "\n".join(m.content for m in ms)).metadata.is_function_calling_model
+
+
+def test_instrumentation_payload_never_loads_the_model(monkeypatch):
+    """Core records ``to_payload()`` on the event loop before every async call; for a
+    checkpoint not on disk yet, reading the metadata there loaded (downloaded) the model
+    and stalled the loop."""
+    import mlx_tandem.engine as engine_module
+
+    on_disk = make_llm().to_payload()
+    assert on_disk["class_name"] == "MLXTandemLLM" and on_disk["is_function_calling_model"] is True
+    monkeypatch.setattr(engine_module, "local_checkpoint", lambda model: None)  # as for a hub id not fetched
+    fresh = MLXTandemLLM(model="org/not-fetched", engine_options={"show_progress": False, "max_waiting": 4003})
+    assert fresh.to_payload() == {"class_name": "MLXTandemLLM", "model_name": "org/not-fetched", "is_chat_model": True}
+    assert fresh.engine.stats()["loaded"] is False
+
+
+def test_a_default_tool_choice_holds_for_tool_calls():
+    llm = make_llm(additional_kwargs={"tool_choice": "required"})
+    tool = FunctionTool.from_defaults(add)
+    assert llm._prepare_chat_with_tools([tool], user_msg="hi")["tool_choice"] == "required"
+    assert llm._prepare_chat_with_tools([tool], user_msg="hi", tool_choice="none")["tool_choice"] == "none"
+    assert make_llm()._prepare_chat_with_tools([tool], user_msg="hi")["tool_choice"] == "auto"
 
 
 def _wait_idle(engine: Engine) -> int:

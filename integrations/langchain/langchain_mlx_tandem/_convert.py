@@ -7,6 +7,8 @@ arrive as one shape; the engine decides whether the model can take them.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import Any, Optional, Sequence
 
@@ -31,8 +33,12 @@ def _block_to_part(block: dict) -> Optional[dict]:
     kind = block.get("type")
     if kind == "non_standard":
         return _non_standard_to_part(block.get("value") or {})
-    if kind in ("text", "text-plain"):  # text-plain: a plain-text document (e.g. Anthropic's)
+    if kind == "text":
         return {"type": "text", "text": block.get("text", "")}
+    if kind == "refusal" and isinstance(block.get("refusal"), str):  # an OpenAI assistant turn's
+        return {"type": "text", "text": block["refusal"]}
+    if kind == "text-plain":  # a plain-text document (e.g. Anthropic's)
+        return {"type": "text", "text": _plain_text(block)}
     if kind in ("image", "audio", "video"):
         if block.get("base64"):
             mime = block.get("mime_type") or f"{kind}/*"
@@ -52,18 +58,39 @@ def _block_to_part(block: dict) -> Optional[dict]:
     raise UnsupportedContentError(f"unsupported content block type {kind!r}")
 
 
+def _plain_text(block: dict) -> str:
+    """A ``text-plain`` block's text: given as text, or as base64 (langchain-core allows
+    either); a URL or file id is not fetched (a prompt must not make the engine fetch)."""
+    if block.get("text") is not None or not block.get("base64"):
+        if block.get("text") is None and (block.get("url") or block.get("file_id")):
+            raise UnsupportedContentError("text-plain blocks given by url or file id are not fetched; pass the text")
+        return block.get("text") or ""
+    try:
+        return base64.b64decode(block["base64"], validate=True).decode("utf-8")
+    except (binascii.Error, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise InvalidRequestError(f"a text-plain block's base64 is not UTF-8 text: {exc}") from None
+
+
 def _non_standard_to_part(value: dict) -> dict:
     """Blocks core does not translate arrive as ``non_standard``. Read the common ones (the
     Responses API's input blocks, ``image_url`` given as a bare string); refuse the rest
     rather than drop them: a silently dropped image or text gets an answer to a different
     prompt."""
     kind = value.get("type")
-    if kind == "input_text":
+    if kind in ("input_text", "output_text"):
         return {"type": "text", "text": value.get("text", "")}
     url = value.get("image_url")
     if kind in ("input_image", "image_url") and isinstance(url, str) and url:
         return {"type": "image", "image": url}
     raise UnsupportedContentError(f"unsupported content block type {kind!r}")
+
+
+def _readable(value: dict) -> bool:
+    try:
+        _non_standard_to_part(value)
+    except UnsupportedContentError:
+        return False
+    return True
 
 
 def _content(message: BaseMessage) -> str | list[dict]:
@@ -75,6 +102,11 @@ def _content(message: BaseMessage) -> str | list[dict]:
         # tool returning [{"type": "json", ...}]) is shown as its JSON text, not refused.
         blocks = [{"type": "text", "text": json.dumps(b.get("value"), ensure_ascii=False)}
                   if b.get("type") == "non_standard" else b for b in blocks]
+    elif isinstance(message, AIMessage):
+        # A provider's own blocks in an assistant turn (Anthropic's tool_use, thinking, ...)
+        # are the model's output, not prompt content; its calls travel as tool_calls. They
+        # are skipped, as AIMessage.text skips them; text and images are read.
+        blocks = [b for b in blocks if b.get("type") != "non_standard" or _readable(b.get("value") or {})]
     parts = [p for p in (_block_to_part(b) for b in blocks) if p is not None]
     if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
@@ -89,14 +121,18 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
         elif isinstance(m, HumanMessage):
             d = {"role": "user", "content": _content(m)}
         elif isinstance(m, AIMessage):
-            text = m.text if not isinstance(m.content, str) else m.content
-            d = {"role": "assistant", "content": text}
-            if m.tool_calls:
-                d["tool_calls"] = [
-                    {"id": tc.get("id") or f"call_{i}", "type": "function",
-                     "function": {"name": tc["name"], "arguments": json.dumps(tc["args"], ensure_ascii=False)}}
-                    for i, tc in enumerate(m.tool_calls)
-                ]
+            # Every block, as for the other roles: an image in an assistant turn is content.
+            d = {"role": "assistant", "content": _content(m)}
+            calls = [{"id": tc.get("id") or f"call_{i}", "type": "function",
+                      "function": {"name": tc["name"], "arguments": json.dumps(tc["args"], ensure_ascii=False)}}
+                     for i, tc in enumerate(m.tool_calls)]
+            # Invalid calls go back as written (as langchain-openai sends them): the tool
+            # result that answers one would otherwise follow no call.
+            calls += [{"id": tc["id"], "type": "function",
+                       "function": {"name": tc.get("name") or "", "arguments": tc.get("args") or ""}}
+                      for tc in m.invalid_tool_calls if tc.get("id")]
+            if calls:
+                d["tool_calls"] = calls
             # v0 keeps reasoning in additional_kwargs; v1 messages (and other providers')
             # may carry it only as reasoning content blocks.
             reasoning = m.additional_kwargs.get("reasoning_content") or "".join(

@@ -6,6 +6,8 @@ decides whether the model can take them (a text-only model raises UnsupportedCon
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -14,6 +16,8 @@ from llama_index.core.base.llms.types import (
     AudioBlock,
     CachePoint,
     ChatMessage,
+    CitableBlock,
+    CitationBlock,
     ChatResponse,
     CompletionResponse,
     DocumentBlock,
@@ -54,6 +58,12 @@ def _media_part(block: Any) -> dict:
         return {"type": kind, kind: str(block.url)}  # remote: the vision path fetches it
     if raw is None and block.path is None:
         raise InvalidRequestError(f"{kind} block without data, path or url")
+    if isinstance(raw, io.IOBase):
+        # A file-like payload (the blocks' type allows one) skips the validator's base64
+        # encoding, and resolve hands it back as it is.
+        if raw.seekable():
+            raw.seek(0)
+        return {"type": kind, kind: _data_uri(base64.b64encode(raw.read()), mime, kind)}
     # Bytes arrive base64-encoded by the block's validator; a path is read here.
     resolve = getattr(block, f"resolve_{kind}")
     return {"type": kind, kind: _data_uri(resolve(as_base64=True).read(), mime, kind)}
@@ -81,6 +91,12 @@ def _parts(blocks: Sequence[Any]) -> tuple[list[dict], list[dict], list[str]]:
             continue  # a provider caching hint; the engine's prefix cache needs none
         elif isinstance(block, DocumentBlock):
             parts.append({"type": "text", "text": _document_text(block)})
+        elif isinstance(block, (CitableBlock, CitationBlock)):
+            # What a tool may return (core's FunctionTool, FunctionAgent passes it on): its
+            # content is text, images or documents, read as those are.
+            inner = block.content if isinstance(block, CitableBlock) else [block.cited_content]
+            inner_parts, _, _ = _parts(inner)
+            parts.extend(inner_parts)
         else:
             raise UnsupportedContentError(f"unsupported content block {type(block).__name__}")
     return parts, calls, reasoning
@@ -121,6 +137,30 @@ def _legacy_tool_calls(raw: Any) -> list[dict]:
     return out
 
 
+def _invalid_calls(raw: Any) -> list[dict]:
+    """The calls of ``additional_kwargs["invalid_tool_calls"]`` (this adapter's answers keep
+    them there), raw arguments and all: the tool result that answers one would otherwise
+    follow no call, and the model would not see what it got wrong (as langchain-openai
+    sends them back)."""
+    out = []
+    for i, c in enumerate(raw or []):
+        if isinstance(c, dict) and c.get("id"):
+            args = c.get("arguments")
+            out.append({"id": c["id"], "type": "function",
+                        "function": {"name": c.get("name") or "", "arguments": args if isinstance(args, str)
+                                     else json.dumps(args, ensure_ascii=False)}})
+    return out
+
+
+def _newline_between_texts(parts: list[dict]) -> list[dict]:
+    out: list[dict] = []
+    for p in parts:
+        if out and p["type"] == "text" and out[-1]["type"] == "text":
+            out.append({"type": "text", "text": "\n"})
+        out.append(p)
+    return out
+
+
 def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
     out: list[dict] = []
     for m in messages:
@@ -128,15 +168,15 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
         if role is None:
             raise InvalidRequestError(f"unsupported message role {m.role!r}")
         parts, calls, reasoning = _parts(m.blocks)
-        # TextBlocks join with "\n", as ChatMessage.content joins them.
+        # TextBlocks join with "\n", as ChatMessage.content joins them (beside media too).
         if all(p["type"] == "text" for p in parts):
             content: Any = "\n".join(p["text"] for p in parts)
         else:
-            content = parts
+            content = _newline_between_texts(parts)
         d: dict[str, Any] = {"role": role, "content": content}
         kw = m.additional_kwargs
         if role == "assistant":
-            calls = calls or _legacy_tool_calls(kw.get("tool_calls"))
+            calls = (calls or _legacy_tool_calls(kw.get("tool_calls"))) + _invalid_calls(kw.get("invalid_tool_calls"))
             if calls:
                 d["tool_calls"] = calls
             if reasoning:

@@ -117,14 +117,27 @@ class MLXTandemLLM(FunctionCallingLLM):
     @property
     def metadata(self) -> LLMMetadata:
         # Read from the checkpoint files: asking for metadata never loads the weights.
-        info = self.engine.model_info()
+        return self._metadata(self.engine.model_info())
+
+    def _metadata(self, info) -> LLMMetadata:
         return LLMMetadata(
             context_window=self.context_window or info.context_length,
             num_output=self.max_tokens or info.default_max_tokens,
             is_chat_model=True,
-            is_function_calling_model=info.supports_tools,
+            # A caller's own messages_to_prompt renders a raw prompt, which cannot carry
+            # tools (_completion_request): core must take its ReAct path, not call with tools.
+            is_function_calling_model=info.supports_tools and self.messages_to_prompt is generic_messages_to_prompt,
             model_name=self.model_name,
         )
+
+    def to_payload(self) -> dict[str, Any]:
+        """What instrumentation events record (core's default: the metadata). Core calls it
+        on the event loop before an async call starts, so it never loads the model: for a
+        checkpoint not on disk yet it records what is known without it."""
+        info = self.engine.model_info(load=False)
+        if info is None:
+            return {"class_name": self.class_name(), "model_name": self.model_name, "is_chat_model": True}
+        return {"class_name": self.class_name(), **self._metadata(info).model_dump()}
 
     # ------------------------------------------------------------------ engine plumbing
     def _options(self, kwargs: dict) -> tuple[SamplingParams, dict, Optional[float]]:
@@ -273,7 +286,10 @@ class MLXTandemLLM(FunctionCallingLLM):
         out: dict[str, Any] = {"messages": messages, **kwargs}
         if tools:
             out["tools"] = [t.metadata.to_openai_tool(skip_length_check=True) for t in tools]
-            out["tool_choice"] = tool_choice if tool_choice is not None else ("required" if tool_required else "auto")
+            # The LLM's default tool_choice (additional_kwargs) holds unless the call asks
+            # for one: tool_required or its own tool_choice.
+            default = self.additional_kwargs.get("tool_choice", "auto")
+            out["tool_choice"] = tool_choice if tool_choice is not None else ("required" if tool_required else default)
             out["parallel_tool_calls"] = allow_parallel_tool_calls
         return out
 

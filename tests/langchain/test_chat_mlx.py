@@ -112,6 +112,11 @@ def test_assistant_blocks_documents_and_invalid_calls_are_kept():
     ai = AIMessage([{"type": "text", "text": "a"}, {"type": "tool_use", "id": "t1", "name": "add", "input": {}},
                     {"type": "refusal", "refusal": "no"}])
     assert to_engine_messages([ai])[0]["content"] == "ano"
+    from langchain_core.messages import ChatMessage
+
+    named = to_engine_messages([ChatMessage(role="model", content="m"), ToolMessage("r", tool_call_id="c1", name="add")])
+    assert named == [{"role": "assistant", "content": "m"},
+                     {"role": "tool", "content": "r", "tool_call_id": "c1", "name": "add"}]
     # The whole history renders on the model's template, the invalid call included.
     llm = make_llm()
     prompt = llm.engine.tokenizer.decode(llm.engine.apply_chat_template(to_engine_messages(

@@ -148,11 +148,13 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
         elif isinstance(m, FunctionMessage):
             d = {"role": "tool", "content": _content(m), "name": m.name, "tool_call_id": m.name}
         elif isinstance(m, ChatMessage):
-            role = {"human": "user", "ai": "assistant"}.get(m.role, m.role)
+            # Other providers' names for the roles (as the LlamaIndex adapter maps them).
+            role = {"human": "user", "ai": "assistant", "model": "assistant", "chatbot": "assistant"}.get(m.role, m.role)
             d = {"role": role, "content": _content(m)}
         else:
             raise InvalidRequestError(f"unsupported message type {type(m).__name__}")
-        if getattr(m, "name", None) and d["role"] in ("user", "assistant", "system"):
+        # A tool result's name too: some templates (Gemma's, Llama's ipython) print it.
+        if getattr(m, "name", None) and d["role"] in ("user", "assistant", "system", "tool"):
             d["name"] = m.name
         out.append(d)
     return out

@@ -373,6 +373,10 @@ def test_closing_mode_spells_out_what_a_pattern_needs(qwen3_5_engine, vocabulary
     two = {"type": "object", "properties": {"a": {"type": "string", "pattern": "foo"},
                                             "b": {"type": "string", "pattern": "bar"}}, "required": ["a", "b"]}
     assert validate(_close_from(grammar, two, '{"a": "x'), two, dict)["a"].startswith("x")
+    # Witnesses are tried shortest first: "b"'s twenty digits fit "a" too, and crowded out "0".
+    digits = {"type": "object", "properties": {"b": {"type": "string", "pattern": "^[0-9]{20}$"},
+                                               "a": {"type": "string", "pattern": "[0-9]"}}, "required": ["b", "a"]}
+    assert validate(_close_from(grammar, digits, '{"b": "' + "0" * 20 + '", "a": "'), digits, dict)["a"] == "0"
     assert re.fullmatch(r"(ab)+c", _close_from(grammar, Constraint.regex(r"(ab)+c"), "abab"))
 
 

@@ -63,6 +63,11 @@ def test_text_then_calls_is_one_assistant_turn_and_text_after_calls_stays_apart(
     assert out[1] == {"role": "assistant", "content": "Let me check.", "reasoning_content": "R",
                       "tool_calls": [TOOL_CALL]}
     assert out[2] == later  # templates print a turn's text before its calls: kept apart
+    # Text with calls of its own after calls: kept apart too (it would move before them).
+    b = {**TOOL_CALL, "id": "call_b"}
+    mixed = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+             {"role": "assistant", "content": "Now B.", "tool_calls": [b]}]
+    assert [m.get("content") for m in normalize_messages(mixed)[1:]] == ["", "Now B."]
     named = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "name": "x"},
              {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL], "name": "y"}]
     assert len(normalize_messages(named)) == 3
@@ -81,6 +86,8 @@ def test_tool_results_follow_the_order_of_their_calls():
     # Ids that do not answer distinct calls of the turn before: left as given.
     odd = msgs[:2] + [results[0], {**results[1], "tool_call_id": "Z"}]
     assert [m["tool_call_id"] for m in normalize_messages(odd)[2:]] == ["C", "Z"]
+    unhashable = msgs[:2] + [results[0], {**results[1], "tool_call_id": ["A"]}]
+    assert [m["tool_call_id"] for m in normalize_messages(unhashable)[2:]] == ["C", ["A"]]
 
 
 def test_list_content_merges_keep_every_part_and_input_is_untouched():

@@ -32,6 +32,7 @@ def test_witnesses_are_short_and_match(pattern, expected):
     "a{1000}",  # too long to be worth writing out
     "\\",  # not a regex
     "^$",  # only the empty string: nothing to write
+    "(?:(?:(?:(?:(?:(?:a){64}){64}){64}){64}){64}){64}",  # nested counts: 64**6 characters, never built
 ])
 def test_no_witness_where_none_helps(pattern):
     assert not witnesses([pattern])

@@ -129,8 +129,8 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
        pattern such as ``[0-9]{3}``), repeating the best one would never reach the
        content that lets the string close.
     In free text, before 3, each of ``hints`` (token ids of a witness of a pattern,
-    pattern_witness.py) is tried whole: taken if the grammar takes it and the set after it
-    is new. In a string held to "foo" no single token shows progress, and turning through
+    pattern_witness.py) is tried whole: taken if the grammar takes it and it lets the
+    string close (a quote, or EOS, allowed after it and not before). In a string held to "foo" no single token shows progress, and turning through
     candidates never spells the word.
     Ending the grammar counts as progress.
     Judging a candidate costs a consume, a mask and, when it is refused, a rollback, on the
@@ -144,6 +144,7 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
     in_text = np.where(closer & ~quote_first, 4, tier)
     in_structure = np.where(closer & quote_first, np.where(length > 1, 4, 2), tier)
     lone_quote = quote_first & (length == 1)
+    ends = quote_first | (tier == 0)  # what ends a string, or the grammar
     m = matcher.deep_copy()
     path: list[int] = []
     allowed = allowed_tokens(m, vocab)
@@ -167,12 +168,15 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
         return None
 
     def spell(ids: Sequence[int]) -> Optional[np.ndarray]:
-        """Take all of ``ids`` if the grammar does and the set after them is new; else undo."""
+        """Take all of ``ids`` if the grammar does and they let the string (or the grammar)
+        end where it could not before; else undo. A witness of one string's pattern also
+        fits in other strings (a code's "AA-0000" in an email address) and would lengthen
+        them for nothing."""
         nonlocal budget
         n = m.try_consume_tokens(list(ids))
         if n == len(ids):
             after = allowed_tokens(m, vocab)
-            if m.is_stopped() or not seen[after.tobytes()]:
+            if m.is_stopped() or (after & ends & ~allowed).any():
                 return after
         m.rollback(n)
         budget -= 1
@@ -233,7 +237,7 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
             spelled: Sequence[int] = ()
             if tok is None and free_text and budget > 0:  # 3, first: a pattern's witness
                 for ids in hints:
-                    if len(path) + len(ids) <= limit and (after := spell(ids)) is not None:
+                    if len(path) + len(ids) < limit and (after := spell(ids)) is not None:  # room to close
                         *spelled, tok = ids
                         break
             if tok is None:  # 3: a set not seen since the last closer, else one seen once
@@ -280,6 +284,11 @@ class GrammarProcessor:
         self._calls = 0
         self._forced: list[int] = []
         self._estimate = 0  # tokens the last simulated completion needed
+        # The last completion found, kept from the state the row is in now: advanced when the
+        # row emits its first token, else (``_path_stale``) to be checked before it is used.
+        self._path: Optional[list[int]] = None
+        self._path_stale = False
+        self._path_set = b""  # the allowed set where that completion was found
         self._next_check = 1  # call number of the next simulation far from the end
         self._retry_at = 0  # after a simulation that found no completion: when to try again
         self._failed = 0
@@ -299,6 +308,34 @@ class GrammarProcessor:
         """Advance the matcher by a token the row emitted."""
         if not self.matcher.consume_token(tok):
             raise ConstraintError(f"grammar rejected token {tok}: {self.matcher.get_error()}")
+        if self._path and self._path[0] == tok and not self._path_stale:
+            self._path = self._path[1:] or None  # the row took the completion's next token: still exact
+        elif self._path is not None:
+            self._path_stale = True
+
+    def _completion(self, allowed: np.ndarray, remaining: int) -> Optional[list[int]]:
+        """A completion from here: the last one found, where it still holds, else a search.
+
+        Near the end of the budget a search runs at every token, and one costs milliseconds
+        (tens of candidate tokens judged per step of the completion): at max_tokens near a
+        schema's smallest answer that halved batch-1 decoding (benchmarks/structured.py).
+        The last completion stays exact while the row takes its tokens; after content (a
+        token that leaves the allowed set as it was, as inside a string) it is checked
+        whole on a copy of the matcher, which costs a consume per token and no masks."""
+        path = self._path
+        if path is not None and self._path_stale:
+            if allowed.tobytes() != self._path_set or len(path) > remaining:
+                path = None
+            else:
+                body = path[:-1] if path and path[-1] in self._eos else path  # EOS ends it
+                probe = self.matcher.deep_copy()
+                if probe.try_consume_tokens(body) != len(body) or not (probe.is_stopped() or probe.is_accepting()):
+                    path = None
+        if path is None:
+            path = closing_path(self.matcher, self._tiers, self._eos, limit=remaining, hints=self._hints)
+            self._path_set = allowed.tobytes()
+        self._path, self._path_stale = path, False
+        return path
 
     def mask(self, logits):
         """The logits for the next token, masked to the grammar (one call per token)."""
@@ -310,10 +347,11 @@ class GrammarProcessor:
         # is within twice the last estimate: cheap far from the end, exact near it.
         # Also re-simulate far from the end, at shrinking intervals: the completion grows
         # while the model nests ("[[[[..."), so the last estimate alone can be far too low.
-        steer = None
+        steer = current = None
         if not self._forced and self._calls >= self._retry_at and (
                 self._calls >= self._next_check or remaining <= 2 * self._estimate + _STRUCTURE_SLACK):
-            path = closing_path(self.matcher, self._tiers, self._eos, limit=remaining, hints=self._hints)
+            current = allowed_tokens(self.matcher, logits.shape[-1])
+            path = self._completion(current, remaining)
             if path is None:
                 # None fits now (or the search found none): look again later, less often,
                 # since the model may reach a state it can close from; a failed search
@@ -322,7 +360,7 @@ class GrammarProcessor:
                 self._retry_at = (self._calls + max(4, remaining // 4) if self._failed < _MAX_FAILED_SEARCHES
                                   else self._max_tokens + 1)
             elif len(path) >= remaining - _SLACK:
-                self._forced = path  # the budget only just covers a completion: take it
+                self._forced = list(path)  # the budget only just covers a completion: take it
                 self.closed_early = True
             else:
                 self._estimate = len(path)
@@ -333,7 +371,7 @@ class GrammarProcessor:
             allowed = np.zeros(logits.shape[-1], dtype=bool)
             allowed[self._forced.pop(0)] = True
         else:
-            allowed = allowed_tokens(self.matcher, logits.shape[-1])
+            allowed = current if current is not None else allowed_tokens(self.matcher, logits.shape[-1])
             classes = self._tiers
             n = min(allowed.shape[0], classes.structural.shape[0])  # logits may be wider than the vocab
             if steer is not None and not (allowed[n:].any() or (

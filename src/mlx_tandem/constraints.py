@@ -378,8 +378,10 @@ class GrammarCompiler:
         return matcher
 
     def hint_ids(self, constraint: Constraint) -> tuple[tuple[int, ...], ...]:
-        """``constraint.hints`` as token ids, for closing mode."""
-        return tuple(tuple(self.tokenizer.tokenize_str(h)) for h in constraint.hints)
+        """``constraint.hints`` as token ids, for closing mode, shortest first: a witness
+        fits in any string its pattern's grammar takes, and a long one (another field's
+        twenty digits) would crowd out a short one that closes in budget."""
+        return tuple(sorted((tuple(self.tokenizer.tokenize_str(h)) for h in constraint.hints), key=len))
 
     def tiers(self) -> TokenClasses:
         """Per-token closing preference and classes (``TokenClasses``), computed once."""

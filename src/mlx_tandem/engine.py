@@ -56,7 +56,10 @@ def _model_key(model: Optional[str | Path]) -> str:
             f"model must be a checkpoint path or hub id (a string or a path), got {type(model).__name__}")
     if model is None:
         return "<default>"
-    path = Path(model).expanduser()
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError:  # "~user/..." with no such user: a hub id, or a path that is not there
+        return str(model)
     return str(path.resolve()) if path.exists() else str(model)
 
 

@@ -93,13 +93,15 @@ def _is_plain(m: Message) -> bool:
 def _mergeable(prev: Message, m: Message) -> bool:
     """Whether ``m`` can join ``prev`` whole: same role, no tool result, the same extra
     fields. Assistant calls join (the ids kept, in order), as text then calls or calls then
-    calls; text after calls stays apart, since templates print a turn's text first."""
+    calls; text after calls stays apart (alone or with calls of its own), since templates
+    print a turn's text before its calls."""
     if prev["role"] != m["role"] or prev["role"] in ("system", "tool") or not _same_extras(prev, m):
         return False
     if _is_plain(prev) and _is_plain(m):
         return True
-    return (prev["role"] == "assistant" and not prev.get("tool_call_id") and not m.get("tool_call_id")
-            and bool(m.get("tool_calls")))
+    if prev["role"] != "assistant" or prev.get("tool_call_id") or m.get("tool_call_id") or not m.get("tool_calls"):
+        return False
+    return not prev.get("tool_calls") or not text_of(m.get("content")).strip()
 
 
 def _in_call_order(out: list[tuple[Message, list[int]]]) -> list[tuple[Message, list[int]]]:
@@ -118,9 +120,9 @@ def _in_call_order(out: list[tuple[Message, list[int]]]) -> list[tuple[Message, 
             j += 1
         calls = out[i - 1][0].get("tool_calls") if j > i + 1 and i > 0 else None
         if calls:
-            order = {c.get("id"): k for k, c in enumerate(calls) if isinstance(c, dict)}
+            order = {c.get("id"): k for k, c in enumerate(calls) if isinstance(c, dict) and isinstance(c.get("id"), str)}
             ids = [m.get("tool_call_id") for m, _ in out[i:j]]
-            if all(x in order for x in ids) and len(set(ids)) == len(ids):
+            if all(isinstance(x, str) and x in order for x in ids) and len(set(ids)) == len(ids):
                 out[i:j] = sorted(out[i:j], key=lambda item: order[item[0]["tool_call_id"]])
         i = max(j, i + 1)
     return out

@@ -46,7 +46,7 @@ def shortest_match(pattern: str) -> Optional[str]:
     try:
         tree = _sre.parse(pattern)
         text = _Builder().seq(tree)
-    except (_NoWitness, re.error, RecursionError, OverflowError, ValueError, TypeError):
+    except (_NoWitness, re.error, RecursionError, OverflowError, MemoryError, ValueError, TypeError):
         return None
     if len(text) > _MAX_LENGTH:
         return None
@@ -89,7 +89,12 @@ class _Builder:
         self.groups: dict[int, str] = {}
 
     def seq(self, items) -> str:
-        return "".join(self.node(op, av) for op, av in items)
+        out = ""
+        for op, av in items:
+            out += self.node(op, av)
+            if len(out) > _MAX_LENGTH:  # checked as it grows: nested counts multiply
+                raise _NoWitness("too long")
+        return out
 
     def node(self, op, av) -> str:
         if op is _c.LITERAL:
@@ -114,9 +119,10 @@ class _Builder:
             return text
         if op in (_c.MAX_REPEAT, _c.MIN_REPEAT, getattr(_c, "POSSESSIVE_REPEAT", None)):
             low, _, sub = av
-            if low > _MAX_LENGTH:
-                raise _NoWitness
-            return self.seq(sub) * low
+            text = self.seq(sub) if low else ""
+            if len(text) * low > _MAX_LENGTH:
+                raise _NoWitness("too long")
+            return text * low
         if op is getattr(_c, "ATOMIC_GROUP", None):
             return self.seq(av)
         if op is _c.GROUPREF:

@@ -92,14 +92,18 @@ def test_assistant_blocks_documents_and_invalid_calls_are_kept():
             AIMessage([{"type": "text", "text": "here"}, {"type": "image", "base64": png, "mime_type": "image/png"}]),
             HumanMessage([{"type": "text-plain", "base64": base64.b64encode("Pump 3 is off. Ü".encode()).decode(),
                            "mime_type": "text/plain"}]),
-            AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1}, "id": "c8"}], invalid_tool_calls=[bad]),
-            ToolMessage("ok", tool_call_id="c8"), ToolMessage("Error: bad JSON", tool_call_id="c9", status="error")]
+            AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1}, "id": "c8"}],
+                      invalid_tool_calls=[bad, {**bad, "id": "c7", "args": '{"a": "x"}'}, {**bad, "id": "c6"}]),
+            ToolMessage("ok", tool_call_id="c8"), ToolMessage("Error: bad JSON", tool_call_id="c9", status="error"),
+            ToolMessage("Error: a must be an integer", tool_call_id="c7", status="error")]
     out = to_engine_messages(msgs)
     assert out[1]["content"] == [{"type": "text", "text": "here"},
                                  {"type": "image", "image": f"data:image/png;base64,{png}"}]
     assert out[2]["content"] == "Pump 3 is off. Ü"
-    assert [c["id"] for c in out[3]["tool_calls"]] == ["c8", "c9"]
-    assert out[3]["tool_calls"][1]["function"] == {"name": "add", "arguments": '{"a": 1,'}
+    # Invalid calls that a result answers (c6 is not: dropped); arguments only as an object,
+    # since Qwen3.5's template iterates them.
+    assert [c["id"] for c in out[3]["tool_calls"]] == ["c8", "c9", "c7"]
+    assert [c["function"]["arguments"] for c in out[3]["tool_calls"][1:]] == ["{}", '{"a": "x"}']
     for block, error in (({"type": "text-plain", "url": "https://example.com/a.txt", "mime_type": "text/plain"},
                           UnsupportedContentError),
                          ({"type": "text-plain", "base64": base64.b64encode(b"\xff\xfe").decode(),
@@ -121,7 +125,7 @@ def test_assistant_blocks_documents_and_invalid_calls_are_kept():
     llm = make_llm()
     prompt = llm.engine.tokenizer.decode(llm.engine.apply_chat_template(to_engine_messages(
         [m for m in msgs if not isinstance(m.content, list)])))
-    assert '{"a": 1,' in prompt and "Error: bad JSON" in prompt
+    assert "Error: bad JSON" in prompt and '{"a": "x"}' in prompt
 
 
 def test_image_on_text_model_is_a_typed_error():

@@ -107,14 +107,16 @@ def test_tool_outputs_files_and_invalid_calls_convert():
     msgs = [ChatMessage(role="user", blocks=[TextBlock(text="Describe."), TextBlock(text="One word."),
                                              ImageBlock(image=buf, image_mimetype="image/png")]),
             ChatMessage(role="assistant", content="", additional_kwargs={"invalid_tool_calls": [
-                {"id": "c9", "name": "add", "arguments": '{"a": 1,', "error": "JSONDecodeError"}]}),
+                {"id": "c9", "name": "add", "arguments": '{"a": 1,', "error": "JSONDecodeError"},
+                {"id": "c8", "name": "add", "arguments": '{"a": 2}', "error": "unanswered"}]}),
             ChatMessage(role="tool", blocks=[cited, citation], additional_kwargs={"tool_call_id": "c9"})]
     out = to_engine_messages(msgs)
     uri = "data:image/png;base64," + base64.b64encode(PNG).decode()
     assert out[0]["content"] == [{"type": "text", "text": "Describe."}, {"type": "text", "text": "\n"},
                                  {"type": "text", "text": "One word."}, {"type": "image", "image": uri}]
-    assert out[1]["tool_calls"] == [{"id": "c9", "type": "function",
-                                     "function": {"name": "add", "arguments": '{"a": 1,'}}]
+    # Answered invalid calls only (c8 is not); arguments only as an object (Qwen3.5's
+    # template iterates them), the result says what was wrong.
+    assert out[1]["tool_calls"] == [{"id": "c9", "type": "function", "function": {"name": "add", "arguments": "{}"}}]
     assert out[2] == {"role": "tool", "content": "Sunny in Oslo\nRain in Bergen", "tool_call_id": "c9"}
 
 

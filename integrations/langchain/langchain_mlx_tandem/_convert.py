@@ -113,7 +113,16 @@ def _content(message: BaseMessage) -> str | list[dict]:
     return parts
 
 
+def _object_text(args: Any) -> str:
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else None
+    except ValueError:
+        parsed = None
+    return args if isinstance(parsed, dict) else "{}"
+
+
 def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
+    answered = {m.tool_call_id for m in messages if isinstance(m, ToolMessage)}
     out: list[dict] = []
     for m in messages:
         if isinstance(m, SystemMessage):
@@ -126,11 +135,13 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
             calls = [{"id": tc.get("id") or f"call_{i}", "type": "function",
                       "function": {"name": tc["name"], "arguments": json.dumps(tc["args"], ensure_ascii=False)}}
                      for i, tc in enumerate(m.tool_calls)]
-            # Invalid calls go back as written (as langchain-openai sends them): the tool
-            # result that answers one would otherwise follow no call.
+            # An invalid call a later tool result answers goes back (langchain-openai sends
+            # them all), or that result would follow no call. Its arguments only where they
+            # are a JSON object: Qwen3.5's template iterates them (``|items``) and fails on
+            # text; the result says what was wrong.
             calls += [{"id": tc["id"], "type": "function",
-                       "function": {"name": tc.get("name") or "", "arguments": tc.get("args") or ""}}
-                      for tc in m.invalid_tool_calls if tc.get("id")]
+                       "function": {"name": tc["name"], "arguments": _object_text(tc.get("args"))}}
+                      for tc in m.invalid_tool_calls if tc.get("name") and tc.get("id") in answered]
             if calls:
                 d["tool_calls"] = calls
             # v0 keeps reasoning in additional_kwargs; v1 messages (and other providers')

@@ -137,18 +137,23 @@ def _legacy_tool_calls(raw: Any) -> list[dict]:
     return out
 
 
-def _invalid_calls(raw: Any) -> list[dict]:
+def _invalid_calls(raw: Any, answered: set) -> list[dict]:
     """The calls of ``additional_kwargs["invalid_tool_calls"]`` (this adapter's answers keep
-    them there), raw arguments and all: the tool result that answers one would otherwise
-    follow no call, and the model would not see what it got wrong (as langchain-openai
-    sends them back)."""
+    them there) that a later tool result answers: that result would otherwise follow no
+    call (langchain-openai sends such calls back too). Their arguments only where they are
+    a JSON object: Qwen3.5's template iterates them (``|items``) and fails on text; the
+    result says what was wrong."""
     out = []
-    for i, c in enumerate(raw or []):
-        if isinstance(c, dict) and c.get("id"):
+    for c in raw or []:
+        if isinstance(c, dict) and c.get("name") and c.get("id") in answered:
             args = c.get("arguments")
+            try:
+                parsed = json.loads(args) if isinstance(args, str) else args
+            except ValueError:
+                parsed = None
             out.append({"id": c["id"], "type": "function",
-                        "function": {"name": c.get("name") or "", "arguments": args if isinstance(args, str)
-                                     else json.dumps(args, ensure_ascii=False)}})
+                        "function": {"name": c["name"], "arguments": json.dumps(parsed if isinstance(parsed, dict)
+                                                                                else {}, ensure_ascii=False)}})
     return out
 
 
@@ -162,6 +167,8 @@ def _newline_between_texts(parts: list[dict]) -> list[dict]:
 
 
 def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
+    answered = {m.additional_kwargs.get("tool_call_id") for m in messages
+                if _ROLES.get(m.role) == "tool" and isinstance(m.additional_kwargs.get("tool_call_id"), str)}
     out: list[dict] = []
     for m in messages:
         role = _ROLES.get(m.role)
@@ -176,7 +183,7 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
         d: dict[str, Any] = {"role": role, "content": content}
         kw = m.additional_kwargs
         if role == "assistant":
-            calls = (calls or _legacy_tool_calls(kw.get("tool_calls"))) + _invalid_calls(kw.get("invalid_tool_calls"))
+            calls = (calls or _legacy_tool_calls(kw.get("tool_calls"))) + _invalid_calls(kw.get("invalid_tool_calls"), answered)
             if calls:
                 d["tool_calls"] = calls
             if reasoning:

@@ -28,12 +28,14 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/mtp.py benchmarks/results/mtp.json
 	$(PY) benchmarks/long_prompts.py benchmarks/results/long_prompts.json
 	$(PY) benchmarks/admission.py benchmarks/results/admission.json
+	$(PY) benchmarks/structured.py benchmarks/results/structured.json
 
 bench-quick: $(VENV)/.installed
 	$(PY) benchmarks/batching.py benchmarks/results/batching-quick.json --quick
 	$(PY) benchmarks/mtp.py benchmarks/results/mtp-quick.json --quick
 	$(PY) benchmarks/long_prompts.py benchmarks/results/long_prompts-quick.json --quick
 	$(PY) benchmarks/admission.py benchmarks/results/admission-quick.json --quick
+	$(PY) benchmarks/structured.py benchmarks/results/structured-quick.json --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache benchmarks/results

@@ -134,10 +134,7 @@ def plot(results: dict, plt):
 
 
 def main(argv=None) -> int:
-    ap = report.arguments(__doc__, "smaller model and burst (under a minute)")
-    args = ap.parse_args(argv)
-    results = bench(args)
-    results["machine"] = report.machine()
+    args, results = report.measure(__doc__, "smaller model and burst (under a minute)", bench, argv)
     mib = 2 ** 20
     print(f"\n{'run':<10} {'budget':>8} {'reserved':>9} {'caches':>7} {'peak':>6} {'tok/s':>7} "
           f"{'max batch':>10} {'waits':>6} {'TTFT s':>7}   (MiB; peak: above the weights, transients included)")

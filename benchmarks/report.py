@@ -20,6 +20,14 @@ def arguments(doc: str, quick: str) -> argparse.ArgumentParser:
     return ap
 
 
+def measure(doc: str, quick: str, bench: Callable, argv=None) -> tuple[argparse.Namespace, dict]:
+    """Parse the common options, run ``bench(args)`` and add the machine to its results."""
+    args = arguments(doc, quick).parse_args(argv)
+    results = bench(args)
+    results["machine"] = machine()
+    return args, results
+
+
 def machine() -> dict:
     import mlx.core as mx
 

@@ -123,6 +123,7 @@ def test_stats_have_every_key_before_the_first_request(llama_path, llama_engine)
 
 async def test_stream_deadlines_cancel_and_free_the_slot(llama_engine):
     msgs = [{"role": "user", "content": "go on"}]
+    before = llama_engine.stats()
     for open_stream in (lambda: llama_engine.open_chat_stream(msgs, {"max_tokens": 4000}, timeout=0.05),
                         lambda: llama_engine.open_complete_stream("go on", {"max_tokens": 4000}, timeout=0.05)):
         stream = await open_stream()
@@ -136,7 +137,11 @@ async def test_stream_deadlines_cancel_and_free_the_slot(llama_engine):
         if llama_engine.stats()["running"] == 0:
             break
         await asyncio.sleep(0.05)
-    assert llama_engine.stats()["running"] == 0
+    after = llama_engine.stats()
+    assert after["running"] == 0
+    # A timeout counts as failed whether the reader's deadline or the engine's noticed it
+    # first (a reader's deadline counted it aborted until 2026-11-28).
+    assert (after["failed"] - before["failed"], after["aborted"] - before["aborted"]) == (3, 0)
     # A deadline that is not reached changes nothing.
     ref = await llama_engine.chat(msgs, {"max_tokens": 8})
     stream = await llama_engine.open_chat_stream(msgs, {"max_tokens": 8}, timeout=60)

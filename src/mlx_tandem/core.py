@@ -89,6 +89,12 @@ class EngineCore:
         if not self._closed.is_set():
             self._inbox.put(("abort", request))
 
+    def time_out(self, request: Request) -> None:
+        """``request``'s reader gave up at its deadline: fail it as the engine's own deadline
+        check does (``_expire``), so a timeout counts the same whichever noticed it first."""
+        if not self._closed.is_set():
+            self._inbox.put(("timeout", request))
+
     def finish_early(self, request: Request) -> None:
         """``request``'s reader has its whole answer (parallel_tool_calls=False: the answer
         ends at its call): free its row, and count it finished, not aborted."""
@@ -290,6 +296,9 @@ class EngineCore:
                 self._abort(arg)
             elif kind == "finish":
                 self._finish_early(arg)
+            elif kind == "timeout":
+                if self._take_out(arg):
+                    self._fail(arg, RequestTimeoutError(f"request {arg.request_id} exceeded its timeout"))
             elif kind == "call":
                 fn, fut = arg
                 if fut.set_running_or_notify_cancel():

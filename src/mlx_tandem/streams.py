@@ -160,6 +160,14 @@ class _StreamBase:
             self._done = True
             self._core.abort(self._req)
 
+    def _time_out(self) -> RequestTimeoutError:
+        """The reader's deadline passed: the request leaves now, counted as timed out (failed),
+        as when the engine notices first."""
+        if not self._done:
+            self._done = True
+            self._core.time_out(self._req)
+        return RequestTimeoutError(f"request {self.request_id} exceeded its timeout")
+
     def __del__(self):
         try:
             self.cancel()
@@ -201,7 +209,7 @@ class AsyncStream(_StreamBase):
         await asyncio.sleep(0)  # deliveries already scheduled on this loop land first
         item = self._sink.get_nowait()
         if item is None:
-            raise RequestTimeoutError(f"request {self.request_id} exceeded its timeout")
+            raise self._time_out()
         return item
 
     async def collect(self) -> RequestOutput:
@@ -236,7 +244,7 @@ class SyncStream(_StreamBase):
                     # A wait past threading.TIMEOUT_MAX (292 years) is an OverflowError.
                     item = self._sink.get(timeout=min(max(left, 0.0) or 1e-6, threading.TIMEOUT_MAX))
                 except queue.Empty:
-                    raise RequestTimeoutError(f"request {self.request_id} exceeded its timeout") from None
+                    raise self._time_out() from None
         except BaseException:
             self.cancel()
             raise

@@ -193,6 +193,14 @@ def test_auto_policy_measures_and_chooses():
     assert pol.speculate(4) is True  # periodic re-measurement of the losing mode
     pol.record(3, speculative=True, seconds=1.0, gain=2.5)  # same bucket as 4
     assert pol.predicted_speedup(4) > 0.6
+    # A head that gains nothing is never used, however the timings fall (a busy machine
+    # slowed the plain steps and the ratio alone said to speculate).
+    idle = AutoPolicy(explore_steps=2, probe_every=1000)
+    for _ in range(2):
+        idle.speculate(1), idle.speculate(1)
+        idle.record(1, speculative=True, seconds=1.0, gain=1.02)
+        idle.record(1, speculative=False, seconds=3.0)
+    assert idle.predicted_speedup(1) > 1 and not any(idle.speculate(1) for _ in range(20))
 
 
 def test_auto_mode_stops_speculating_when_drafts_are_rejected(qwen3_5_path):

@@ -17,6 +17,9 @@ from typing import Optional
 from ..errors import InvalidRequestError
 
 MODES = ("auto", "on", "off")
+#: Tokens per row a speculative step must gain on average before "auto" weighs its timing: a
+#: plain step gains 1, and speculation is worth its draft and verify passes only above that.
+MIN_GAIN = 1.1
 
 
 def normalize_mode(value, *, what: str = "mtp") -> Optional[str]:
@@ -62,7 +65,10 @@ class AutoPolicy:
             return True
         if b.n_plain < self.explore_steps:
             return False
-        best = self.predicted_speedup(batch_size) > 1.0
+        # A step that gains no more tokens than a plain one cannot beat it, whatever the
+        # clock says: with a head that drafts nothing useful the timing ratio alone flipped
+        # on a noisy machine (a busy CPU slowed a plain step) and "auto" speculated for nothing.
+        best = (b.gain or 0.0) >= MIN_GAIN and self.predicted_speedup(batch_size) > 1.0
         b.since_probe += 1
         if b.since_probe >= self.probe_every:  # re-measure the mode we are not using
             b.since_probe = 0

@@ -329,6 +329,28 @@ def test_string_arguments_from_other_integrations_are_read_leniently():
     assert [(c.tool_id, c.tool_kwargs) for c in calls] == [("c1", {"a": 2, "b": 3}), ("c2", {})]
 
 
+def test_a_call_that_failed_to_parse_goes_to_the_agent():
+    """An invalid call that names a tool is a ToolSelection (arguments read leniently): the
+    agent runs it and the tool's error goes back to the model. Dropped, FunctionAgent ended
+    its turn with nothing said. One call in all unless parallel calls are allowed."""
+    llm = make_llm()
+    tool = FunctionTool.from_defaults(fn=add)
+    bad = [{"id": "c9", "name": "add", "arguments": '{"a": 2, "b": ', "error": "cut off"},
+           {"id": "c8", "name": None, "arguments": "<tool_call>{", "error": "no name"}]
+
+    def response(blocks):
+        return ChatResponse(message=ChatMessage(role="assistant", blocks=blocks,
+                                                additional_kwargs={"invalid_tool_calls": [dict(b) for b in bad]}))
+
+    calls = llm.get_tool_calls_from_response(response([TextBlock(text="")]))
+    assert [(c.tool_id, c.tool_name, c.tool_kwargs) for c in calls] == [("c9", "add", {"a": 2, "b": None})]
+    valid = ToolCallBlock(tool_call_id="c1", tool_name="add", tool_kwargs={"a": 1, "b": 2})
+    kept = llm._validate_chat_with_tools_response(response([valid]), [tool])
+    assert [c.tool_id for c in llm.get_tool_calls_from_response(kept)] == ["c1"]
+    both = llm._validate_chat_with_tools_response(response([valid]), [tool], allow_parallel_tool_calls=True)
+    assert [c.tool_id for c in llm.get_tool_calls_from_response(both)] == ["c1", "c9"]
+
+
 def test_tool_required_forces_a_valid_call_in_a_batch():
     llm = make_llm(max_tokens=80)
     tool = FunctionTool.from_defaults(fn=add)

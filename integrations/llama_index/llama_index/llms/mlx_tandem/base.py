@@ -304,6 +304,14 @@ class MLXTandemLLM(FunctionCallingLLM):
         calls = [ToolSelection(tool_id=b.tool_call_id or f"call_{i}", tool_name=b.tool_name,
                                tool_kwargs=_kwargs_dict(b.tool_kwargs))
                  for i, b in enumerate(b for b in response.message.blocks if isinstance(b, ToolCallBlock))]
+        # A call that failed to parse but names a tool is returned too, its arguments read
+        # leniently (as the OpenAI LLM reads any): the agent runs it, the tool's error goes
+        # back to the model, which can correct it. Dropped, it ended the agent's turn with
+        # nothing said.
+        for c in response.message.additional_kwargs.get("invalid_tool_calls") or []:
+            if isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] and c.get("id"):
+                calls.append(ToolSelection(tool_id=c["id"], tool_name=c["name"],
+                                           tool_kwargs=_kwargs_dict(c.get("arguments") or "")))
         if not calls and error_on_no_tool_call:
             raise ValueError(f"Expected at least one tool call, but got {len(calls)} tool calls.")
         return calls
@@ -427,6 +435,9 @@ def _keep_first_tool_call(message: ChatMessage) -> None:
     message.blocks = blocks
     if message.additional_kwargs.get("tool_calls"):
         message.additional_kwargs["tool_calls"] = message.additional_kwargs["tool_calls"][:1]
+    invalid = message.additional_kwargs.get("invalid_tool_calls")
+    if invalid:  # one call in all: an invalid one only where no valid one came first
+        message.additional_kwargs["invalid_tool_calls"] = [] if seen else invalid[:1]
 
 
 def _parse(output_cls: Type[BaseModel], response: Optional[ChatResponse]) -> BaseModel:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -206,3 +207,42 @@ def test_openai_image_parts_reach_the_template_as_image_parts():
     assert gemma_like.render(messages=ready) == "what?<image><image>"
     assert ready[0]["content"][1] == {"type": "image", "image_url": url}  # the source stays for the loader
     assert msgs[0]["content"][1]["type"] == "image_url"  # the caller's messages are untouched
+
+
+def test_mistral_templates_get_their_nine_character_call_ids():
+    """Mistral's templates raise on any call id that is not 9 letters or digits, so a
+    history of the engine's own ``call_...`` ids did not render. With ``short_call_ids`` (the
+    engine sets it for mlx-lm's "mistral" tool format) each id is shortened, the same for
+    the call and its result; ids already in that form are kept."""
+    import jinja2
+
+    from mlx_tandem.prompt import PromptRenderer
+
+    source = (
+        "{% for m in messages %}"
+        "{% for c in m.tool_calls or [] %}{% if c.id|length != 9 %}{{ raise('Tool call IDs should be "
+        "alphanumeric strings with length 9!') }}{% endif %}[CALL {{ c.id }}]{% endfor %}"
+        "{% if m.role == 'tool' %}{% if m.tool_call_id|length != 9 %}{{ raise('bad id') }}{% endif %}"
+        "[RESULT {{ m.tool_call_id }}: {{ m.content }}]{% else %}{{ m.content }}{% endif %}{% endfor %}")
+
+    class MistralLike:
+        def encode(self, text, add_special_tokens=False):
+            return [ord(ch) for ch in text]
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kw):
+            def fail(msg):
+                raise jinja2.TemplateError(msg)
+
+            return jinja2.Environment().from_string(source).render(messages=messages, **{"raise": fail})
+
+    call = lambda i: {"id": i, "type": "function", "function": {"name": "w", "arguments": "{}"}}  # noqa: E731
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [call("call_0123456789abcdef01234567"), call("a1B2c3D4e")]},
+            {"role": "tool", "tool_call_id": "call_0123456789abcdef01234567", "content": "r1"},
+            {"role": "tool", "tool_call_id": "a1B2c3D4e", "content": "r2"}]
+    with pytest.raises(TemplateError, match="length 9"):
+        PromptRenderer(MistralLike()).render_with_text(msgs)
+    text, _ = PromptRenderer(MistralLike(), short_call_ids=True).render_with_text(msgs)
+    short = re.findall(r"\[CALL (\w+)\]", text)
+    assert len(short[0]) == 9 and short[0].isalnum() and short[1] == "a1B2c3D4e"
+    assert re.findall(r"\[RESULT (\w+):", text) == short  # each result still names its call

@@ -120,8 +120,8 @@ class Engine:
         # renderer and a grammar compiler that share its tokenizer lock.
         with self._lock:
             if self._renderer is None:
-                renderer = PromptRenderer(loaded.tokenizer)
                 self._format = ChatFormat.from_tokenizer(loaded.tokenizer)
+                renderer = PromptRenderer(loaded.tokenizer, short_call_ids=self._format.tool_format == "mistral")
                 self._grammar = GrammarCompiler(
                     loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids, lock=renderer.lock)
                 self._renderer = renderer

@@ -7,7 +7,9 @@ that request only. The tokenizer is guarded by a lock: HF fast tokenizers raise
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
@@ -20,7 +22,16 @@ from .messages import Message, normalize_messages, text_of, TEXT_PART_TYPES
 _TEMPLATE_PART_TYPES = {**{t: "text" for t in TEXT_PART_TYPES}, "image_url": "image", "input_image": "image"}
 
 
-def _template_ready(messages: list[Message]) -> list[Message]:
+def short_call_id(call_id: Any) -> Any:
+    """A call id as Mistral's templates take it: 9 letters or digits ("Tool call IDs should be
+    alphanumeric strings with length 9"), kept where it is one already, else derived from
+    the id (the same for a call and the result that answers it). vLLM shortens them too."""
+    if not isinstance(call_id, str) or re.fullmatch(r"[A-Za-z0-9]{9}", call_id):
+        return call_id
+    return hashlib.sha1(call_id.encode("utf-8", "surrogatepass")).hexdigest()[:9]
+
+
+def _template_ready(messages: list[Message], *, short_ids: bool = False) -> list[Message]:
     """Shape messages the way HF chat templates expect them.
 
     Text-only part lists become strings (many templates only render string content); in
@@ -28,7 +39,7 @@ def _template_ready(messages: list[Message]) -> list[Message]:
     ``text`` parts and OpenAI's ``image_url``/``input_image`` parts become ``image`` parts
     (templates such as Gemma's render only those: the image was read, its placeholder
     missing); and tool-call arguments given as JSON strings (OpenAI style) become dicts
-    (HF style).
+    (HF style). ``short_ids``: call ids become ``short_call_id``'s (Mistral's templates).
     """
     out = []
     for m in messages:
@@ -40,10 +51,14 @@ def _template_ready(messages: list[Message]) -> list[Message]:
             m["content"] = [{**p, "type": _TEMPLATE_PART_TYPES.get(p.get("type"), p.get("type"))} for p in content]
         if m.get("content") is None:
             m["content"] = ""
+        if short_ids and "tool_call_id" in m:
+            m["tool_call_id"] = short_call_id(m["tool_call_id"])
         if m.get("tool_calls"):
             calls = []
             for call in m["tool_calls"]:
                 call = dict(call)
+                if short_ids and "id" in call:
+                    call["id"] = short_call_id(call["id"])
                 nested = "function" in call  # OpenAI style; else the HF style's top-level name
                 fn = dict(call["function"]) if nested else call
                 args = fn.get("arguments")
@@ -76,8 +91,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class PromptRenderer:
     """Renders chats to token ids with one tokenizer, safely from many threads."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, *, short_call_ids: bool = False):
         self._tokenizer = tokenizer
+        self._short_ids = short_call_ids  # the template wants Mistral's 9-character call ids
         self.lock = threading.Lock()
         self._system_prefixes: OrderedDict[str, list[int]] = OrderedDict()
 
@@ -107,7 +123,7 @@ class PromptRenderer:
         steers the answer); by default a final assistant message is history, closed, and a
         new assistant turn follows, as OpenAI's API does.
         """
-        msgs = _template_ready(normalize_messages(messages))
+        msgs = _template_ready(normalize_messages(messages), short_ids=self._short_ids)
         if (template_kwargs or {}).get("continue_final_message") and (not msgs or msgs[-1]["role"] != "assistant"):
             raise InvalidRequestError("continue_final_message needs a chat that ends with an assistant message")
         text = self._apply(msgs, tools, add_generation_prompt, template_kwargs)
@@ -149,7 +165,7 @@ class PromptRenderer:
         No ChatML (or other) markers are searched for. A boundary that the actual prompt does
         not share is cut back to the common prefix.
         """
-        msgs = _template_ready(normalize_messages(messages))
+        msgs = _template_ready(normalize_messages(messages), short_ids=self._short_ids)
         # The probes and the history end elsewhere than the prompt: no final message to continue.
         template_kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "continue_final_message"}
         points = []

@@ -130,8 +130,8 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
        content that lets the string close.
     In free text, before 3, each of ``hints`` (token ids of a witness of a pattern,
     pattern_witness.py) is tried whole: taken if the grammar takes it and it lets the
-    string close (a quote, or EOS, allowed after it and not before). In a string held to "foo" no single token shows progress, and turning through
-    candidates never spells the word.
+    string close (a quote, or EOS, allowed after it and not before). In a string held to
+    "foo" no single token shows progress, and turning through candidates never spells it.
     Ending the grammar counts as progress.
     Judging a candidate costs a consume, a mask and, when it is refused, a rollback, on the
     engine thread: ``_TRY_BUDGET`` bounds the refusals per simulation, then only the best

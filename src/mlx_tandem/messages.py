@@ -120,7 +120,8 @@ def _in_call_order(out: list[tuple[Message, list[int]]]) -> list[tuple[Message, 
             j += 1
         calls = out[i - 1][0].get("tool_calls") if j > i + 1 and i > 0 else None
         if calls:
-            order = {c.get("id"): k for k, c in enumerate(calls) if isinstance(c, dict) and isinstance(c.get("id"), str)}
+            order = {c["id"]: k for k, c in enumerate(calls)
+                     if isinstance(c, dict) and isinstance(c.get("id"), str)}
             ids = [m.get("tool_call_id") for m, _ in out[i:j]]
             if all(isinstance(x, str) and x in order for x in ids) and len(set(ids)) == len(ids):
                 out[i:j] = sorted(out[i:j], key=lambda item: order[item[0]["tool_call_id"]])

@@ -27,6 +27,8 @@ from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call
 from mlx_tandem.errors import InvalidRequestError, UnsupportedContentError
 
 PROVIDER = "mlx_tandem"
+# ChatMessage roles by other names (other providers', as the LlamaIndex adapter maps them).
+_CHAT_ROLES = {"human": "user", "ai": "assistant", "model": "assistant", "chatbot": "assistant"}
 
 
 def _block_to_part(block: dict) -> Optional[dict]:
@@ -159,8 +161,7 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
         elif isinstance(m, FunctionMessage):
             d = {"role": "tool", "content": _content(m), "name": m.name, "tool_call_id": m.name}
         elif isinstance(m, ChatMessage):
-            # Other providers' names for the roles (as the LlamaIndex adapter maps them).
-            role = {"human": "user", "ai": "assistant", "model": "assistant", "chatbot": "assistant"}.get(m.role, m.role)
+            role = _CHAT_ROLES.get(m.role, m.role)
             d = {"role": role, "content": _content(m)}
         else:
             raise InvalidRequestError(f"unsupported message type {type(m).__name__}")

@@ -202,8 +202,12 @@ def test_schemas_that_are_not_json_data_or_too_deep_are_constraint_errors():
         deep = {"type": "array", "items": deep}
     cyclic: dict = {"type": "array"}
     cyclic["items"] = cyclic  # a dict that holds itself: refused, never walked for ever
+    # A $defs entry that only refers back to itself describes no value: llguidance compiled it
+    # into a grammar that rejected tokens mid-answer or ended a "stop" answer at '{"a": '.
+    loop = {"type": "object", "properties": {"a": {"$ref": "#/$defs/D0"}}, "required": ["a"],
+            "$defs": {"D0": {"$ref": "#/$defs/D1"}, "D1": {"$ref": "#/$defs/D0", "description": "x"}}}
     for bad in (deep, cyclic, {"type": "object", "properties": {"a": {"const": float("nan")}}},
-                {"type": "object", "properties": {"a": {"const": object()}}}):
+                {"type": "object", "properties": {"a": {"const": object()}}}, loop):
         with pytest.raises(ConstraintError):
             Constraint.json_schema(bad)
         tool = {"type": "function", "function": {"name": "f", "parameters": bad}}
@@ -211,6 +215,10 @@ def test_schemas_that_are_not_json_data_or_too_deep_are_constraint_errors():
             tool_call_constraint(fmt, [tool], ["f"], parallel=False, marker=json.dumps)
         with pytest.raises(ConstraintError):
             open_call_constraint(fmt, [tool], marker=json.dumps)
+    # A recursive schema with content is fine.
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}, "$defs": {
+        "Node": {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}}}}}
+    assert Constraint.json_schema(node).kind == "json_schema"
 
 
 async def test_schema_given_as_json_text_and_bare_form(llama_engine):

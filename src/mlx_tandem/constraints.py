@@ -94,6 +94,8 @@ def _schema_text(build: Callable[[], Any]) -> str:
     cannot (NaN, objects, a cycle), is a ConstraintError."""
     try:
         return json.dumps(build(), allow_nan=False)
+    except ConstraintError:
+        raise
     except RecursionError:
         raise ConstraintError("the JSON schema is nested too deeply") from None
     except (TypeError, ValueError) as exc:
@@ -136,8 +138,35 @@ def _prepared_schema(schema: Any) -> Any:
       combined with such subschemas or a ``$ref``, and an object that requires a key it does
       not list.
     - ``date``, ``date-time`` and ``time`` strings also exclude year 0000 and second 60.
+
+    A ``$defs`` entry that is only a reference back to itself (through other such entries)
+    describes no value: a ConstraintError, since llguidance compiled it into a grammar that
+    rejected the model's tokens mid-answer, or ended a "stop" answer at ``{"a": ``.
     """
-    return _prepare(schema, open_defs=_defs_combined(schema), keep_open=False)
+    out = _prepare(schema, open_defs=_defs_combined(schema), keep_open=False)
+    _refuse_empty_ref_cycles(out)
+    return out
+
+
+# Keys that say nothing about the value: a schema of a $ref and these is the $ref alone.
+_ANNOTATIONS = frozenset({"$ref", "title", "description", "default", "examples", "$comment", "deprecated"})
+
+
+def _refuse_empty_ref_cycles(schema: Any) -> None:
+    if not isinstance(schema, dict):
+        return
+    defs = {f"#/{key}/{name}": entry for key in ("$defs", "definitions")
+            for name, entry in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict)}
+    for start in defs:
+        seen, ref = set(), start
+        while isinstance(ref, str) and ref in defs:
+            if ref in seen:
+                raise ConstraintError(f"the schema's {start!r} is only a reference to itself: it describes no value")
+            seen.add(ref)
+            entry = defs[ref]
+            if not (isinstance(entry, dict) and set(entry) <= _ANNOTATIONS):
+                break
+            ref = entry.get("$ref")
 
 
 def _defs_combined(schema: Any) -> set[str]:

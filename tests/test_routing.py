@@ -234,6 +234,44 @@ def test_structured_output_on_an_image_closes_within_the_expanded_prompts_room(q
     assert set(json.loads(out.text)) == {"a", "b"}
 
 
+def test_an_image_too_long_for_the_context_is_refused_before_the_encoder_runs(qwen3_5_vl_path, monkeypatch):
+    """The expanded prompt's length is known from the processor: an image that cannot fit is
+    refused without a vision-encoder pass that the lane's other rows would wait for."""
+    from mlx_vlm.models.qwen3_5 import Model
+
+    from mlx_tandem.errors import ContextLengthError
+
+    encoded = []
+    original = Model.get_input_embeddings
+
+    def counting(self, input_ids=None, pixel_values=None, **kwargs):
+        encoded.append(input_ids.shape[-1])
+        return original(self, input_ids, pixel_values, **kwargs)
+
+    monkeypatch.setattr(Model, "get_input_embeddings", counting)
+    small = [_user(_img_part(_data_uri(_image(6, 32))), _text("?"))]
+    large = [_user(_img_part(_data_uri(_image(7, 256))), _text("?"))]
+    engine = Engine(qwen3_5_vl_path, show_progress=False)
+    try:
+        fits = engine.chat_sync(small, {"max_tokens": 2}).usage.prompt_tokens
+        large_tokens = engine.chat_sync(large, {"max_tokens": 1}).usage.prompt_tokens
+    finally:
+        engine.close_sync()
+    assert encoded == [fits, large_tokens] and large_tokens > fits + 8
+
+    encoded.clear()
+    engine = Engine(qwen3_5_vl_path, show_progress=False, max_model_len=fits + 4)
+    try:
+        with pytest.raises(ContextLengthError) as err:
+            engine.chat_sync(large, {"max_tokens": 2})
+        assert encoded == []  # refused before the encoder
+        out = engine.chat_sync(small, {"max_tokens": 2})
+    finally:
+        engine.close_sync()
+    assert err.value.prompt_tokens == large_tokens
+    assert encoded == [fits] and out.usage.prompt_tokens == fits
+
+
 def test_bad_images_fail_their_own_request_only(qwen3_5_vl_path, tmp_path):
     engine = Engine(qwen3_5_vl_path, show_progress=False, max_image_pixels=64 * 64)
 

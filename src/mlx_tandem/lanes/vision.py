@@ -73,6 +73,7 @@ class VisionLane:
         return bool(self._rows)
 
     def _inputs(self, request: Request):
+        """The expanded prompt ids, and the processor's outputs the embedding step needs."""
         from mlx_vlm.utils import prepare_inputs
 
         media = request.extra["media"]
@@ -82,19 +83,25 @@ class VisionLane:
                                     add_special_tokens=False)
         except Exception as exc:  # noqa: BLE001 - the processor's errors are this request's
             raise InvalidRequestError(f"the image processor rejected this request: {exc}") from exc
+        return inputs["input_ids"][0].tolist(), inputs
+
+    def _embed(self, inputs) -> dict:
+        """The vision encoder's pass: the prompt's embeddings and the model's extra inputs."""
         ids = inputs["input_ids"]
         data = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
         emb = self.vlm.get_input_embeddings(ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"),
                                             **data)
-        kwargs = {**data, **{k: v for k, v in emb.to_dict().items() if v is not None}}
-        return ids[0].tolist(), kwargs
+        return {**data, **{k: v for k, v in emb.to_dict().items() if v is not None}}
 
     def add(self, request: Request) -> None:
-        ids, kwargs = self._inputs(request)
+        ids, inputs = self._inputs(request)
+        # Checked before the encoder runs: an oversized image is refused without an encoder
+        # pass that every other row of the lane would wait for.
         if len(ids) >= self._context_length:
             raise ContextLengthError(
                 f"with its images the prompt has {len(ids)} tokens; the context window is "
                 f"{self._context_length}", prompt_tokens=len(ids), max_context=self._context_length)
+        kwargs = self._embed(inputs)
         request.prompt_ids = ids  # usage counts the expanded image tokens
         request.max_tokens = min(request.max_tokens, self._context_length - len(ids))
         for p in request.processors:  # grammars plan their closing within the real budget

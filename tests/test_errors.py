@@ -111,6 +111,8 @@ def test_bad_engine_options():
         Engine("x", max_batch_size=0)
     with pytest.raises(InvalidRequestError):
         Engine("x", not_an_option=1)
+    with pytest.raises(InvalidRequestError, match="mtp_depth"):
+        Engine("x", mtp_depth=2.0)  # equal to 2, yet it failed every speculative step later
 
 
 async def test_bad_requests_fail_alone_while_others_keep_going(llama_engine, llama_path):

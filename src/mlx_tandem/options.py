@@ -94,7 +94,7 @@ class EngineOptions:
         from .spec.policy import normalize_mode
 
         object.__setattr__(self, "mtp", normalize_mode(self.mtp, what="engine option mtp") or "auto")
-        if self.mtp_depth not in (1, 2, 3) or isinstance(self.mtp_depth, bool):
+        if type(self.mtp_depth) is not int or self.mtp_depth not in (1, 2, 3):  # 2.0 == 2, but range(2.0) fails
             raise InvalidRequestError(f"engine option mtp_depth={self.mtp_depth!r}: must be 1, 2 or 3")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise InvalidRequestError(f"engine option max_model_len={self.max_model_len!r}: must be an integer >= 2")

@@ -223,6 +223,46 @@ def test_small_requests_do_not_overtake_one_waiting_for_memory(qwen3_5_path):
         engine.close_sync()
 
 
+def test_stats_pair_the_queue_with_the_ledger_of_the_same_moment(llama_path):
+    """A reader polling ``stats()`` from another thread while requests queue for memory and
+    are cancelled never sees counts from one update beside the ledger from another (it saw
+    more waiting for memory than waiting, and rows running with nothing reserved)."""
+    import asyncio
+
+    ledger = _ledger(llama_path)
+    budget = ledger.footprints["text"].lane_bytes(1, ledger.row_tokens("text", 20, 100))
+    engine = Engine(str(llama_path), show_progress=False, prefix_cache_bytes=0,
+                    request_memory_bytes=budget).start_sync()
+    done, torn, polls = threading.Event(), [], [0]
+
+    def poll():
+        while not done.is_set():
+            s = engine.stats()
+            mem, polls[0] = s["memory"], polls[0] + 1
+            if mem["waiting_for_memory"] > s["waiting"] or (s["running"] == 0) != (mem["reserved_bytes"] == 0):
+                torn.append((s["running"], s["waiting"], mem["reserved_bytes"], mem["waiting_for_memory"]))
+
+    async def churn():
+        for _ in range(6):
+            streams = [await engine.open_complete_stream(_prompt(20, 100 + i), SamplingParams(max_tokens=100))
+                       for i in range(12)]
+            await asyncio.sleep(0.02)
+            for s in reversed(streams):  # the queued ones one by one, then the running one
+                s.cancel()
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.02)
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    try:
+        asyncio.run(churn())
+    finally:
+        done.set()
+        reader.join()
+        engine.close_sync()
+    assert polls[0] > 1000 and torn == [], torn[:5]
+
+
 def test_a_request_too_large_for_the_budget_fails_alone(qwen3_5_path):
     ledger = _ledger(qwen3_5_path)
     budget = ledger.alone_bytes("text", ledger.row_tokens("text", 10, 64))

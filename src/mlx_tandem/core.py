@@ -569,8 +569,8 @@ class EngineCore:
         # Requests leave the queue outside _admit (deadlines, aborts, close); only _admit
         # knows which wait for memory, but never more than wait at all.
         self._held_for_memory = min(self._held_for_memory, len(self._waiting))
-        self.stats.set_queue(running=len(self._running), waiting=len(self._waiting))
-        self.stats.set_section("memory", {**self._memory.snapshot(), "waiting_for_memory": self._held_for_memory})
+        self.stats.set_queue(running=len(self._running), waiting=len(self._waiting),
+                             memory={**self._memory.snapshot(), "waiting_for_memory": self._held_for_memory})
 
 
 def _restore_random_key(key: mx.array) -> None:

@@ -66,10 +66,13 @@ class EngineStats:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
 
-    def set_queue(self, *, running: int, waiting: int) -> None:
+    def set_queue(self, *, running: int, waiting: int, memory: dict) -> None:
+        """The queue's counts and the memory ledger's section, in one update: a snapshot
+        never pairs counts with a ledger from another moment."""
         with self._lock:
             self.running = running
             self.waiting = waiting
+            self.sections["memory"] = memory
 
     def count_lane(self, lane: str) -> None:
         with self._lock:

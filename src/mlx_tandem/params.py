@@ -39,8 +39,9 @@ class SamplingParams:
     temperature 0 (or under 1e-5) means greedy; it is at most 1e6, and ``repetition_penalty``
     within [1e-6, 1e6] (float32 overflows beyond); a ``top_p`` under 1e-9 is 1e-9 (the top
     token alone either way). ``stop`` strings are matched on the decoded text, across
-    token boundaries, and never emitted. ``seed`` makes sampling reproducible per request,
-    whatever else shares the batch. ``logits_processors`` run on the engine thread.
+    token boundaries, and never emitted. ``seed`` makes sampling reproducible per request:
+    the draws depend on the seed only, whatever else shares the batch (the logits they read
+    can move in the last bits with the batch size: docs/design.md, "Backends and numerics"). ``logits_processors`` run on the engine thread.
     """
 
     max_tokens: int = 256

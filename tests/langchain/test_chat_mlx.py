@@ -481,6 +481,17 @@ def test_timeout_cancels_and_frees_the_slot():
     assert llm.engine.stats()["running"] == 0
 
 
+def test_the_repetition_window_reaches_the_engine():
+    msgs = [{"role": "user", "content": "Hi"}]
+    llm = make_llm(repetition_penalty=0.05, repetition_context_size=1)
+    answers = {n: llm.engine.chat_sync(msgs, {"max_tokens": 24, "repetition_penalty": 0.05,
+                                              "repetition_context_size": n}).content for n in (1, 20)}
+    assert answers[1] != answers[20]  # under 1 the penalty favours repeats: the window shows
+    assert llm.invoke("Hi").content == answers[1]
+    assert llm.invoke("Hi", repetition_context_size=20).content == answers[20]
+    assert llm._identifying_params["repetition_context_size"] == 1
+
+
 def test_identity_params_and_profile():
     llm = make_llm(temperature=0.5, max_tokens=7, stop=["x"])
     ls = llm._get_ls_params(stop=["y"])

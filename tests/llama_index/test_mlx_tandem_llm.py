@@ -206,6 +206,16 @@ def test_sampling_fields_reach_the_engine():
         [{"role": "user", "content": "Hi"}], {"max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "seed": 8}).content
 
 
+def test_the_repetition_window_reaches_the_engine():
+    msgs = [{"role": "user", "content": "Hi"}]
+    llm = make_llm(repetition_penalty=0.05, repetition_context_size=1)
+    answers = {n: llm.engine.chat_sync(msgs, {"max_tokens": 16, "repetition_penalty": 0.05,
+                                              "repetition_context_size": n}).content for n in (1, 20)}
+    assert answers[1] != answers[20]  # under 1 the penalty favours repeats: the window shows
+    assert llm.chat(user("Hi")).message.content == answers[1]
+    assert llm.chat(user("Hi"), repetition_context_size=20).message.content == answers[20]
+
+
 def test_unknown_kwargs_and_engine_errors_are_typed():
     llm = make_llm()
     with pytest.raises(TypeError, match="unexpected keyword"):

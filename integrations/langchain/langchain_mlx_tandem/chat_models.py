@@ -57,6 +57,8 @@ class ChatMLX(BaseChatModel):
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+    """How many of the latest tokens ``repetition_penalty`` looks back on."""
     stop: Optional[list[str]] = Field(default=None, alias="stop_sequences")
     seed: Optional[int] = None
     mtp: Optional[Union[str, bool]] = None
@@ -105,6 +107,7 @@ class ChatMLX(BaseChatModel):
             "top_k": self.top_k,
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
+            "repetition_context_size": self.repetition_context_size,
             "seed": self.seed,
             "mtp": self.mtp,
             "specprefill": self.specprefill,

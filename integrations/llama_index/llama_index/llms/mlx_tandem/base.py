@@ -75,6 +75,8 @@ class MLXTandemLLM(FunctionCallingLLM):
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    repetition_context_size: int = Field(
+        default=20, description="How many of the latest tokens repetition_penalty looks back on.")
     stop: Optional[list[str]] = Field(default=None, description="Stop strings (never emitted).")
     seed: Optional[int] = None
     mtp: Optional[Union[str, bool]] = Field(

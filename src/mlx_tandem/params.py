@@ -41,7 +41,8 @@ class SamplingParams:
     token alone either way). ``stop`` strings are matched on the decoded text, across
     token boundaries, and never emitted. ``seed`` makes sampling reproducible per request:
     the draws depend on the seed only, whatever else shares the batch (the logits they read
-    can move in the last bits with the batch size: docs/design.md, "Backends and numerics"). ``logits_processors`` run on the engine thread.
+    can move in the last bits with the batch size: docs/design.md, "Backends and numerics").
+    ``logits_processors`` run on the engine thread.
     """
 
     max_tokens: int = 256

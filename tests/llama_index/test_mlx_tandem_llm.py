@@ -329,6 +329,30 @@ def test_unforced_tool_calls_are_parsed_and_trimmed_unless_parallel():
     assert [json.loads(c["function"]["arguments"]) for c in back] == [{"a": 2, "b": 3}, {"a": 4, "b": 5}]
 
 
+def test_without_parallel_calls_a_stream_keeps_the_one_call_chat_keeps():
+    """The model writes an invalid call, then a valid one. The engine ends the answer at its
+    first valid call, so both were streamed, and FunctionAgent (which streams) ran both;
+    chat_with_tools keeps one. Streams now keep the same one."""
+    llm = make_llm(max_tokens=80)
+    llm.engine.start_sync()
+    m = llm.engine._grammar.marker
+    call = lambda body: f"{m('<tool_call>')} {json.dumps(chr(10) + body + chr(10))} {m('</tool_call>')}"  # noqa: E731
+    fmt = _grammar(llm.engine, call('{"name": "add", "arguments": [3, 4]}') + ' "\\n" '
+                   + call('{"name": "add", "arguments": {"a": 1, "b": 2}}'))
+    tools = [FunctionTool.from_defaults(fn=add)]
+
+    def selections(response):
+        return [(c.tool_name, c.tool_kwargs) for c in llm.get_tool_calls_from_response(response)]
+
+    both = llm.chat_with_tools(tools, user_msg="go", allow_parallel_tool_calls=True, response_format=fmt)
+    assert selections(both) == [("add", {"a": 1, "b": 2}), ("add", {})]  # the invalid one, read leniently
+    one = selections(llm.chat_with_tools(tools, user_msg="go", response_format=fmt))
+    assert one == [("add", {"a": 1, "b": 2})]
+    for stream in (llm.stream_chat_with_tools(tools, user_msg="go", response_format=fmt),
+                   _collect_async(llm.astream_chat_with_tools(tools, user_msg="go", response_format=fmt))):
+        assert selections(list(stream)[-1]) == one
+
+
 def test_string_arguments_from_other_integrations_are_read_leniently():
     """As the OpenAI LLM reads them: a truncated object keeps its complete fields."""
     llm = make_llm()

@@ -185,6 +185,7 @@ class MLXTandemLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        one_call = kwargs.get("parallel_tool_calls") is False
         request = self._chat_request(messages, kwargs)
 
         def gen() -> ChatResponseGen:
@@ -193,12 +194,13 @@ class MLXTandemLLM(FunctionCallingLLM):
                 for delta in stream:
                     response = acc.chat(delta)
                     if response is not None:
-                        yield response
+                        yield _one_call(response) if one_call else response
 
         return gen()
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        one_call = kwargs.get("parallel_tool_calls") is False
         request = self._chat_request(messages, kwargs)
         stream = await self._open_async(*request)
 
@@ -208,7 +210,7 @@ class MLXTandemLLM(FunctionCallingLLM):
                 async for delta in stream:
                     response = acc.chat(delta)
                     if response is not None:
-                        yield response
+                        yield _one_call(response) if one_call else response
 
         return gen()
 
@@ -425,6 +427,15 @@ def _kwargs_dict(args: Union[dict, str]) -> dict:
     return parsed if isinstance(parsed, dict) else {}
 
 
+def _one_call(response: ChatResponse) -> ChatResponse:
+    """A streamed response under ``parallel_tool_calls=False`` (``allow_parallel_tool_calls``
+    off): the engine ends the answer at its first valid call, but an invalid call before it
+    is streamed too; trimmed here as ``chat_with_tools`` trims, so an agent reading the last
+    response runs the same one call either way."""
+    _keep_first_tool_call(response.message)
+    return response
+
+
 def _keep_first_tool_call(message: ChatMessage) -> None:
     seen = False
     blocks = []
@@ -438,7 +449,7 @@ def _keep_first_tool_call(message: ChatMessage) -> None:
     if message.additional_kwargs.get("tool_calls"):
         message.additional_kwargs["tool_calls"] = message.additional_kwargs["tool_calls"][:1]
     invalid = message.additional_kwargs.get("invalid_tool_calls")
-    if invalid:  # one call in all: an invalid one only where no valid one came first
+    if invalid:  # one call in all: the first valid one, else the first invalid one
         message.additional_kwargs["invalid_tool_calls"] = [] if seen else invalid[:1]
 
 

@@ -375,6 +375,25 @@ class Tree(BaseModel):
     kids: list["Tree"] = []
 
 
+def test_a_tool_taking_a_recursive_model_is_held_to_every_level():
+    """A tool's arguments are a Pydantic model too: one holding a recursive model lost its
+    nested levels to {} as well, and forced calls came back with kids that are no Tree."""
+    from langchain_core.tools import tool
+
+    @tool
+    def plant(tree: Tree) -> str:
+        """Plant a tree."""
+        return "planted"
+
+    sent = make_llm().bind_tools([plant]).kwargs["tools"][0]["function"]["parameters"]
+    assert sent == plant.tool_call_schema.model_json_schema()
+    for seed in range(8):
+        msg = make_llm(max_tokens=120, temperature=1.0, seed=seed).bind_tools([plant], tool_choice="plant").invoke(
+            "plant a tree")
+        assert [c["name"] for c in msg.tool_calls] == ["plant"], msg
+        Tree.model_validate(msg.tool_calls[0]["args"]["tree"])
+
+
 @pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
 def test_structured_output_of_a_recursive_model_holds_every_level(method):
     """langchain-core inlines refs and turns a recursive one into {} (anything goes), so the

@@ -351,7 +351,9 @@ def _raw_then_parsed(parser: Runnable) -> Runnable:
 
 def _openai_tool(tool: Any, strict: Optional[bool]) -> dict:
     formatted = convert_to_openai_tool(tool, strict=strict)
-    full = recursive_model_schema(tool)
+    # A tool's arguments are a Pydantic model too (``tool_call_schema``: the args the model
+    # writes, injected ones left out); a recursive one lost its nested levels the same way.
+    full = recursive_model_schema(tool.tool_call_schema if isinstance(tool, BaseTool) else tool)
     if full is not None:
         formatted["function"]["parameters"] = full
     return formatted

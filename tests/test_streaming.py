@@ -116,6 +116,56 @@ def test_stop_matcher(pieces, stop, expected, hit):
     assert out == expected and was_hit == hit
 
 
+CALL = ("<tool_call>", "</tool_call>")
+
+
+@pytest.mark.parametrize("pieces,stop,expected,hit", [
+    # Inside a call nothing is matched; the call is passed on whole, then matching resumes.
+    (["a <tool_call>\n{\"x\": 1}\n</tool_call>", "\nafter"], ["}", "\n"],
+     "a <tool_call>\n{\"x\": 1}\n</tool_call>", True),
+    # Markers split across deltas: held back until they are known.
+    (["<tool", "_call>{}", "</tool_", "call>", " done}"], ["}"], "<tool_call>{}</tool_call> done", True),
+    # A stop before the call still ends the answer there.
+    (["x}", "<tool_call>{}</tool_call>"], ["}"], "x", True),
+    (["<tool_call>{}</tool_call>", "<tool_call>{}</tool_call>"], ["}"],
+     "<tool_call>{}</tool_call><tool_call>{}</tool_call>", False),
+    # Cut inside a call (a max_tokens end): the text so far goes out, but for a partial close.
+    (["<tool_call>{\"a\": \"}</tool"], ["}"], "<tool_call>{\"a\": \"}", False),
+])
+def test_stop_matcher_never_cuts_a_tool_call(pieces, stop, expected, hit):
+    m = StopStringMatcher(stop, exempt=CALL)
+    out, was_hit = "", False
+    for p in pieces:
+        text, was_hit = m.feed(p)
+        out += text
+        if was_hit:
+            break
+    assert out == expected and was_hit == hit
+    if not hit:
+        assert out + m.flush() == "".join(pieces)
+
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+@pytest.mark.parametrize("stop", [["}"], ["\n"], ["<tool_call>"], ["</tool_call>"]])
+async def test_stop_strings_end_the_text_but_never_cut_a_tool_call(qwen3_5_engine, stop):
+    """A stop string that the call's markup or JSON holds ("}", a newline after the opening
+    marker in Qwen's format) cut every call into an invalid one. The call is parsed as
+    without the stop, and a stop in the text after it still ends the answer."""
+    engine = qwen3_5_engine
+    m = engine._grammar.marker  # a grammar stands in for a model that calls, then writes on
+    call = f'{m("<tool_call>")} "\\n{{\\"name\\": \\"add\\", \\"arguments\\": {{\\"a\\": 2, \\"b\\": 3}}}}\\n" {m("</tool_call>")}'
+    fmt = {"type": "lark", "grammar": f'start: "ok " {call} "\\nthen}}\\nmore"'}
+    plain = await engine.chat(USER, SamplingParams(max_tokens=60), tools=[ADD], response_format=fmt)
+    out = await engine.chat(USER, SamplingParams(max_tokens=60, stop=stop), tools=[ADD], response_format=fmt)
+    assert [(c.name, c.arguments) for c in plain.tool_calls] == [("add", {"a": 2, "b": 3})]
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("add", {"a": 2, "b": 3})], out
+    assert not out.invalid_tool_calls and out.finish_reason == "tool_calls"
+    assert len(out.token_ids) < len(plain.token_ids) or stop[0].startswith("<")  # stopped after the call
+
+
 # ---------------------------------------------------------------------------- reasoning usage
 def _spelled(engine, text: str) -> list[int]:
     """``text`` in ordinary tokens: markers cut in two, so no special token stands for them."""

@@ -389,7 +389,7 @@ class EngineCore:
             try:
                 if lane is None:
                     raise InvalidRequestError(f"this model has no {req.lane} lane")
-                req.detokenizer = RequestDetokenizer(self._decode, req.params.stop)
+                req.detokenizer = RequestDetokenizer(self._decode, req.params.stop, req.stop_exempt)
                 lane.add(req)
                 # The vision lane expands a prompt's images in add: measure it again.
                 tokens = self._row_tokens(req)

@@ -7,14 +7,22 @@ emitted.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 
 class StopStringMatcher:
-    """Holds back the text that could still become a stop string."""
+    """Holds back the text that could still become a stop string.
 
-    def __init__(self, stop: Sequence[str]):
+    ``exempt`` is an (open, close) pair of markers, a tool call's markup: text between them
+    is never matched. Stop strings end the text answer; a call is structured output that a
+    stop such as "}" or "\n" would cut into an invalid call (every call, for "\n" in Qwen's
+    format, where a newline follows ``<tool_call>``).
+    """
+
+    def __init__(self, stop: Sequence[str], exempt: Optional[tuple[str, str]] = None):
         self._stop = tuple(s for s in stop if s)
+        self._exempt = exempt if exempt and all(exempt) else None
+        self._in_exempt = False
         self._buffer = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
@@ -22,33 +30,50 @@ class StopStringMatcher:
         if not self._stop:
             return text, False
         self._buffer += text
-        hit = min(
-            ((i, s) for s in self._stop if (i := self._buffer.find(s)) >= 0),
-            default=None,
-        )
-        if hit is not None:
-            out = self._buffer[: hit[0]]
-            self._buffer = ""
-            return out, True
-        keep = self._held_back_length()
-        cut = len(self._buffer) - keep
-        out, self._buffer = self._buffer[:cut], self._buffer[cut:]
-        return out, False
+        out = ""
+        while True:
+            buf = self._buffer
+            if self._in_exempt:  # inside a call: pass it on up to its close marker
+                close = self._exempt[1]
+                j = buf.find(close)
+                if j < 0:
+                    cut = len(buf) - _held_back(buf, (close,))
+                    self._buffer = buf[cut:]
+                    return out + buf[:cut], False
+                out += buf[:j + len(close)]
+                self._buffer = buf[j + len(close):]
+                self._in_exempt = False
+                continue
+            hit = min(((i, s) for s in self._stop if (i := buf.find(s)) >= 0), default=None)
+            opening = buf.find(self._exempt[0]) if self._exempt else -1
+            if hit is not None and (opening < 0 or hit[0] < opening):
+                self._buffer = ""
+                return out + buf[:hit[0]], True
+            if opening >= 0:
+                end = opening + len(self._exempt[0])
+                out += buf[:end]
+                self._buffer = buf[end:]
+                self._in_exempt = True
+                continue
+            markers = self._stop + ((self._exempt[0],) if self._exempt else ())
+            cut = len(buf) - _held_back(buf, markers)
+            self._buffer = buf[cut:]
+            return out + buf[:cut], False
 
     def flush(self) -> str:
         out, self._buffer = self._buffer, ""
         return out
 
-    def _held_back_length(self) -> int:
-        """Length of the longest buffer suffix that is a proper prefix of a stop string."""
-        best = 0
-        buf = self._buffer
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+
+def _held_back(buf: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of one of ``markers``."""
+    best = 0
+    for s in markers:
+        for n in range(min(len(s) - 1, len(buf)), best, -1):
+            if buf.endswith(s[:n]):
+                best = n
+                break
+    return best
 
 
 class RequestDetokenizer:
@@ -62,13 +87,14 @@ class RequestDetokenizer:
     space, which ``decode`` keeps, so it is not used here.)
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (),
+                 exempt: Optional[tuple[str, str]] = None):
         self._decode = decode
         self._tokens: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
         self._sent = 0  # characters already emitted past the prefix text, while the read offset waits
-        self._stop = StopStringMatcher(stop)
+        self._stop = StopStringMatcher(stop, exempt)
         self.stopped = False
 
     def _delta(self, final: bool) -> str:

@@ -250,7 +250,7 @@ class Engine:
         renderer = self._renderer
         parser = None
         processors: list = []
-        lane, media, cache_points = "text", None, []
+        lane, media, cache_points, stop_exempt = "text", None, [], None
         if spec.messages is not None:
             messages = validate_messages(spec.messages)
             if has_media(messages):
@@ -286,6 +286,8 @@ class Engine:
                 processors.append(TokenBan(plan.banned_token_ids))
             constraint = plan.constraint
             open_call = plan.open_call
+            if plan.parse_tool_calls and fmt.tool_call_start and fmt.tool_call_end:
+                stop_exempt = (fmt.tool_call_start, fmt.tool_call_end)
         else:
             prompt = spec.prompt
             constraint = open_call = None
@@ -329,6 +331,7 @@ class Engine:
         if media is not None:
             req.extra["media"] = media
         req.cache_points = cache_points
+        req.stop_exempt = stop_exempt  # stop strings end the text, never cut a tool call
         # Generation stops at the context window: finish_reason "length".
         req.max_tokens = min(params.max_tokens, ctx - len(prompt_ids))
         if constraint is not None:

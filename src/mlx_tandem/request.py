@@ -126,6 +126,8 @@ class Request:
     cached_tokens: int = 0
     # time.monotonic() past which the engine fails the request with TimeoutError (None: never).
     deadline: Optional[float] = None
+    # (open, close) markers of a tool call, between which stop strings are not matched.
+    stop_exempt: Optional[tuple[str, str]] = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -106,14 +106,18 @@ async def test_stop_string_before_an_incomplete_character_stops_at_its_token(eng
     (["foo", "ba"], ["bar"], "foo", False),  # "ba" held back, not yet emitted
 ])
 def test_stop_matcher(pieces, stop, expected, hit):
-    m = StopStringMatcher(stop)
-    out, was_hit = "", False
+    assert _feed(StopStringMatcher(stop), pieces) == (expected, hit)
+
+
+def _feed(matcher: StopStringMatcher, pieces) -> tuple[str, bool]:
+    """The text a matcher lets out of ``pieces``, and whether a stop string ended it."""
+    out = ""
     for p in pieces:
-        text, was_hit = m.feed(p)
+        text, hit = matcher.feed(p)
         out += text
-        if was_hit:
-            break
-    assert out == expected and was_hit == hit
+        if hit:
+            return out, True
+    return out, False
 
 
 CALL = ("<tool_call>", "</tool_call>")
@@ -134,13 +138,8 @@ CALL = ("<tool_call>", "</tool_call>")
 ])
 def test_stop_matcher_never_cuts_a_tool_call(pieces, stop, expected, hit):
     m = StopStringMatcher(stop, exempt=CALL)
-    out, was_hit = "", False
-    for p in pieces:
-        text, was_hit = m.feed(p)
-        out += text
-        if was_hit:
-            break
-    assert out == expected and was_hit == hit
+    out, was_hit = _feed(m, pieces)
+    assert (out, was_hit) == (expected, hit)
     if not hit:
         assert out + m.flush() == "".join(pieces)
 

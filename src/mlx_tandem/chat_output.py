@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .chat_format import ChatFormat
+from .detokenizer import partial_marker_length
 from .outputs import InvalidToolCall, ToolCall
 
 CONTENT, REASONING, TOOL_CALL = "content", "reasoning", "tool_call"
@@ -118,17 +119,6 @@ class ChatOutputParser:
             out.append(f.tool_call_start)
         return out
 
-    @staticmethod
-    def _holdback(buf: str, markers: Sequence[str]) -> int:
-        """Length of the longest suffix of ``buf`` that is a proper prefix of a marker."""
-        best = 0
-        for m in markers:
-            for k in range(min(len(m) - 1, len(buf)), best, -1):
-                if buf.endswith(m[:k]):
-                    best = k
-                    break
-        return best
-
     # ------------------------------------------------------------------ feeding
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -144,7 +134,7 @@ class ChatOutputParser:
             hits = [(i, m) for i, m in hits if i >= 0
                     and not (m == self._fmt.think_start and self._state == CONTENT and self._buf[:i].strip())]
             if not hits:
-                keep = self._holdback(self._buf, markers)
+                keep = partial_marker_length(self._buf, markers)
                 cut = len(self._buf) - keep
                 self._take(self._buf[:cut], out)
                 self._buf = self._buf[cut:]

@@ -37,7 +37,7 @@ class StopStringMatcher:
                 close = self._exempt[1]
                 j = buf.find(close)
                 if j < 0:
-                    cut = len(buf) - _held_back(buf, (close,))
+                    cut = len(buf) - partial_marker_length(buf, (close,))
                     self._buffer = buf[cut:]
                     return out + buf[:cut], False
                 out += buf[:j + len(close)]
@@ -56,7 +56,7 @@ class StopStringMatcher:
                 self._in_exempt = True
                 continue
             markers = self._stop + ((self._exempt[0],) if self._exempt else ())
-            cut = len(buf) - _held_back(buf, markers)
+            cut = len(buf) - partial_marker_length(buf, markers)
             self._buffer = buf[cut:]
             return out + buf[:cut], False
 
@@ -65,8 +65,9 @@ class StopStringMatcher:
         return out
 
 
-def _held_back(buf: str, markers: Sequence[str]) -> int:
-    """Length of the longest suffix of ``buf`` that is a proper prefix of one of ``markers``."""
+def partial_marker_length(buf: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of one of ``markers``:
+    the text to hold back until it is known whether a marker (or stop string) begins there."""
     best = 0
     for s in markers:
         for n in range(min(len(s) - 1, len(buf)), best, -1):

@@ -435,6 +435,52 @@ async def test_budget_just_large_enough_still_gives_valid_output(qwen3_5_engine)
         assert_valid_structured(out, *SCHEMAS[name], n)
 
 
+def test_a_completion_found_within_a_limit_fits_it(qwen3_5_engine):
+    """closing_path's completion, EOS included, is never longer than its limit. It was once
+    one token longer: a row forced onto it wrote the document's last closer as its last
+    token and ended with "length" (seen on a GPU, where the model wrote a long number)."""
+    grammar = qwen3_5_engine._grammar
+    for name in ("enum_and_scalars", "nested_object", "pydantic_model"):
+        constraint = Constraint.json_schema(SCHEMAS[name][0])
+        n0 = _closing_length(qwen3_5_engine, SCHEMAS[name][0])
+        for limit in range(n0 - 2, n0 + 12):
+            path = closing_path(grammar.compile(constraint), grammar.tiers(), frozenset(grammar.eos_token_ids),
+                                limit=limit, hints=grammar.hint_ids(constraint))
+            assert path is None or len(path) <= limit, (name, limit, len(path))
+
+
+def test_a_row_that_would_write_digits_for_ever_closes_at_every_budget(qwen3_5_engine):
+    """A model that wants a number without end ("0.0E0999...") is closed by the processor
+    with its EOS inside every budget from the least that fits it up."""
+    import mlx.core as mx
+
+    from mlx_tandem.closing import GrammarProcessor
+
+    grammar = qwen3_5_engine._grammar
+    schema = SCHEMAS["enum_and_scalars"][0]
+    constraint = Constraint.json_schema(schema)
+    wants = grammar.tokenizer.tokenize_str('{"color": "blue", "ok": false, "x": 0.0E0')
+    nine = grammar.tokenizer.tokenize_str("9")[0]
+    eos = set(grammar.eos_token_ids)
+    n0 = _closing_length(qwen3_5_engine, schema)
+    closed_once = False
+    for budget in range(n0 - 4, n0 + 24):
+        proc = GrammarProcessor(grammar.compile(constraint), tiers=grammar.tiers(), eos_token_ids=grammar.eos_token_ids,
+                                max_tokens=budget, vocab_size=grammar.vocab_size, hints=grammar.hint_ids(constraint))
+        out: list[int] = []
+        while len(out) < budget and not (out and out[-1] in eos):
+            logits = np.zeros(grammar.vocab_size, np.float32)
+            logits[wants[len(out)] if len(out) < len(wants) else nine] = 10.0
+            out.append(int(np.argmax(np.array(proc(mx.array(out or [0]), mx.array(logits))))))
+        closed = out[-1] in eos
+        # A budget that closed once closes at every larger one; n0, one completion's length
+        # (a shorter spelling may exist), always does.
+        assert closed or (budget < n0 and not closed_once), (budget, grammar.tokenizer.decode_str(out))
+        closed_once |= closed
+        if closed:
+            validate(grammar.tokenizer.decode_str(out[:-1]), schema, SCHEMAS["enum_and_scalars"][1])
+
+
 async def test_budget_too_small_ends_with_length(qwen3_5_engine):
     engine = qwen3_5_engine
     key = "a_rather_long_required_key_name"

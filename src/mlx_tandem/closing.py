@@ -183,7 +183,8 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
         return None
 
     try:
-        while len(path) <= limit:
+        # Below the limit, so the EOS or token taken next still fits within it.
+        while len(path) < limit:
             if m.is_stopped():
                 return path + [min(eos)]
             n_allowed = int(allowed.sum())

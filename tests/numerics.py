@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_tandem import _platform
 
@@ -89,9 +90,11 @@ def _eos_ids(judge) -> list[int]:
 
 
 def same_greedy(got: Sequence[int], want: Sequence[int], *, judge, prompt_ids: Sequence[int] | str,
-                what: str = "output") -> bool:
+                what: str = "output", scores=None) -> bool:
     """Assert two greedy outputs for ``prompt_ids`` (token ids, or a text prompt as
-    ``Engine.complete`` takes it) agree (see the module docstring).
+    ``Engine.complete`` takes it) agree (see the module docstring). A row with a logits
+    processor gives ``scores(logits, context)``: what its argmax is taken over
+    (``repetition_penalty_scores``).
 
     Returns True when they are identical, False when they part at a near-tie (then nothing
     after the parting, text or finish reason, is comparable)."""
@@ -100,8 +103,9 @@ def same_greedy(got: Sequence[int], want: Sequence[int], *, judge, prompt_ids: S
         return True
     if NEAR_TIE == 0:
         assert got == want, f"{what} diverged"
-    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    logits = _last_logits(judge, _prompt_ids(judge, prompt_ids) + want[:i])
+    i, context, logits = _parting(got, want, judge, prompt_ids)
+    if scores is not None:
+        logits = list(scores(logits, context))
     eos = max(_eos_ids(judge), key=lambda t: logits[t])  # a shorter output stopped at EOS there
 
     def at(seq):
@@ -114,9 +118,100 @@ def same_greedy(got: Sequence[int], want: Sequence[int], *, judge, prompt_ids: S
     return False
 
 
+def same_draws(got: Sequence[int], want: Sequence[int], *, judge, prompt_ids: Sequence[int] | str,
+               seed: int, temperature: float, what: str = "output") -> bool:
+    """`same_greedy` for a row drawn with ``SamplingParams(seed=, temperature=)`` and no
+    other filter. The engine's ``SeededSampler`` splits one key per draw, and mlx's
+    categorical on one row of logits inverts the CDF at one uniform number: two draws can
+    part only where that number lies within a logit shift's worth of probability of the
+    border between the two tokens (``NEAR_TIE`` / temperature, in probability).
+
+    Returns True when they are identical, False when they part at such a border."""
+    got, want = list(got), list(want)
+    if got == want:
+        return True
+    if NEAR_TIE == 0:
+        assert got == want, f"{what} diverged"
+    i, _, logits = _parting(got, want, judge, prompt_ids)
+    assert i < min(len(got), len(want)), f"{what}: one draw ended at token {i}, the other did not"
+    key = mx.random.key(seed)
+    for _ in range(i + 1):
+        key, sub = mx.random.split(key)
+    u = mx.random.uniform(shape=(1,), key=sub).item()
+    x = mx.array(logits, dtype=mx.float32)[None] * (1.0 / temperature)
+    cdf = np.cumsum(np.array(mx.softmax(x, axis=-1))[0].astype(np.float64))
+    a, b = want[i], got[i]
+    # Probability between the uniform number and the other token's bin.
+    gap = cdf[b - 1] - u if b > a else u - cdf[b]
+    assert gap <= NEAR_TIE / temperature, (f"{what} diverged at draw {i} ({b} against {a}), "
+                                           f"{gap:.4f} of probability from the border: not a near-tie")
+    warnings.warn(f"{what} parted at draw {i} of {len(want)}, near a border ({gap:.4f})", NearTieParting)
+    return False
+
+
+def _parting(got, want, judge, prompt_ids):
+    """Where two outputs part, the context before it, and the model's logits there."""
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    context = _prompt_ids(judge, prompt_ids) + want[:i]
+    return i, context, _last_logits(judge, context)
+
+
+def repetition_penalty_scores(penalty: float, context_size: int = 20):
+    """``scores`` for a greedy row with mlx-lm's repetition penalty, whose processor sees
+    the prompt and the tokens drawn so far."""
+    from mlx_lm.sample_utils import make_repetition_penalty
+
+    def scores(logits, context):
+        proc = make_repetition_penalty(penalty, context_size)
+        return proc(mx.array(context), mx.array(logits)[None])[0].tolist()
+    return scores
+
+
 def same_greedy_rows(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]], *, judge,
                      prompts: Sequence[Sequence[int] | str], what: str = "request") -> list[bool]:
     """`same_greedy` for each row of a batch; returns which rows are identical."""
     assert len(got) == len(want) == len(prompts)
     return [same_greedy(g, w, judge=judge, prompt_ids=p, what=f"{what} {i}")
             for i, (g, w, p) in enumerate(zip(got, want, prompts))]
+
+
+
+class AnswerLog:
+    """The adapters' tests compare answers as text. On the CPU backend equal text is the
+    check; where a GPU's batch shapes part two answers, the tokens behind both texts are
+    needed to judge the parting: this records every request an engine finishes (each
+    stream handle's output, the moment its last delta arrives) while it is installed."""
+
+    def __init__(self, monkeypatch):
+        from mlx_tandem import streams
+
+        self.outputs: list = []
+        accept = streams._StreamBase._accept
+        log = self
+
+        def recording(handle, item):
+            delta = accept(handle, item)
+            if delta.finish_reason is not None:
+                log.outputs.append(handle._output())
+            return delta
+
+        monkeypatch.setattr(streams._StreamBase, "_accept", recording)
+
+    def same_answers(self, got: Sequence[str], want: Sequence[str], *, judge, what: str = "answer") -> list[bool]:
+        """Assert answers given as text agree as `same_greedy` judges their tokens: equal
+        text, or a parting at a near-tie of the recorded requests behind them (same
+        prompt). ``judge``: the open Engine that answered. Returns which are identical."""
+        assert len(got) == len(want)
+        same = []
+        for i, (g, w) in enumerate(zip(got, want)):
+            if g == w or NEAR_TIE == 0:
+                assert g == w, f"{what} {i} diverged: {g!r} against {w!r}"
+                same.append(True)
+                continue
+            pair = next(((a, b) for a in self.outputs if a.content.strip() == g.strip() for b in self.outputs
+                         if b.content.strip() == w.strip() and list(b.prompt_token_ids) == list(a.prompt_token_ids)),
+                        None)
+            assert pair is not None, f"{what} {i} diverged and no recorded requests gave these answers"
+            same.append(same_greedy(pair[0].token_ids, pair[1].token_ids, judge=judge,
+                                    prompt_ids=list(pair[1].prompt_token_ids), what=f"{what} {i}"))
+        return same

@@ -25,7 +25,7 @@ from mlx_tandem.spec.mtp_head import MTPHeadError
 from mlx_tandem.spec.policy import AutoPolicy
 from mlx_tandem.testing.mtp_distill import default_prompts
 
-from .numerics import same_greedy_rows
+from .numerics import repetition_penalty_scores, same_draws, same_greedy, same_greedy_rows
 
 TRAINED = default_prompts(64)
 UNSEEN = default_prompts(40, seed=7)
@@ -95,7 +95,8 @@ def test_acceptance_counts_only_drafts_that_reached_the_output(qwen3_5_mtp_path,
 
 def test_rows_with_processors_and_seeded_rows_match_plain_decoding(qwen3_5_mtp_path):
     """Rows that cannot draft (logits processors; seeded sampling under "auto") share the
-    speculative batch and still produce exactly their plain-decoding output."""
+    speculative batch and still produce their plain-decoding output: exactly on the CPU,
+    up to a near-tie on a GPU."""
     prompts = TRAINED[:8]
     params = [{"max_tokens": 16, "repetition_penalty": 1.3} if i % 2 else
               {"max_tokens": 16, "temperature": 0.8, "seed": i} for i in range(8)]
@@ -113,7 +114,15 @@ def test_rows_with_processors_and_seeded_rows_match_plain_decoding(qwen3_5_mtp_p
 
     ref, _ = asyncio.run(run("off"))
     got, mtp = asyncio.run(run("auto"))
-    assert got == ref
+    # Exact on the CPU; on a GPU the speculative batch's forward has another shape, so a
+    # row may part where its draw or its penalised argmax is a near-tie (tests/numerics.py).
+    for i, (g, r, prompt) in enumerate(zip(got, ref, prompts)):
+        if i % 2:
+            same_greedy(g, r, judge=qwen3_5_mtp_path, prompt_ids=prompt, what=f"request {i}",
+                        scores=repetition_penalty_scores(1.3))
+        else:
+            same_draws(g, r, judge=qwen3_5_mtp_path, prompt_ids=prompt, seed=i, temperature=0.8,
+                       what=f"request {i}")
     assert mtp["spec_steps"] > 0
 
 

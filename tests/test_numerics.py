@@ -114,3 +114,111 @@ def test_text_prompts_are_judged_as_the_engine_encodes_them(gpu_rules, qwen3_5_p
     monkeypatch.setattr(numerics, "NEAR_TIE", gap * 0.99)
     with pytest.raises(AssertionError, match="not a near-tie"):
         numerics.same_greedy(runner_up, want, judge=judge, prompt_ids=text)
+
+
+def _seeded(engine, ids, seed, temperature, n=N, **extra):
+    from mlx_tandem import SamplingParams
+
+    async def run():
+        return await engine.complete(ids, SamplingParams(max_tokens=n, seed=seed, temperature=temperature, **extra))
+    return run
+
+
+async def test_a_seeded_draw_is_reconstructed_exactly(qwen3_5_path, qwen3_5_engine):
+    """What same_draws rests on: each draw of a seeded row is the token whose bin of the
+    CDF (logits over temperature) holds the uniform number of its key (mlx 0.32's
+    categorical on one row). A changed sampler fails here, not as a false parting."""
+    ids = [5, 17, 300, 41, 9]
+    for seed, temperature in ((3, 0.8), (11, 1.0), (12, 1.5)):
+        out = await _seeded(qwen3_5_engine, ids, seed, temperature)()
+        assert numerics.same_draws(list(out.token_ids), list(out.token_ids), judge=qwen3_5_path,
+                                   prompt_ids=ids, seed=seed, temperature=temperature)
+        key = mx.random.key(seed)
+        for i, tok in enumerate(out.token_ids):
+            key, sub = mx.random.split(key)
+            _, logits = _ranked(qwen3_5_path, ids + list(out.token_ids[:i]))
+            x = mx.array(logits)[None] * (1.0 / temperature)
+            u = mx.random.uniform(shape=(1,), key=sub).item()
+            cdf = mx.cumsum(mx.softmax(x, axis=-1), axis=-1)[0]
+            assert int(mx.sum(cdf <= u).item()) == tok, (seed, i)
+
+
+async def test_a_draw_parts_only_next_to_the_border_it_lies_near(gpu_rules, qwen3_5_path, qwen3_5_engine,
+                                                                 monkeypatch):
+    ids = [5, 17, 300, 41, 9]
+    seed, temperature = 3, 0.8
+    want = list((await _seeded(qwen3_5_engine, ids, seed, temperature)()).token_ids)
+    key = mx.random.key(seed)
+    for _ in range(4):
+        key, sub = mx.random.split(key)
+    u = mx.random.uniform(shape=(1,), key=sub).item()
+    _, logits = _ranked(qwen3_5_path, ids + want[:3])
+    cdf = mx.cumsum(mx.softmax(mx.array(logits)[None] * (1.0 / temperature), axis=-1), axis=-1)[0].tolist()
+    a = want[3]
+    above, below = cdf[a] - u, u - (cdf[a - 1] if a else 0.0)  # to the next bin, to the one before
+    neighbour, gap = (a + 1, above) if above < below else (a - 1, below)
+    parted = want[:3] + [neighbour] + want[4:]
+    monkeypatch.setattr(numerics, "NEAR_TIE", gap * temperature * 1.01 + 1e-7)
+    with pytest.warns(numerics.NearTieParting, match="parted at draw 3"):
+        assert numerics.same_draws(parted, want, judge=qwen3_5_path, prompt_ids=ids, seed=seed,
+                                   temperature=temperature) is False
+    monkeypatch.setattr(numerics, "NEAR_TIE", gap * temperature * 0.99)
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        numerics.same_draws(parted, want, judge=qwen3_5_path, prompt_ids=ids, seed=seed, temperature=temperature)
+    # A token far from the draw's bin is an engine bug, not kernel noise.
+    monkeypatch.setattr(numerics, "NEAR_TIE", 0.05)
+    far = want[:3] + [(a + len(logits) // 2) % len(logits)] + want[4:]
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        numerics.same_draws(far, want, judge=qwen3_5_path, prompt_ids=ids, seed=seed, temperature=temperature)
+
+
+async def test_a_penalised_row_is_judged_on_its_penalised_logits(gpu_rules, qwen3_5_path, qwen3_5_engine):
+    """repetition_penalty_scores gives what the engine's row takes the argmax of: its
+    greedy output is the argmax of those scores at every step."""
+    from mlx_tandem import SamplingParams
+
+    ids = [5, 17, 300, 41, 9, 5, 17]
+    n = 32
+    out = await qwen3_5_engine.complete(ids, SamplingParams(max_tokens=n, repetition_penalty=1.3))
+    scores = numerics.repetition_penalty_scores(1.3)
+    plain = reference_greedy(qwen3_5_path, ids, n)
+    assert list(out.token_ids) != list(plain)  # the penalty changes this output
+    for i, tok in enumerate(out.token_ids):
+        context = ids + list(out.token_ids[:i])
+        _, logits = _ranked(qwen3_5_path, context)
+        penalised = scores(logits, context)
+        assert max(range(len(penalised)), key=penalised.__getitem__) == tok, i
+
+
+async def test_answers_compared_as_text_are_judged_on_their_tokens(gpu_rules, qwen3_5_engine, monkeypatch):
+    """AnswerLog: an adapter's answer that parts from its reference is judged on the
+    recorded tokens of both requests: passed at a near-tie, failed past one."""
+    from mlx_tandem import SamplingParams
+
+    from .forcing import forcing_processor
+
+    engine = qwen3_5_engine
+    log = numerics.AnswerLog(monkeypatch)
+    messages = [{"role": "user", "content": "which towns have boats"}]
+    want = await engine.chat(messages, SamplingParams(max_tokens=N))
+    assert len(log.outputs) == 1 and log.outputs[0].token_ids == want.token_ids
+    ids = list(want.prompt_token_ids)
+    logits = numerics._last_logits(engine, ids + want.token_ids[:3])
+    order = sorted(range(len(logits)), key=lambda t: -logits[t])
+    assert order[0] == want.token_ids[3]
+    eos = engine.loaded.eos_token_ids[0]
+    forced = want.token_ids[:3] + [order[1]] + want.token_ids[4:]
+    got = await engine.chat(messages, SamplingParams(max_tokens=N, logits_processors=[forcing_processor(forced, eos)]))
+    assert got.content != want.content
+    gap = logits[order[0]] - logits[order[1]]
+    monkeypatch.setattr(numerics, "NEAR_TIE", gap * 1.01 + 1e-6)
+    with pytest.warns(numerics.NearTieParting, match="answer 0 parted at token 3"):
+        assert log.same_answers([got.content], [want.content], judge=engine) == [False]
+    monkeypatch.setattr(numerics, "NEAR_TIE", gap * 0.99)
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        log.same_answers([got.content], [want.content], judge=engine)
+    with pytest.raises(AssertionError, match="no recorded requests"):
+        log.same_answers([got.content + "!"], [want.content], judge=engine)
+    monkeypatch.setattr(numerics, "NEAR_TIE", 0.0)  # the bundled BLAS: text must be equal
+    with pytest.raises(AssertionError, match="diverged"):
+        log.same_answers([got.content], [want.content], judge=engine)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mlx_tandem import SamplingParams
-from mlx_tandem.detokenizer import StopStringMatcher
+from mlx_tandem.detokenizer import CallMarkers, StopStringMatcher
 
 from .forcing import forcing_processor
 
@@ -120,7 +122,7 @@ def _feed(matcher: StopStringMatcher, pieces) -> tuple[str, bool]:
     return out, False
 
 
-CALL = ("<tool_call>", "</tool_call>")
+CALL = CallMarkers("<tool_call>", "</tool_call>")
 
 
 @pytest.mark.parametrize("pieces,stop,expected,hit", [
@@ -142,6 +144,31 @@ def test_stop_matcher_never_cuts_a_tool_call(pieces, stop, expected, hit):
     assert (out, was_hit) == (expected, hit)
     if not hit:
         assert out + m.flush() == "".join(pieces)
+
+
+THINKING = CallMarkers("<tool_call>", "</tool_call>", "<think>", "</think>")
+
+
+@pytest.mark.parametrize("pieces,markers,expected,hit", [
+    # A call marker inside reasoning is reasoning text, as the output parser reads it: the
+    # stop after it, in reasoning or in the answer, still ends the answer.
+    (["<think>no <tool_call> here.</think>Answer} more"], THINKING, "<think>no <tool_call> here.</think>Answer", True),
+    (["<think>a <tool_", "call> b} c"], THINKING, "<think>a <tool_call> b", True),
+    (["a <tool_call> b.</think>Answer} more"], dataclasses.replace(THINKING, starts_in_reasoning=True),
+     "a <tool_call> b.</think>Answer", True),
+    # After the reasoning a call is exempt as before.
+    (["<think>x</think><tool_call>{}</tool_call> done}"], THINKING, "<think>x</think><tool_call>{}</tool_call> done", True),
+    # <think> opens reasoning only before any text: after text, a call marker is a call.
+    (["text <think> <tool_call>{}</tool_call>}"], THINKING, "text <think> <tool_call>{}</tool_call>", True),
+    (["text", " <think> <tool_call>{}", "</tool_call>}"], THINKING, "text <think> <tool_call>{}</tool_call>", True),
+    # Whitespace before <think> is no text; a marker split across deltas is held back.
+    (["\n <thi", "nk>a <tool_call> b}"], THINKING, "\n <think>a <tool_call> b", True),
+])
+def test_stop_matcher_reads_reasoning_as_the_parser_does(pieces, markers, expected, hit):
+    """A literal <tool_call> a model writes while reasoning switched stop matching off until
+    a </tool_call> followed, so stop strings no longer ended the answer."""
+    m = StopStringMatcher(["}"], exempt=markers)
+    assert _feed(m, pieces) == (expected, hit)
 
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {

@@ -25,6 +25,7 @@ from mlx_tandem.default_model import is_packaged
 from mlx_tandem.spec import batch as spec_batch
 from mlx_tandem.tool_call_grammar import LazyToolCallGrammar
 
+from .forcing import forcing_processor
 from .test_constraints import TOOL_MODELS, TOOLS, USER
 
 JSON_FMT = ChatFormat(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
@@ -139,6 +140,38 @@ async def test_text_before_a_call_is_not_masked(qwen3_5_engine):
     for a, b in zip(on, off):
         if start not in b.token_ids:
             assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("opened", [False, True])
+async def test_a_call_marker_inside_reasoning_is_reasoning_text(qwen3_5_engine, opened):
+    """A <tool_call> the model writes while reasoning is reasoning text, as the output parser
+    reads it: the lazy grammar held it to a call (the model's own text was lost) and the stop
+    matcher stopped matching for the rest of the answer. After the reasoning a call is held
+    to the grammar as before. ``opened``: the prompt ends in <think> (Qwen3.5's template)."""
+    engine = qwen3_5_engine
+    eos = engine.loaded.eos_token_ids[0]
+    chat, options = USER, {"reasoning": True}
+    if opened:
+        chat = USER + [{"role": "assistant", "content": "<think>\n"}]
+        options = {"template_kwargs": {"continue_final_message": True}}
+    thought = "maybe <tool_call> later"
+    head = ("" if opened else "<think>") + thought + "</think>"
+
+    async def run(answer, room=3, **params):
+        ids = engine.tokenizer.encode(answer, add_special_tokens=False)
+        return await engine.chat(chat, SamplingParams(max_tokens=len(ids) + room, **params,
+                                                      logits_processors=[forcing_processor(ids, eos)]),
+                                 tools=TOOLS, **options)
+
+    out = await run(head + "The answer} is here")
+    assert (out.reasoning, out.content, out.finish_reason) == (thought, "The answer} is here", "stop")
+    stopped = await run(head + "The answer} is here", stop=["}"])
+    assert (stopped.reasoning, stopped.content, stopped.finish_reason) == (thought, "The answer", "stop")
+    # After the reasoning, a call is held to the grammar: forced to a tool that does not exist,
+    # it still names a listed one with valid arguments.
+    called = await run(head + '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', room=40)
+    assert [c.name for c in called.tool_calls] and not called.invalid_tool_calls
+    assert {c.name for c in called.tool_calls} <= {t["function"]["name"] for t in TOOLS}
 
 
 def _demo_tool_requests(n: int, turn: int):

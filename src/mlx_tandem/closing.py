@@ -55,6 +55,7 @@ class TokenClasses(NamedTuple):
     awkward: np.ndarray  # holds a backslash (an escape, in a JSON string)
     partial: np.ndarray  # bytes that are not whole UTF-8 characters
     structural: np.ndarray  # only JSON punctuation and whitespace (or EOS): no content
+    blank: np.ndarray  # whitespace only (tool_call_grammar: what may come before <think>)
 
 
 def token_classes(llt, vocab_size: int, eos_token_ids: Sequence[int]) -> TokenClasses:
@@ -65,9 +66,11 @@ def token_classes(llt, vocab_size: int, eos_token_ids: Sequence[int]) -> TokenCl
     awkward = np.zeros(vocab_size, dtype=bool)
     partial = np.zeros(vocab_size, dtype=bool)
     structural = np.zeros(vocab_size, dtype=bool)
+    blank = np.zeros(vocab_size, dtype=bool)
     for i in range(vocab_size):
         b = llt.decode_bytes([i])
         length[i] = len(b)
+        blank[i] = bool(b) and not b.decode("utf-8", "replace").strip()
         quote_first[i] = b[:1] == b'"'
         structural[i] = bool(b) and all(ch in _STRUCTURE for ch in b)
         try:
@@ -84,7 +87,7 @@ def token_classes(llt, vocab_size: int, eos_token_ids: Sequence[int]) -> TokenCl
     eos = list(eos_token_ids)
     tier[eos] = 0
     structural[eos] = True
-    return TokenClasses(tier, length, quote_first, awkward, partial, structural)
+    return TokenClasses(tier, length, quote_first, awkward, partial, structural, blank)
 
 
 def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
@@ -138,7 +141,7 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
     closer is judged and step 4 goes on in turn. Tested on fuzzed schemas, formats, patterns and grammars, on the factory and
     the demo tokenizers.
     """
-    tier, length, quote_first, awkward, partial, _ = tiers
+    tier, length, quote_first, awkward, partial = tiers[:5]
     vocab = tier.shape[0]
     closer = tier == 1
     in_text = np.where(closer & ~quote_first, 4, tier)

@@ -7,23 +7,58 @@ emitted.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class CallMarkers:
+    """A chat format's markup, as the stop matcher must read it: stop strings are never
+    matched between ``call_start`` and ``call_end``. Inside reasoning (``think_start`` ...
+    ``think_end``, or from the start when the prompt opened it) a call marker is reasoning
+    text, as ChatOutputParser reads it, so it switches nothing off."""
+
+    call_start: str
+    call_end: str
+    think_start: str = ""
+    think_end: str = ""
+    starts_in_reasoning: bool = False
+
+
+_TEXT, _REASONING, _CALL = "text", "reasoning", "call"
 
 
 class StopStringMatcher:
     """Holds back the text that could still become a stop string.
 
-    ``exempt`` is an (open, close) pair of markers, a tool call's markup: text between them
-    is never matched. Stop strings end the text answer; a call is structured output that a
-    stop such as "}" or "\n" would cut into an invalid call (every call, for "\n" in Qwen's
-    format, where a newline follows ``<tool_call>``).
+    ``exempt`` (CallMarkers) is a chat format's tool-call markup: text between a call's
+    markers is never matched. Stop strings end the text answer; a call is structured output
+    that a stop such as "}" or "\n" would cut into an invalid call (every call, for "\n" in
+    Qwen's format, where a newline follows ``<tool_call>``). Reasoning is followed as the
+    output parser follows it: ``<think>`` opens it only before any text or call.
     """
 
-    def __init__(self, stop: Sequence[str], exempt: Optional[tuple[str, str]] = None):
+    def __init__(self, stop: Sequence[str], exempt: Optional[CallMarkers] = None):
         self._stop = tuple(s for s in stop if s)
-        self._exempt = exempt if exempt and all(exempt) else None
-        self._in_exempt = False
+        self._m = exempt if exempt and exempt.call_start and exempt.call_end else None
+        thinks = bool(self._m and self._m.think_start and self._m.think_end)
+        self._thinks = thinks
+        self._state = _REASONING if thinks and self._m.starts_in_reasoning else _TEXT
+        self._text_seen = False  # text or a call came before: <think> opens nothing any more
         self._buffer = ""
+
+    def _markers(self) -> tuple[str, ...]:
+        """The markers that change the state from here."""
+        m = self._m
+        if m is None:
+            return ()
+        if self._state == _CALL:
+            return (m.call_end,)
+        if self._state == _REASONING:
+            return (m.think_end,)
+        if self._thinks and not self._text_seen:
+            return (m.call_start, m.think_start)
+        return (m.call_start,)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Consume new text. Returns (text safe to emit, whether a stop string was hit)."""
@@ -33,32 +68,43 @@ class StopStringMatcher:
         out = ""
         while True:
             buf = self._buffer
-            if self._in_exempt:  # inside a call: pass it on up to its close marker
-                close = self._exempt[1]
-                j = buf.find(close)
-                if j < 0:
-                    cut = len(buf) - partial_marker_length(buf, (close,))
-                    self._buffer = buf[cut:]
-                    return out + buf[:cut], False
-                out += buf[:j + len(close)]
-                self._buffer = buf[j + len(close):]
-                self._in_exempt = False
-                continue
-            hit = min(((i, s) for s in self._stop if (i := buf.find(s)) >= 0), default=None)
-            opening = buf.find(self._exempt[0]) if self._exempt else -1
-            if hit is not None and (opening < 0 or hit[0] < opening):
-                self._buffer = ""
-                return out + buf[:hit[0]], True
-            if opening >= 0:
-                end = opening + len(self._exempt[0])
+            markers = self._markers()
+            found = [(i, mk) for mk in markers if (i := buf.find(mk)) >= 0]
+            # <think> counts only with nothing but whitespace before it (the parser's rule).
+            found = [(i, mk) for i, mk in found if not (mk == self._m.think_start and self._state == _TEXT
+                                                        and buf[:i].strip())]
+            marker = min(found, default=None)
+            if self._state != _CALL:  # stop strings: in text and reasoning, never in a call
+                hit = min(((i, s) for s in self._stop if (i := buf.find(s)) >= 0), default=None)
+                if hit is not None and (marker is None or hit[0] < marker[0]):
+                    self._buffer = ""
+                    return out + buf[:hit[0]], True
+            if marker is not None:
+                i, mk = marker
+                end = i + len(mk)
+                if self._state == _TEXT and buf[:i].strip():
+                    self._text_seen = True
                 out += buf[:end]
                 self._buffer = buf[end:]
-                self._in_exempt = True
+                self._switch(mk)
                 continue
-            markers = self._stop + ((self._exempt[0],) if self._exempt else ())
-            cut = len(buf) - partial_marker_length(buf, markers)
+            held = markers if self._state == _CALL else self._stop + markers
+            cut = len(buf) - partial_marker_length(buf, held)
+            if self._state == _TEXT and buf[:cut].strip():
+                self._text_seen = True
             self._buffer = buf[cut:]
             return out + buf[:cut], False
+
+    def _switch(self, marker: str) -> None:
+        m = self._m
+        if self._state == _CALL:  # its end
+            self._state = _TEXT
+        elif self._state == _REASONING:  # </think>
+            self._state = _TEXT
+        elif marker == m.call_start:
+            self._state, self._text_seen = _CALL, True
+        else:  # <think>, before any text
+            self._state = _REASONING
 
     def flush(self) -> str:
         out, self._buffer = self._buffer, ""
@@ -89,7 +135,7 @@ class RequestDetokenizer:
     """
 
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (),
-                 exempt: Optional[tuple[str, str]] = None):
+                 exempt: Optional[CallMarkers] = None):
         self._decode = decode
         self._tokens: list[int] = []
         self._prefix_offset = 0

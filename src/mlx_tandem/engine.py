@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import functools
 import logging
 import math
 import operator
@@ -29,6 +30,7 @@ from .constraints import GrammarCompiler, TokenBan, response_format_constraint
 from .tool_call_grammar import LazyToolCallGrammar
 from .core import EngineCore
 from .default_model import DEFAULT_MODEL_NAME
+from .detokenizer import CallMarkers
 from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError, UnsupportedContentError
 from .media import load_images
 from .messages import has_media, validate_messages
@@ -192,6 +194,16 @@ class Engine:
         self.loaded
         return self._format
 
+    @functools.cached_property
+    def _think_ids(self) -> Optional[tuple[int, int]]:
+        """The reasoning markers' token ids where each is one token (the lazy call grammar
+        follows reasoning by them), else None."""
+        fmt = self._format
+        if not fmt.has_thinking:
+            return None
+        start, end = (self._renderer.encode(m) for m in (fmt.think_start, fmt.think_end))
+        return (start[0], end[0]) if len(start) == len(end) == 1 else None
+
     @property
     def owner_thread(self) -> threading.Thread:
         return self._ensure_core().owner_thread
@@ -251,6 +263,7 @@ class Engine:
         parser = None
         processors: list = []
         lane, media, cache_points, stop_exempt = "text", None, [], None
+        starts_in_reasoning = False
         if spec.messages is not None:
             messages = validate_messages(spec.messages)
             if has_media(messages):
@@ -278,16 +291,20 @@ class Engine:
                 cache_points = renderer.cache_points(
                     messages, prompt_ids, tools=plan.tools, template_kwargs=plan.template_kwargs)
             fmt = self._format
+            starts_in_reasoning = fmt.has_thinking and text.rstrip().endswith(fmt.think_start)
             parser = ChatOutputParser(
                 fmt, tools=plan.tools, parse_tool_calls=plan.parse_tool_calls,
                 forced_json_calls=plan.forced_json_calls, max_tool_calls=plan.max_tool_calls,
-                starts_in_reasoning=fmt.has_thinking and text.rstrip().endswith(fmt.think_start))
+                starts_in_reasoning=starts_in_reasoning)
             if plan.banned_token_ids:
                 processors.append(TokenBan(plan.banned_token_ids))
             constraint = plan.constraint
             open_call = plan.open_call
             if plan.parse_tool_calls and fmt.tool_call_start and fmt.tool_call_end:
-                stop_exempt = (fmt.tool_call_start, fmt.tool_call_end)
+                thinks = fmt.has_thinking
+                stop_exempt = CallMarkers(fmt.tool_call_start, fmt.tool_call_end,
+                                          fmt.think_start if thinks else "", fmt.think_end if thinks else "",
+                                          starts_in_reasoning)
         else:
             prompt = spec.prompt
             constraint = open_call = None
@@ -347,7 +364,8 @@ class Engine:
             processors.append(LazyToolCallGrammar(
                 pristine.deep_copy, start_id=plan.call_start_id, tiers=grammar.tiers(),
                 eos_token_ids=grammar.eos_token_ids, max_tokens=req.max_tokens,
-                vocab_size=grammar.vocab_size, hints=grammar.hint_ids(open_call)))
+                vocab_size=grammar.vocab_size, hints=grammar.hint_ids(open_call),
+                think_ids=self._think_ids, starts_in_reasoning=starts_in_reasoning))
         req.processors = processors
         return req, parser
 

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from .detokenizer import CallMarkers
 from .errors import TandemError
 from .outputs import StreamDelta
 from .params import SamplingParams
@@ -126,8 +127,9 @@ class Request:
     cached_tokens: int = 0
     # time.monotonic() past which the engine fails the request with TimeoutError (None: never).
     deadline: Optional[float] = None
-    # (open, close) markers of a tool call, between which stop strings are not matched.
-    stop_exempt: Optional[tuple[str, str]] = None
+    # A tool call's markers (and reasoning's), between which stop strings are not matched
+    # (detokenizer.CallMarkers).
+    stop_exempt: Optional[CallMarkers] = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,6 +16,11 @@ Applied where the template's native call body is JSON (``json_tools``: Hermes, Q
 Qwen3) and the start marker is one token. Other syntaxes stay unconstrained under "auto"
 (their calls are parsed and validated as before).
 
+Reasoning: a start token the model writes inside its reasoning is reasoning text, as
+ChatOutputParser reads it, so it arms nothing (``think_ids``: the single-token reasoning
+markers; ``<think>`` opens reasoning only before any other token but whitespace, the
+parser's rule). Before, the call was held to the grammar and then read as reasoning.
+
 Speculative decoding: a row whose call is not open keeps drafting. The speculative step
 never accepts a drafted start token: it samples that position plainly (spec/batch.py), so
 every token after the start token goes through the mask.
@@ -38,8 +43,12 @@ class LazyToolCallGrammar:
 
     def __init__(self, compile_call: Callable[[], Any], *, start_id: int, tiers,
                  eos_token_ids: Sequence[int], max_tokens: int, vocab_size: int,
-                 hints: Sequence[Sequence[int]] = ()):
+                 hints: Sequence[Sequence[int]] = (), think_ids: Optional[tuple[int, int]] = None,
+                 starts_in_reasoning: bool = False):
         self._compile = compile_call  # a fresh matcher for the rest of one call
+        self._think = think_ids
+        self._reasoning = think_ids is not None and starts_in_reasoning
+        self._answered = False  # a token but whitespace came: <think> opens nothing any more
         self._hints = hints
         self.start_id = int(start_id)
         self._tiers = tiers
@@ -62,7 +71,7 @@ class LazyToolCallGrammar:
 
     def blocks_drafting(self, next_token: int) -> bool:
         """Must this row decode plainly this step (``next_token`` is the one it feeds)?"""
-        return self._open is not None or int(next_token) == self.start_id
+        return self._open is not None or (int(next_token) == self.start_id and not self._reasoning)
 
     def start_at(self, n: int) -> None:
         """The context holds ``n`` tokens and none of this row's answer went through the
@@ -82,6 +91,14 @@ class LazyToolCallGrammar:
 
     def _advance(self, tok: int, n: int) -> None:
         if self._open is None:
+            if self._think is not None:
+                if self._reasoning:
+                    self._reasoning = tok != self._think[1]
+                    return
+                if tok == self._think[0] and not self._answered:
+                    self._reasoning = True
+                    return
+                self._answered = self._answered or not self._tiers.blank[tok]
             if tok == self.start_id:
                 # Budget for the call: what the request has left from this step on, so the
                 # mask's closing logic finishes the call within max_tokens.

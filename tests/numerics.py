@@ -99,11 +99,9 @@ def same_greedy(got: Sequence[int], want: Sequence[int], *, judge, prompt_ids: S
     Returns True when they are identical, False when they part at a near-tie (then nothing
     after the parting, text or finish reason, is comparable)."""
     got, want = list(got), list(want)
-    if got == want:
+    if (parted := _parting(got, want, judge, prompt_ids, what)) is None:
         return True
-    if NEAR_TIE == 0:
-        assert got == want, f"{what} diverged"
-    i, context, logits = _parting(got, want, judge, prompt_ids)
+    i, context, logits = parted
     if scores is not None:
         logits = list(scores(logits, context))
     eos = max(_eos_ids(judge), key=lambda t: logits[t])  # a shorter output stopped at EOS there
@@ -128,11 +126,9 @@ def same_draws(got: Sequence[int], want: Sequence[int], *, judge, prompt_ids: Se
 
     Returns True when they are identical, False when they part at such a border."""
     got, want = list(got), list(want)
-    if got == want:
+    if (parted := _parting(got, want, judge, prompt_ids, what)) is None:
         return True
-    if NEAR_TIE == 0:
-        assert got == want, f"{what} diverged"
-    i, _, logits = _parting(got, want, judge, prompt_ids)
+    i, _, logits = parted
     assert i < min(len(got), len(want)), f"{what}: one draw ended at token {i}, the other did not"
     key = mx.random.key(seed)
     for _ in range(i + 1):
@@ -149,8 +145,12 @@ def same_draws(got: Sequence[int], want: Sequence[int], *, judge, prompt_ids: Se
     return False
 
 
-def _parting(got, want, judge, prompt_ids):
-    """Where two outputs part, the context before it, and the model's logits there."""
+def _parting(got: list[int], want: list[int], judge, prompt_ids, what: str):
+    """None where two outputs are identical; else where they part, the context before it
+    and the model's logits there (with no tie allowed, a parting fails here)."""
+    if got == want:
+        return None
+    assert NEAR_TIE != 0, f"{what} diverged"
     i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     context = _prompt_ids(judge, prompt_ids) + want[:i]
     return i, context, _last_logits(judge, context)

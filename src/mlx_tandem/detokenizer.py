@@ -96,12 +96,9 @@ class StopStringMatcher:
             return out + buf[:cut], False
 
     def _switch(self, marker: str) -> None:
-        m = self._m
-        if self._state == _CALL:  # its end
+        if self._state != _TEXT:  # a call's end, or </think>
             self._state = _TEXT
-        elif self._state == _REASONING:  # </think>
-            self._state = _TEXT
-        elif marker == m.call_start:
+        elif marker == self._m.call_start:
             self._state, self._text_seen = _CALL, True
         else:  # <think>, before any text
             self._state = _REASONING

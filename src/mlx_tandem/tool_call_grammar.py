@@ -98,7 +98,8 @@ class LazyToolCallGrammar:
                 if tok == self._think[0] and not self._answered:
                     self._reasoning = True
                     return
-                self._answered = self._answered or not self._tiers.blank[tok]
+                blank = self._tiers.blank  # ids past it: padded logits, no text
+                self._answered = self._answered or tok >= blank.shape[0] or not blank[tok]
             if tok == self.start_id:
                 # Budget for the call: what the request has left from this step on, so the
                 # mask's closing logic finishes the call within max_tokens.

@@ -99,8 +99,12 @@ def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
 
 
 def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
-                 hints: Sequence[Sequence[int]] = ()) -> Optional[list[int]]:
+                 hints: Sequence[Sequence[int]] = (), long_words: bool = False) -> Optional[list[int]]:
     """A short completion from the matcher's state (on a copy), or None if over ``limit``.
+
+    ``long_words``: outside free text, content (an enum value, a key, ``true``) goes longest
+    token first, which spells it in fewer tokens but loses some ways out that single bytes
+    find; ``GrammarProcessor`` tries it only where the budget is tight.
 
     Greedy over preference tiers: EOS, then closers (longest first: ``"}`` closes two
     levels), then separators, then digits, then anything allowed, shortest first (a long
@@ -206,7 +210,8 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
                     usable &= ~awkward
             if not usable.any():
                 usable = allowed
-            score = np.where(usable, t * 100_000 + np.where(t >= 3, length, -length), np.iinfo(np.int64).max)
+            longest = (t < 3) | ((t == 4) & (long_words and not free_text))
+            score = np.where(usable, t * 100_000 + np.where(longest, -length, length), np.iinfo(np.int64).max)
             n_allowed = int(usable.sum())
             n = min(n_allowed, _TRIES)
             best = np.sort(np.argpartition(score, n - 1)[:n]) if n < vocab else np.arange(vocab)
@@ -337,6 +342,13 @@ class GrammarProcessor:
                     path = None
         if path is None:
             path = closing_path(self.matcher, self._tiers, self._eos, limit=remaining, hints=self._hints)
+            if path is None or len(path) >= remaining - _SLACK:
+                # Tight: the completion will be forced, or none fits. Spelled in longer
+                # tokens it can be several shorter (an enum value in one token, not three).
+                short = closing_path(self.matcher, self._tiers, self._eos, limit=remaining, hints=self._hints,
+                                     long_words=True)
+                if short is not None and (path is None or len(short) < len(path)):
+                    path = short
             self._path_set = allowed.tobytes()
         self._path, self._path_stale = path, False
         return path

@@ -74,8 +74,8 @@ class Result:
     def key(self):
         """Everything but the random call ids."""
         return (self.content, self.reasoning,
-                [(c.name, c.arguments) for c in self.tool_calls],
-                [(c.name, c.arguments) for c in self.invalid_tool_calls])
+                [(c.name, c.arguments, c.index) for c in self.tool_calls],
+                [(c.name, c.arguments, c.index) for c in self.invalid_tool_calls])
 
 
 def parse(pieces, fmt=FMT, **kw) -> Result:
@@ -209,6 +209,16 @@ def test_one_call_allowed_ends_the_answer_at_its_first_valid_call():
     r = parse_every_split(text, parse_tool_calls=True, max_tool_calls=1)
     assert _calls(r) == [("add", {"a": 1, "b": 2})] and len(r.invalid_tool_calls) == 1
     assert _calls(parse_every_split(text, parse_tool_calls=True)) == [("add", {"a": 1, "b": 2})]
+
+
+def test_calls_are_numbered_in_the_order_written():
+    """ToolCall.index and InvalidToolCall.index count the answer's calls together, as written
+    (the adapters order calls by it: LangChain's chunk index, LlamaIndex's selections)."""
+    text = (call("add", {"a": 1, "b": 2}) + "<tool_call>\nnot json\n</tool_call>" + "and"
+            + call("get_weather", {"city": "Paris"}))
+    r = parse_every_split(text, parse_tool_calls=True)
+    assert [(c.index, c.name) for c in r.tool_calls] == [(0, "add"), (2, "get_weather")]
+    assert [c.index for c in r.invalid_tool_calls] == [1]
 
 
 def test_content_reasoning_and_calls_together():

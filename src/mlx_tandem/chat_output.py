@@ -14,6 +14,7 @@ content is exactly the generated text.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ class ChatOutputParser:
         self._reasoning = _Channel(strip_leading=True)
         self._seen_content = False
         self.num_tool_calls = 0
+        self._calls_written = 0  # valid and invalid: the next call's index
         self._call_ids: set[str] = set()
         #: The answer has reasoned (it started in reasoning or opened it).
         self.reasoned = self._state == REASONING
@@ -198,6 +200,8 @@ class ChatOutputParser:
         for item in self._parse_call(body):
             if self.calls_exhausted:
                 break
+            item = dataclasses.replace(item, index=self._calls_written)
+            self._calls_written += 1
             if isinstance(item, ToolCall):
                 out.tool_calls.append(item)
                 self.num_tool_calls += 1

@@ -31,6 +31,9 @@ class ToolCall:
     id: str
     name: str
     arguments: dict[str, Any]
+    #: The call's place among the answer's calls, valid and invalid ones counted together,
+    #: in the order the model wrote them (as OpenAI's streamed ``tool_calls[].index``).
+    index: int = 0
 
     @property
     def arguments_json(self) -> str:
@@ -50,6 +53,7 @@ class InvalidToolCall:
     arguments: Optional[str]
     error: str
     text: str = ""
+    index: int = 0  # as ToolCall.index
 
 
 @dataclass(frozen=True)

@@ -290,6 +290,30 @@ def test_a_malformed_call_is_invalid_streamed_as_invoked():
     assert [(c["name"], c["args"]) for c in streamed.invalid_tool_calls] == [("add", "[3, 4]")]
 
 
+def test_streamed_call_chunks_are_numbered_in_the_order_written():
+    """A malformed call, then a valid one: each chunk's index is the call's place in the
+    answer, from the engine (the adapter used to number a delta's valid calls before its
+    invalid ones), and the merged stream keeps both calls as invoke does."""
+    llm = make_llm(max_tokens=80)
+    llm.engine.start_sync()
+    marker = llm.engine._grammar.marker
+
+    def call(body):
+        return f"{marker('<tool_call>')} {json.dumps(chr(10) + body + chr(10))} {marker('</tool_call>')}"
+    grammar = ("start: " + call('{"name": "add", "arguments": [3, 4]}') + ' "\\n" '
+               + call('{"name": "add", "arguments": {"a": 1, "b": 2}}'))
+    bound = llm.bind_tools([add]).bind(response_format={"type": "lark", "grammar": grammar})
+    invoked = bound.invoke("add")
+    chunks = list(bound.stream("add"))
+    numbered = [(c["index"], c["args"]) for chunk in chunks for c in chunk.tool_call_chunks]
+    assert numbered == [(0, "[3, 4]"), (1, '{"a": 1, "b": 2}')]
+    streamed = chunks[0]
+    for c in chunks[1:]:
+        streamed = streamed + c
+    assert [c["args"] for c in streamed.tool_calls] == [c["args"] for c in invoked.tool_calls] == [{"a": 1, "b": 2}]
+    assert [c["args"] for c in streamed.invalid_tool_calls] == [c["args"] for c in invoked.invalid_tool_calls]
+
+
 def test_tool_choice_none_never_calls():
     llm = make_llm(max_tokens=24).bind_tools([add], tool_choice="none")
     msg = llm.invoke("add 2 and 3")

@@ -203,21 +203,17 @@ def to_ai_message(out, model_name: str) -> AIMessage:
 
 
 class ChunkBuilder:
-    """StreamDeltas -> AIMessageChunks, numbering tool calls across the stream."""
+    """StreamDeltas -> AIMessageChunks; a tool call chunk's index is the call's place in the
+    answer (the engine's, valid and invalid calls in the order written)."""
 
     def __init__(self, model_name: str, usage: bool = True):
         self._model_name = model_name
         self._usage = usage  # usage_metadata on the last chunk (ChatMLX.stream_usage)
-        self._index = 0
 
     def chunk(self, delta) -> Optional[AIMessageChunk]:
-        chunks = []
-        for c in delta.tool_calls:
-            chunks.append(tool_call_chunk(name=c.name, args=c.arguments_json, id=c.id, index=self._index))
-            self._index += 1
-        for c in delta.invalid_tool_calls:
-            chunks.append(tool_call_chunk(name=c.name, args=c.arguments, id=c.id, index=self._index))
-            self._index += 1
+        written = sorted([*((c.index, c, c.arguments_json) for c in delta.tool_calls),
+                          *((c.index, c, c.arguments) for c in delta.invalid_tool_calls)], key=lambda e: e[0])
+        chunks = [tool_call_chunk(name=c.name, args=args, id=c.id, index=i) for i, c, args in written]
         last = delta.finish_reason is not None
         if not (delta.content or delta.reasoning or chunks or last):
             return None

@@ -236,11 +236,11 @@ def _message(content: str, reasoning: str, calls: Sequence[Any], invalid: Sequen
     kwargs: dict[str, Any] = {}
     if calls:
         # Kept beside the ToolCallBlocks for core helpers that still read additional_kwargs.
-        kwargs["tool_calls"] = [{"id": c.id, "type": "function",
+        kwargs["tool_calls"] = [{"id": c.id, "type": "function", "index": c.index,
                                  "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]
     if invalid:
-        kwargs["invalid_tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error}
-                                        for c in invalid]
+        kwargs["invalid_tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error,
+                                         "index": c.index} for c in invalid]
     return ChatMessage(role=MessageRole.ASSISTANT, blocks=_blocks(content, reasoning, calls, usage),
                        additional_kwargs=kwargs)
 

@@ -318,6 +318,13 @@ class MLXTandemLLM(FunctionCallingLLM):
                                            tool_kwargs=_kwargs_dict(c.get("arguments") or "")))
         if not calls and error_on_no_tool_call:
             raise ValueError(f"Expected at least one tool call, but got {len(calls)} tool calls.")
+        # In the order the model wrote them (an agent runs them in this order).
+        extra = response.message.additional_kwargs
+        written = {c.get("id"): c.get("index") for c in [*(extra.get("tool_calls") or []),
+                                                          *(extra.get("invalid_tool_calls") or [])]
+                   if isinstance(c, dict) and isinstance(c.get("index"), int)}
+        if all(c.tool_id in written for c in calls):
+            calls.sort(key=lambda c: written[c.tool_id])
         return calls
 
     # ------------------------------------------------------------------ structured output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from langchain_core.messages import HumanMessage
@@ -47,6 +48,35 @@ async def test_query_engine_sync_async_and_streaming_agree(index):
     assert "".join(streaming.query("How many boats are in town 3?").response_gen) == sync.response
     astreamed = await streaming.aquery("How many boats are in town 3?")
     assert "".join([t async for t in astreamed.async_response_gen()]) == sync.response
+
+
+@pytest.fixture
+def model_tokenizer():
+    """``Settings.tokenizer = llm.tokenize`` for one test (the tokenizer is global)."""
+    import llama_index.core
+
+    saved = llama_index.core.global_tokenizer
+    yield lambda llm: setattr(Settings, "tokenizer", llm.tokenize)
+    llama_index.core.global_tokenizer = saved
+
+
+@pytest.mark.parametrize("mode", ["compact", "tree_summarize", "refine"])
+def test_retrieved_text_fits_the_window_when_counted_by_the_models_tokenizer(model_tokenizer, mode):
+    """The factory tokenizer spells English in about twice as many tokens as tiktoken's
+    cl100k, LlamaIndex's default: counted that way, tree_summarize packed 6,435 of its
+    tokens into a 4,096 window (ContextLengthError). Counted with ``llm.tokenize``, every
+    call fits."""
+    from llama_index.core import get_response_synthesizer
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    llm = private_llm(12, max_tokens=8)
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    nodes = [NodeWithScore(node=TextNode(text=readme[i:i + 3500]), score=1.0) for i in range(0, 14000, 3500)]
+    model_tokenizer(llm)
+    before = llm.engine.stats()["requests"]
+    response = get_response_synthesizer(llm=llm, response_mode=mode).synthesize("What does it do?", nodes=nodes)
+    assert isinstance(response.response, str)
+    assert llm.engine.stats()["requests"] > before  # the model answered (no call was refused)
 
 
 @pytest.mark.parametrize("mode", ["accumulate", "tree_summarize"])

@@ -116,6 +116,16 @@ class MLXTandemLLM(FunctionCallingLLM):
         """The shared engine this LLM runs on (created lazily, loaded on first use)."""
         return Engine.shared(self.model, **self.engine_options)
 
+    def tokenize(self, text: str) -> list[int]:
+        """The model's own token ids of ``text``: set ``Settings.tokenizer = llm.tokenize``.
+
+        LlamaIndex sizes chunks and packs retrieved text into ``metadata.context_window``
+        with ``Settings.tokenizer``, tiktoken's cl100k by default. A local model's tokenizer
+        can spell the same text in many more tokens (the embedded demo model's in about
+        twice as many), so a query engine built on the default overfills the window and the
+        call fails with ``ContextLengthError``."""
+        return self.engine.encode(text)
+
     @property
     def metadata(self) -> LLMMetadata:
         # Read from the checkpoint files: asking for metadata never loads the weights.

@@ -127,20 +127,22 @@ def _seeded(engine, ids, seed, temperature, n=N, **extra):
 async def test_a_seeded_draw_is_reconstructed_exactly(qwen3_5_path, qwen3_5_engine):
     """What same_draws rests on: each draw of a seeded row is the token whose bin of the
     CDF (logits over temperature) holds the uniform number of its key (mlx 0.32's
-    categorical on one row). A changed sampler fails here, not as a false parting."""
+    categorical on one row). A changed sampler fails here, not as a false parting. The
+    reference model's logits may differ from the engine's by rounding (OpenBLAS, a GPU): a
+    draw rebuilt otherwise must then lie at a border, as same_draws judges."""
     ids = [5, 17, 300, 41, 9]
     for seed, temperature in ((3, 0.8), (11, 1.0), (12, 1.5)):
-        out = await _seeded(qwen3_5_engine, ids, seed, temperature)()
-        assert numerics.same_draws(list(out.token_ids), list(out.token_ids), judge=qwen3_5_path,
-                                   prompt_ids=ids, seed=seed, temperature=temperature)
+        out = list((await _seeded(qwen3_5_engine, ids, seed, temperature)()).token_ids)
         key = mx.random.key(seed)
-        for i, tok in enumerate(out.token_ids):
+        for i, tok in enumerate(out):
             key, sub = mx.random.split(key)
-            _, logits = _ranked(qwen3_5_path, ids + list(out.token_ids[:i]))
+            _, logits = _ranked(qwen3_5_path, ids + out[:i])
             x = mx.array(logits)[None] * (1.0 / temperature)
             u = mx.random.uniform(shape=(1,), key=sub).item()
-            cdf = mx.cumsum(mx.softmax(x, axis=-1), axis=-1)[0]
-            assert int(mx.sum(cdf <= u).item()) == tok, (seed, i)
+            rebuilt = int(mx.sum(mx.cumsum(mx.softmax(x, axis=-1), axis=-1)[0] <= u).item())
+            if rebuilt != tok:
+                numerics.same_draws(out[:i] + [rebuilt], out[:i + 1], judge=qwen3_5_path, prompt_ids=ids,
+                                    seed=seed, temperature=temperature, what=f"seed {seed}")
 
 
 async def test_a_draw_parts_only_next_to_the_border_it_lies_near(gpu_rules, qwen3_5_path, qwen3_5_engine,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import re
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -174,6 +175,30 @@ def test_responses_api_text_parts_beside_an_image_reach_the_prompt(vl_engine):
     for kind in ("input_text", "output_text"):
         msgs = [_user(img, {"type": kind, "text": "Describe this picture please"})]
         assert vl_engine.apply_chat_template(msgs) == as_text, kind
+
+
+def test_a_media_placeholder_in_the_text_of_an_image_request_is_refused(vl_engine):
+    """mlx-vlm's processor finds images by their placeholder string; a literal one in the
+    text took the image's place (the template's own marker was dropped) and the request ran
+    on misplaced features. It is refused, naming where it stands; text-only requests carry it
+    as tokens, as a Hugging Face template does."""
+    pad = vl_engine.loaded.processor.image_token
+    img = _img_part(_data_uri(_image(0, 64)))
+    call = {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+    tool = {"type": "function", "function": {"name": "look", "description": f"reads {pad}",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    refused = [
+        ([_user(img, _text(f"what is {pad}?"))], None, "messages[0].content[1].text"),
+        ([{"role": "system", "content": f"never say {pad}"}, _user(img)], None, "messages[0].content"),
+        ([_user(img), {"role": "assistant", "content": None, "tool_calls": [call]},
+          {"role": "tool", "tool_call_id": "c1", "content": pad}], None, "messages[2].content"),
+        ([_user(img, _text("look"))], [tool], "tools[0].function.description"),
+    ]
+    for messages, tools, where in refused:
+        with pytest.raises(InvalidRequestError, match=re.escape(f"{where} contains {pad!r}")):
+            vl_engine.chat_sync(messages, {"max_tokens": 2}, tools=tools)
+    clean = [_user(img, _text("what is this?"))]
+    assert _lane_counts(vl_engine, [clean, [_user(_text(f"what is {pad}?"))]]) == {"text": 1, "vision": 1}
 
 
 def test_an_image_request_joins_a_running_image_batch(qwen3_5_vl_path):

@@ -32,7 +32,7 @@ from .core import EngineCore
 from .default_model import DEFAULT_MODEL_NAME
 from .detokenizer import CallMarkers
 from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError, UnsupportedContentError
-from .media import load_images
+from .media import load_images, media_markers, refuse_media_markers
 from .messages import has_media, validate_messages
 from .model_info import ModelInfo, local_checkpoint, read_model_info
 from .model_loader import LoadedModel
@@ -204,6 +204,10 @@ class Engine:
         start, end = (self._renderer.encode(m) for m in (fmt.think_start, fmt.think_end))
         return (start[0], end[0]) if len(start) == len(end) == 1 else None
 
+    @functools.cached_property
+    def _media_markers(self) -> tuple[str, ...]:
+        return media_markers(self.loaded.processor)
+
     @property
     def owner_thread(self) -> threading.Thread:
         return self._ensure_core().owner_thread
@@ -275,6 +279,7 @@ class Engine:
                         f"{self.loaded.path.name} is a text-only model; this request carries an image, "
                         "video or audio part")
                 lane = "vision"
+                refuse_media_markers(messages, spec.tools, self._media_markers)
                 media = {"images": load_images(messages, allow_remote=self.options.allow_remote_images,
                                                max_pixels=self.options.max_image_pixels)}
             plan = plan_chat(

@@ -24,6 +24,8 @@ from .errors import InvalidRequestError, UnsupportedContentError
 from .messages import hoisted_order
 
 IMAGE_PART_TYPES = frozenset({"image", "image_url", "input_image"})
+# The processor attributes that name the strings it expands into media features.
+_MARKER_ATTRIBUTES = ("image_token", "boi_token", "video_token", "audio_token")
 _REMOTE_TIMEOUT_S = 20
 _REMOTE_MAX_BYTES = 32 * 2**20
 
@@ -164,3 +166,42 @@ def load_images(messages: Iterable[dict], *, allow_remote: bool, max_pixels: int
                 raise UnsupportedContentError(
                     f"messages[{i}].content[{j}]: {kind} parts are not supported yet (images are)")
     return images
+
+
+def media_markers(processor: Any) -> tuple[str, ...]:
+    """The placeholder strings a vision processor turns into media features (Qwen's
+    ``<|image_pad|>``, Gemma's ``<start_of_image>``)."""
+    found = (getattr(processor, a, None) for a in _MARKER_ATTRIBUTES)
+    return tuple(dict.fromkeys(m for m in found if isinstance(m, str) and m))
+
+
+def _strings(obj: Any, where: str) -> Iterable[tuple[str, str]]:
+    if isinstance(obj, str):
+        yield where, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _strings(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _strings(v, f"{where}[{i}]")
+
+
+def refuse_media_markers(messages: list[dict], tools: Any, markers: Iterable[str]) -> None:
+    """A request's own text must not hold a media placeholder.
+
+    The processor finds images by these strings in the rendered prompt, so a literal one in
+    the text is taken for an image. mlx-vlm 0.7.10's Qwen processor then drops the *first*
+    surplus markers, which are the template's own, and splices the image's features where
+    the text's literal stands, without its vision_start/vision_end; other processors fail or
+    misalign the same way. Text-only requests never reach a processor: on the text lane a
+    literal is tokens, as in a Hugging Face template.
+    """
+    markers = tuple(markers)
+    if not markers:
+        return
+    for where, text in _strings({"messages": messages, "tools": tools or []}, ""):
+        for marker in markers:
+            if marker in text:
+                raise InvalidRequestError(
+                    f"{where} contains {marker!r}, the model's media placeholder; in a request with "
+                    "images the processor would take it for an image. Remove it from the text.")

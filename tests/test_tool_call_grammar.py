@@ -286,6 +286,52 @@ def test_a_drafted_call_start_ends_the_accepted_block(monkeypatch):
     assert any(cut), "no drafted trigger was accepted: the path under test did not run"
 
 
+@needs_demo
+def test_reasoning_that_ends_inside_a_speculative_block_is_followed(monkeypatch):
+    """A row's reasoning ends inside a speculative step's accepted block and the next token
+    opens a call: the next step must see the row out of its reasoning, decode that call
+    plainly and mask it. The grammar lagged such blocks, so the row drafted the call
+    unmasked (and the mask then refused tokens already accepted): greedy output parted from
+    plain decoding's on half the requests.
+
+    The demo model does not reason, so common tokens of its answers stand in for the
+    reasoning's end and the call's start (two tokens apart), with every answer starting in
+    reasoning, in both runs alike.
+    """
+    requests = _demo_tool_requests(16, turn=1)
+    greedy = SamplingParams(max_tokens=40)
+    plain, _ = asyncio.run(_demo_run(requests, "off", greedy))
+    pairs = Counter((t[i], t[i + 2]) for t in (o.token_ids for o in plain) for i in range(2, len(t) - 2)
+                    if t[i] != t[i + 2])
+
+    armed = {}
+    real_init = LazyToolCallGrammar.__init__
+
+    def reasoning_first(self, *args, **kwargs):
+        real_init(self, *args, **{**kwargs, "start_id": armed["start"], "think_ids": (-1, armed["end"]),
+                                  "starts_in_reasoning": True})
+
+    monkeypatch.setattr(LazyToolCallGrammar, "__init__", reasoning_first)
+    ended_in_block = []
+    real_stop = spec_batch.MTPGenerationBatch._stop_at_call_start
+
+    def spy(self, rows, drafting, blocks, acc, logits, nxt):
+        ended_in_block.extend(r.lazy._reasoning and armed["end"] in blocks[i][: acc[i] + 1]
+                              for i, (r, d) in enumerate(zip(rows, drafting)) if r.lazy is not None and d)
+        return real_stop(self, rows, drafting, blocks, acc, logits, nxt)
+
+    monkeypatch.setattr(spec_batch.MTPGenerationBatch, "_stop_at_call_start", spy)
+    for (end, start), _ in pairs.most_common(4):
+        armed.update(end=end, start=start)
+        ref, _ = asyncio.run(_demo_run(requests, "off", greedy))
+        got, mtp = asyncio.run(_demo_run(requests, "on", greedy))
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        assert [o.token_ids for o in ref] != [o.token_ids for o in plain]  # calls opened after reasoning
+        if any(ended_in_block):
+            break
+    assert any(ended_in_block), "no reasoning ended inside an accepted block: the path under test did not run"
+
+
 def test_the_option_must_be_a_bool():
     from mlx_tandem.errors import InvalidRequestError
     from mlx_tandem.options import EngineOptions

@@ -21,9 +21,13 @@ ChatOutputParser reads it, so it arms nothing (``think_ids``: the single-token r
 markers; ``<think>`` opens reasoning only before any other token but whitespace, the
 parser's rule). Before, the call was held to the grammar and then read as reasoning.
 
-Speculative decoding: a row whose call is not open keeps drafting. The speculative step
-never accepts a drafted start token: it samples that position plainly (spec/batch.py), so
-every token after the start token goes through the mask.
+Speculative decoding: a row whose call is not open keeps drafting. A speculative step
+follows each drafting row's accepted block through ``observe``, so the row's reasoning state
+is current when the next step decides whether it drafts; it accepts nothing after a token
+that opens a call, and draws the token after it through the mask (spec/batch.py), so every
+token of a call goes through the mask. Before, the state lagged a speculative block: a row
+whose reasoning ended inside one and whose next token opened a call was still taken to be
+reasoning, drafted the call unmasked, and the mask then refused tokens already accepted.
 """
 
 from __future__ import annotations
@@ -78,6 +82,18 @@ class LazyToolCallGrammar:
         processor yet (a speculative step came first): count the budget from here."""
         if self._origin is None:
             self._origin = self._seen = int(n)
+
+    def observe(self, tokens: Sequence[int]) -> Optional[int]:
+        """Follow tokens the row's context gains without a processor call (a speculative
+        step's accepted block), up to the one that opens a call; return its index, or None.
+        The caller appends exactly the tokens followed to the row's context, and
+        ``start_at`` came first."""
+        for j, tok in enumerate(tokens):
+            self._seen += 1
+            self._advance(int(tok), self._seen)
+            if self._open is not None:
+                return j
+        return None
 
     def __call__(self, tokens, logits):
         n = int(tokens.shape[0])

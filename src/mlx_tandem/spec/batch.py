@@ -324,27 +324,30 @@ class MTPGenerationBatch(GenerationBatch):
         return sampler(lp).reshape(1)
 
     def _stop_at_call_start(self, rows, drafting, blocks, acc: list[int], logits: mx.array, nxt: mx.array):
-        """Drafting rows with a lazy tool-call grammar: keep their token context whole, and
-        accept nothing after a drafted call-start token (``acc`` is cut in place).
+        """Drafting rows with a lazy tool-call grammar: keep their token context whole, keep
+        the grammar's reasoning state in step with it, and accept nothing after a token that
+        opens a call (``acc`` is cut in place).
 
-        The start token itself is accepted as speculative sampling decided (lossless); the
+        The opening token itself is accepted as speculative sampling decided (lossless); the
         token after it is drawn from the verify logits at that position through the row's
-        processors, which open the call and mask it, as a plain step would.
+        processors, which mask it, as a plain step would. A start token inside reasoning
+        opens nothing and cuts nothing.
         """
         changed = False
         nxt = mx.array(nxt)
         for i, (r, d) in enumerate(zip(rows, drafting)):
             if r.lazy is None or not d:
                 continue
+            context = self._token_context[i]
+            r.lazy.start_at(context._size)  # mlx-lm 0.32 TokenBuffer's length
             kept = blocks[i][: acc[i] + 1]  # x and the accepted drafts
-            r.lazy.start_at(self._token_context[i]._size)  # mlx-lm 0.32 TokenBuffer's length
-            start = next((j for j in range(1, len(kept)) if kept[j] == r.lazy.start_id), None)
-            if start is None:
-                self._token_context[i].update_and_fetch(mx.array(kept, dtype=mx.int32))
+            opened = r.lazy.observe(kept)  # never at x: a row whose x opens a call does not draft
+            if opened is None:
+                context.update_and_fetch(mx.array(kept, dtype=mx.int32))
                 continue
-            acc[i] = start  # drafts 1..start; the last of them is the start token
-            fed = mx.array(blocks[i][: start + 1], dtype=mx.int32)
-            nxt[i] = self._sample_processed(i, logits[i: i + 1, start], fed).astype(nxt.dtype)[0]
+            acc[i] = opened  # drafts 1..opened; the last of them opened the call
+            fed = mx.array(kept[: opened + 1], dtype=mx.int32)
+            nxt[i] = self._sample_processed(i, logits[i: i + 1, opened], fed).astype(nxt.dtype)[0]
             changed = True
         if changed:
             mx.eval(nxt)

@@ -550,6 +550,24 @@ def test_identity_params_and_profile():
     assert ChatMLX().model_name == DEFAULT_MODEL_NAME
 
 
+def test_an_llm_cache_keeps_apart_models_that_answer_differently():
+    """LangChain's LLM cache keys on ``_identifying_params``: a model-level stop, template
+    kwargs or engine options left out of it made two models share one answer."""
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import set_llm_cache
+
+    variants = [make_llm(), make_llm(stop=["e"]), make_llm(chat_template_kwargs={"enable_thinking": False}),
+                ChatMLX(model=PATHS["qwen3_5"], max_tokens=24, engine_options={**OPTS, "max_model_len": 40})]
+    uncached = [v.invoke("Tell me a story").content for v in variants]
+    assert len(set(uncached)) == len(variants)  # each one changes the answer
+    set_llm_cache(InMemoryCache())
+    try:
+        assert [v.invoke("Tell me a story").content for v in variants] == uncached
+        assert [v.invoke("Tell me a story").content for v in variants] == uncached  # now from the cache
+    finally:
+        set_llm_cache(None)
+
+
 # ---------------------------------------------------------------------- construction
 def test_model_name_is_an_alias_and_unknown_arguments_are_errors():
     from pydantic import ValidationError

@@ -113,6 +113,11 @@ class ChatMLX(BaseChatModel):
             "specprefill": self.specprefill,
             "keep_pct": self.keep_pct,
             "reasoning": self.reasoning,
+            # LangChain's LLM cache keys on these params (and the call's own stop, which it
+            # adds under "stop"): every field that changes the answer must be here.
+            "stop_sequences": self.stop,
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "engine_options": self.engine_options,
         }
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:

@@ -908,10 +908,40 @@ async def test_tool_choice_none_keeps_the_response_format(qwen3_5_engine):
     assert_valid_structured(out, schema, pytype, 45)
 
 
-async def test_response_format_with_auto_tools_gives_json(qwen3_5_engine):
+async def test_response_format_with_auto_tools_gives_calls_or_json(qwen3_5_engine):
+    """Under tool_choice="auto" a JSON response_format holds the text answer, not the tools
+    (OpenAI's API; LangChain's create_agent binds both): an answer is valid calls or a valid
+    document. Before, the format's grammar held the whole answer and no tool could be called."""
+    engine = qwen3_5_engine
     schema, pytype = SCHEMAS["optional_fields"]
-    out = await qwen3_5_engine.chat(USER, SamplingParams(max_tokens=30), tools=TOOLS, response_format=rf(schema))
-    assert_valid_structured(out, schema, pytype, 30)
+    samplings = [dict(), *(dict(temperature=1.0, seed=s) for s in range(6))]
+    outs = await asyncio.gather(*[engine.chat(USER, SamplingParams(max_tokens=90, **s), tools=TOOLS,
+                                              response_format=rf(schema)) for s in samplings])
+    for out in outs:
+        if out.tool_calls or out.invalid_tool_calls:
+            assert_valid_calls(out, set(TOOL_MODELS))
+        else:
+            assert_valid_structured(out, schema, pytype, 90)
+
+    # A model that calls (forced here token by token) gets its call; one that answers, its
+    # document; parallel_tool_calls=False allows one call only.
+    eos = engine.loaded.eos_token_ids[0]
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    answers = {"call": call, "two calls": call + "\n" + call, "document": '{"a": "Ann", "b": 3}'}
+
+    async def run(text, **options):
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        return await engine.chat(USER, SamplingParams(max_tokens=len(ids) + 40,
+                                                      logits_processors=[forcing_processor(ids, eos)]),
+                                 tools=TOOLS, response_format=rf(schema), **options)
+
+    got = {k: await run(v) for k, v in answers.items()}
+    assert [(c.name, c.arguments) for c in got["call"].tool_calls] == [("add", {"a": 2, "b": 3})]
+    assert [(c.name, c.arguments) for c in got["two calls"].tool_calls] == [("add", {"a": 2, "b": 3})] * 2
+    assert_valid_calls(got["call"], {"add"})
+    assert assert_valid_structured(got["document"], schema, pytype, 90) == {"a": "Ann", "b": 3}
+    one = await run(answers["two calls"], parallel_tool_calls=False)
+    assert [(c.name, c.arguments) for c in one.tool_calls] == [("add", {"a": 2, "b": 3})]
 
 
 # ---------------------------------------------------------------------------- errors

@@ -22,8 +22,11 @@ Decisions (see docs/design.md, "Tools and structured output"):
   (finish_reason "tool_calls", the row freed at once), as OpenAI's API does.
 - Under "auto", a call the model opens is held to the listed tools and their schemas by a
   lazy grammar (tool_call_grammar.py), where the format's call body is JSON and the engine
-  option ``constrain_tool_calls`` is on (the default). Not with a response_format, whose
-  grammar governs the whole answer.
+  option ``constrain_tool_calls`` is on (the default).
+- Under "auto" with a JSON response_format (``json_object``, ``json_schema``), the answer is
+  either calls of the listed tools or JSON that matches the format, as in OpenAI's API: the
+  format holds the text answer, not the tools. A Lark or regex response_format is the whole
+  answer (a caller who wants calls there writes them into the grammar).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .chat_format import ChatFormat
-from .constraints import Constraint, open_call_constraint, response_format_constraint, tool_call_constraint
+from .constraints import (Constraint, call_or_answer_constraint, open_call_constraint, response_format_constraint,
+                          tool_call_constraint)
 from .errors import ConstraintError, InvalidRequestError
 
 
@@ -141,6 +145,11 @@ def plan_chat(
                 banned = ids
         # Keep the response_format constraint: tool_choice="none" only removes the tools.
         return ChatPlan(tools=None, template_kwargs=kwargs, constraint=constraint, banned_token_ids=banned)
+    call_or_answer = (not forced and constraint is not None and constraint.kind == "json_schema"
+                      and bool(tools) and bool(fmt.tool_call_start and fmt.tool_call_end))
+    if call_or_answer:
+        constraint = call_or_answer_constraint(fmt, tools, constraint, parallel=parallel_tool_calls is not False,
+                                               marker=marker)
     open_call, start_id = None, None
     if constrain_calls and tools and constraint is None and fmt.tool_format == "json_tools" \
             and fmt.tool_call_start and fmt.tool_call_end:
@@ -152,9 +161,9 @@ def plan_chat(
         template_kwargs=kwargs,
         constraint=constraint,
         parse_tool_calls=bool(tools),
-        forced_json_calls=bool(forced) and fmt.tool_format != "json_tools",
+        forced_json_calls=(bool(forced) or call_or_answer) and fmt.tool_format != "json_tools",
         open_call=open_call,
         call_start_id=start_id,
-        # A forced call's grammar already ends the answer after one call.
-        max_tool_calls=1 if parallel_tool_calls is False and tools and not forced else None,
+        # A forced call's grammar (and call_or_answer's) already ends the answer after one call.
+        max_tool_calls=1 if parallel_tool_calls is False and tools and not forced and not call_or_answer else None,
     )

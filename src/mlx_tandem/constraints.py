@@ -287,6 +287,28 @@ def tool_call_constraint(fmt: ChatFormat, tools: Sequence[dict], names: Sequence
     return Constraint("lark", grammar, f"tool_call({', '.join(names)})", _string_hints(body))
 
 
+def call_or_answer_constraint(fmt: ChatFormat, tools: Sequence[dict], answer: Constraint, *,
+                              parallel: bool, marker: Callable[[str], str]) -> Constraint:
+    """Calls of the listed tools, or an answer that matches a JSON ``response_format``.
+
+    OpenAI's API lets a model call its tools under ``tool_choice="auto"`` and holds only its
+    text answer to the ``response_format``; agents bind both (LangChain's ``create_agent``
+    with a ``response_format``, through ``bind_tools(..., response_format=...)``). Calls are
+    forced to JSON bodies between the format's markers, as forced calls are.
+    """
+    names = tool_names(tools)
+    call = f'{marker(fmt.tool_call_start)} "\\n" body "\\n" {marker(fmt.tool_call_end)}'
+    calls = 'calls: call ("\\n" call)*' if parallel else "calls: call"
+    body = _schema_text(lambda: _call_body_schema(tools, names))
+    schema = json.loads(answer.source)
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": JSON_STYLE}
+    grammar = (f"start: calls | answer\n{calls}\ncall: {call}\nbody: %json {body}\n"
+               f"answer: %json {json.dumps(schema)}\n")
+    return Constraint("lark", grammar, f"tool_call({', '.join(names)}) or {answer.description}",
+                      answer.hints + _string_hints(body))
+
+
 def open_call_constraint(fmt: ChatFormat, tools: Sequence[dict], *, marker: Callable[[str], str]) -> Constraint:
     """The rest of one call of any listed tool, once its start marker has been emitted.
 

@@ -385,6 +385,22 @@ def test_structured_output_validates_on_random_weights(method):
     jsonschema.validate(obj, schema)
 
 
+@pytest.mark.parametrize("method", ["json_schema", "json_mode"])
+def test_structured_output_takes_the_schema_forms_chatopenai_takes(method):
+    """OpenAI's response-format dict (whole, or its name-and-schema part) and an untitled
+    JSON schema hold the answer to the same schema as a titled one does: the same greedy
+    answer. Core's converter made the first a bare ``{"title": ...}`` (an unconstrained
+    answer, returned without an error), and refused the others."""
+    llm = make_llm(max_tokens=60)
+    body = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+            "required": ["a", "b"]}
+    reference = llm.with_structured_output({"title": "thing", **body}, method=method).invoke("give a")
+    jsonschema.validate(reference, body)
+    named = {"name": "thing", "schema": body, "strict": True}
+    for form in (named, {"type": "json_schema", "json_schema": named}, body):
+        assert llm.with_structured_output(form, method=method).invoke("give a") == reference, form
+
+
 def test_structured_output_include_raw():
     llm = make_llm(max_tokens=100)
     out = llm.with_structured_output(Joke, include_raw=True).invoke("tell a joke")

@@ -302,14 +302,8 @@ class ChatMLX(BaseChatModel):
                 response_format: dict = {"type": "json_object"}
                 ls_schema = None
             else:
-                json_schema = convert_to_json_schema(schema)
-                full = recursive_model_schema(schema)
-                if full is not None:
-                    json_schema = {**full, "title": json_schema.get("title"),
-                                   "description": json_schema.get("description", "")}
-                response_format = {"type": "json_schema", "json_schema": {
-                    "name": json_schema.get("title", "response"), "schema": json_schema, "strict": strict}}
-                ls_schema = json_schema
+                response_format = _response_format(schema, strict)
+                ls_schema = response_format["json_schema"]["schema"]
             llm = self.bind(response_format=response_format,
                             ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
                                                          "schema": ls_schema})
@@ -352,6 +346,27 @@ def _raw_then_parsed(parser: Runnable) -> Runnable:
         yield parsed(raw)
 
     return RunnableGenerator(transform, atransform, name="parse_structured_output")
+
+
+def _response_format(schema: Any, strict: Optional[bool]) -> dict:
+    """A ``json_schema`` response format for ``schema``, in the forms ChatOpenAI takes: the
+    OpenAI response-format dict (whole, or its ``{"name", "schema"}`` part), a Pydantic model,
+    a TypedDict, or a JSON schema (one without a title too: a name is OpenAI's API's need,
+    not this engine's)."""
+    if isinstance(schema, dict) and schema.get("type") == "json_schema" and isinstance(schema.get("json_schema"), dict):
+        return schema
+    if isinstance(schema, dict) and "name" in schema and isinstance(schema.get("schema"), dict):
+        return {"type": "json_schema", "json_schema": schema}
+    if isinstance(schema, dict) and "title" not in schema and ("type" in schema or "properties" in schema):
+        json_schema = schema
+    else:
+        json_schema = convert_to_json_schema(schema)
+        full = recursive_model_schema(schema)
+        if full is not None:
+            json_schema = {**full, "title": json_schema.get("title"),
+                           "description": json_schema.get("description", "")}
+    return {"type": "json_schema", "json_schema": {
+        "name": json_schema.get("title", "response"), "schema": json_schema, "strict": strict}}
 
 
 def _openai_tool(tool: Any, strict: Optional[bool]) -> dict:

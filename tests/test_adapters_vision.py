@@ -41,6 +41,12 @@ def test_chatmlx_image_blocks(qwen3_5_vl_path):
     ref = llm.engine.chat_sync(lc_messages([msg]), {"max_tokens": 8})
     assert out.content == ref.text
     assert out.usage_metadata["input_tokens"] == ref.usage.prompt_tokens  # image tokens counted
+    # Counting before sending (trim_messages) sees the images' tokens too: each image size
+    # its own count. apply_chat_template rendered the text only, so every size counted alike.
+    for size in (32, 96):
+        sized = HumanMessage(content=[{"type": "text", "text": "What is in the picture?"}, {
+            "type": "image", "base64": base64.b64encode(_png(size=size)).decode(), "mime_type": "image/png"}])
+        assert llm.get_num_tokens_from_messages([sized]) == llm.invoke([sized]).usage_metadata["input_tokens"]
 
     async def stream():
         return "".join([c.content async for c in llm.astream([msg])])

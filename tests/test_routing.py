@@ -244,11 +244,12 @@ def test_structured_output_on_an_image_closes_within_the_expanded_prompts_room(q
     msgs = [_user(_img_part(_data_uri(_image(1, 128))), _text("give json"))]
     probe = Engine(qwen3_5_vl_path, show_progress=False)
     try:
-        placeholder = len(probe.apply_chat_template(msgs))
+        text_only = len(probe.apply_chat_template([_user(_text("give json"))]))
         expanded = probe.chat_sync(msgs, {"max_tokens": 1}).usage.prompt_tokens
+        assert len(probe.apply_chat_template(msgs)) == expanded  # counted as the lane expands it
     finally:
         probe.close_sync()
-    assert expanded > placeholder + 8
+    assert expanded > text_only + 8
     engine = Engine(qwen3_5_vl_path, show_progress=False, max_model_len=expanded + 25)
     try:
         out = engine.chat_sync(msgs, {"max_tokens": 1000},

@@ -274,14 +274,8 @@ class Engine:
                 # Routing: media goes to the vision lane, everything else to the text lane
                 # (MTP and the caches live there). Images are decoded here, so a bad image
                 # fails this call before anything is queued.
-                if not self.loaded.supports_images:
-                    raise UnsupportedContentError(
-                        f"{self.loaded.path.name} is a text-only model; this request carries an image, "
-                        "video or audio part")
+                media = {"images": self._images(messages, spec.tools)}
                 lane = "vision"
-                refuse_media_markers(messages, spec.tools, self._media_markers)
-                media = {"images": load_images(messages, allow_remote=self.options.allow_remote_images,
-                                               max_pixels=self.options.max_image_pixels)}
             plan = plan_chat(
                 self._format, tools=spec.tools, tool_choice=spec.tool_choice,
                 response_format=spec.response_format, reasoning=spec.reasoning,
@@ -519,14 +513,33 @@ class Engine:
 
     def apply_chat_template(self, messages: Sequence[dict], *, tools=None, tool_choice=None,
                             response_format=None, reasoning=None, template_kwargs=None) -> list[int]:
-        """The prompt token ids the engine would use for this chat."""
+        """The prompt token ids the engine would use for this chat, each image expanded to the
+        tokens it takes (the vision lane's processor, on the owner thread)."""
         self.start_sync()
+        messages = validate_messages(messages)
         plan = plan_chat(
             self._format, tools=tools, tool_choice=tool_choice, response_format=response_format,
             reasoning=reasoning, parallel_tool_calls=None, template_kwargs=template_kwargs,
             marker=self._grammar.marker, encode=self._renderer.encode)
-        return self._renderer.render(validate_messages(messages), tools=plan.tools,
-                                     template_kwargs=plan.template_kwargs)
+        images = self._images(messages, tools) if has_media(messages) else None
+        text, ids = self._renderer.render_with_text(messages, tools=plan.tools, template_kwargs=plan.template_kwargs)
+        if images is None:
+            return ids
+        from .lanes.vision import expand_images
+
+        vlm, processor = self.loaded.vlm, self.loaded.processor
+        return self.run_on_owner_thread(lambda: expand_images(vlm, processor, images, text)[0])
+
+    def _images(self, messages: list, tools) -> list:
+        """A request's images, read and checked on the caller's thread (PIL only), so a bad
+        image fails its call before anything is queued."""
+        if not self.loaded.supports_images:
+            raise UnsupportedContentError(
+                f"{self.loaded.path.name} is a text-only model; this request carries an image, "
+                "video or audio part")
+        refuse_media_markers(messages, tools, self._media_markers)
+        return load_images(messages, allow_remote=self.options.allow_remote_images,
+                           max_pixels=self.options.max_image_pixels)
 
 
 _CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning",

@@ -623,6 +623,10 @@ def test_token_counts_use_the_models_tokenizer_and_template():
                            "required": ["a", "b"]}}}])
     assert llm.get_num_tokens_from_messages(hist, tools=tools) == len(with_tools)
     assert llm.get_num_tokens_from_messages([]) == 0
+    # A recursive model's tool is counted with the schema bind_tools sends (core's converter
+    # inlines and flattens it: 201 tokens counted for a 272-token prompt).
+    sent = llm.bind_tools([Tree]).invoke(hist).usage_metadata["input_tokens"]
+    assert llm.get_num_tokens_from_messages(hist, tools=[Tree]) == sent
 
     whole = llm.get_num_tokens_from_messages(hist)
     kept = trim_messages(hist, token_counter=llm, max_tokens=whole - 1, strategy="last", include_system=True)

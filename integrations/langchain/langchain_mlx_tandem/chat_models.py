@@ -173,7 +173,7 @@ class ChatMLX(BaseChatModel):
         messages = convert_to_messages(messages)
         if not messages:
             return 0
-        formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
+        formatted = [_openai_tool(t, None) for t in tools] if tools else None
         try:
             return len(self.engine.apply_chat_template(to_engine_messages(messages), tools=formatted))
         except TemplateError:

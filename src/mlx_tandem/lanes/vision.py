@@ -39,6 +39,20 @@ class _SampleAsProcessor:
         return mx.where(keep, mx.zeros_like(logits), mx.array(-float("inf"), logits.dtype))
 
 
+def expand_images(vlm, processor, images: list, text: str):
+    """The prompt's ids with each image expanded to its tokens, and the processor's outputs
+    the embedding step needs. Owner thread: the processor returns mlx arrays."""
+    from mlx_vlm.utils import prepare_inputs
+
+    try:
+        inputs = prepare_inputs(processor, images=images, prompts=[text],
+                                image_token_index=getattr(vlm.config, "image_token_index", None),
+                                add_special_tokens=False)
+    except Exception as exc:  # noqa: BLE001 - the processor's errors are this request's
+        raise InvalidRequestError(f"the image processor rejected this request: {exc}") from exc
+    return inputs["input_ids"][0].tolist(), inputs
+
+
 class VisionLane:
     name = "vision"
 
@@ -73,17 +87,8 @@ class VisionLane:
         return bool(self._rows)
 
     def _inputs(self, request: Request):
-        """The expanded prompt ids, and the processor's outputs the embedding step needs."""
-        from mlx_vlm.utils import prepare_inputs
-
         media = request.extra["media"]
-        try:
-            inputs = prepare_inputs(self.processor, images=media["images"], prompts=[media["text"]],
-                                    image_token_index=getattr(self.vlm.config, "image_token_index", None),
-                                    add_special_tokens=False)
-        except Exception as exc:  # noqa: BLE001 - the processor's errors are this request's
-            raise InvalidRequestError(f"the image processor rejected this request: {exc}") from exc
-        return inputs["input_ids"][0].tolist(), inputs
+        return expand_images(self.vlm, self.processor, media["images"], media["text"])
 
     def _embed(self, inputs) -> dict:
         """The vision encoder's pass: the prompt's embeddings and the model's extra inputs."""

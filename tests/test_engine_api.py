@@ -26,6 +26,30 @@ def test_shared_engine_per_model_and_options(llama_path, qwen3_5_path):
             e.close_sync()
 
 
+def test_the_default_models_reported_name_can_be_passed_back(tmp_path, monkeypatch):
+    """``model_name`` and usage metadata report the default model by its name; given back as
+    ``model`` it is the default (it was a hub id that does not exist). A directory of that
+    name still wins."""
+    from mlx_tandem.default_model import DEFAULT_MODEL_NAME
+
+    default = Engine.shared(show_progress=False)
+    try:
+        assert Engine.shared(DEFAULT_MODEL_NAME, show_progress=False) is default
+        named = Engine(DEFAULT_MODEL_NAME, show_progress=False)
+        try:
+            msgs = [{"role": "user", "content": "Hi"}]
+            assert named.chat_sync(msgs, {"max_tokens": 6}).token_ids == \
+                default.chat_sync(msgs, {"max_tokens": 6}).token_ids
+            assert named.model_info().name == DEFAULT_MODEL_NAME
+        finally:
+            named.close_sync()
+    finally:
+        default.close_sync()
+    (tmp_path / DEFAULT_MODEL_NAME).mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert Engine(DEFAULT_MODEL_NAME)._model_arg == DEFAULT_MODEL_NAME
+
+
 def test_construction_is_cheap(llama_path):
     engine = Engine(llama_path)
     assert engine.stats()["loaded"] is False and engine._core is None

@@ -31,6 +31,13 @@ _FALLBACK_SIZES = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=5
 _lock = threading.Lock()
 
 
+def names_default(model) -> bool:
+    """``model`` is the name the default model reports (``model_name``, usage metadata) and
+    no directory of that name is there: it means the default, so a reported name can be
+    passed back as ``model``."""
+    return isinstance(model, str) and model == DEFAULT_MODEL_NAME and not Path(model).exists()
+
+
 def packaged_model_path() -> Path:
     return Path(__file__).resolve().parent / "models" / DEFAULT_MODEL_NAME
 

@@ -29,7 +29,7 @@ from .closing import GrammarProcessor
 from .constraints import GrammarCompiler, TokenBan, response_format_constraint
 from .tool_call_grammar import LazyToolCallGrammar
 from .core import EngineCore
-from .default_model import DEFAULT_MODEL_NAME
+from .default_model import DEFAULT_MODEL_NAME, names_default
 from .detokenizer import CallMarkers
 from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError, UnsupportedContentError
 from .media import load_images, media_markers, refuse_media_markers
@@ -56,7 +56,7 @@ def _model_key(model: Optional[str | Path]) -> str:
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ModelLoadError(
             f"model must be a checkpoint path or hub id (a string or a path), got {type(model).__name__}")
-    if model is None:
+    if model is None or names_default(model):
         return "<default>"
     try:
         path = Path(model).expanduser()
@@ -78,7 +78,7 @@ class Engine:
     def __init__(self, model: Optional[str | Path] = None, **options: Any):
         _model_key(model)  # a model argument of the wrong type fails here, typed
         self.options = EngineOptions.from_kwargs(**options)
-        self._model_arg = model
+        self._model_arg = None if names_default(model) else model
         self._core: Optional[EngineCore] = None
         self._renderer: Optional[PromptRenderer] = None
         self._format: Optional[ChatFormat] = None

@@ -456,6 +456,29 @@ def test_a_default_tool_choice_holds_for_tool_calls():
     assert make_llm()._prepare_chat_with_tools([tool], user_msg="hi")["tool_choice"] == "auto"
 
 
+def test_tool_defaults_on_the_llm_leave_calls_without_tools_alone():
+    """``additional_kwargs`` tool options are defaults for tool turns and templated calls: a
+    completion, a formatted prompt and a structured program answer as on an LLM without
+    them. They raised ConstraintError ("tool_choice='required' needs tools") or TypeError
+    ("tools need a chat"), and an LLM-level tool list leaked into structured programs."""
+    tools = [FunctionTool.from_defaults(add).metadata.to_openai_tool()]
+    plain = make_llm()
+    raw = plain.engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                                     add_generation_prompt=True)
+    prompt = PromptTemplate("Describe a person called {name}.")
+    expected = (plain.complete("Hi").text, plain.complete(raw, formatted=True).text,
+                plain.structured_predict(Person, prompt, name="Ann"))
+    for extra in ({"tool_choice": "required"}, {"tools": tools}, {"tools": tools, "tool_choice": "add"}):
+        llm = make_llm(additional_kwargs=extra)
+        got = (llm.complete("Hi").text if "tools" not in extra else expected[0],
+               llm.complete(raw, formatted=True).text, llm.structured_predict(Person, prompt, name="Ann"))
+        assert got == expected, extra
+    # ... and still the default where tools are given.
+    forced = make_llm(additional_kwargs={"tool_choice": "required"}, max_tokens=40).chat_with_tools(
+        [FunctionTool.from_defaults(add)], user_msg="hi")
+    assert forced.message.additional_kwargs["tool_calls"]
+
+
 def _wait_idle(engine: Engine) -> int:
     for _ in range(100):
         if engine.stats()["running"] == 0:

@@ -48,6 +48,11 @@ dispatcher = get_dispatcher(__name__)
 
 
 
+# Options that shape the chat template's rendering (set on the LLM: defaults for templated
+# calls only), and those that only mean something on a call that carries tools.
+_TEMPLATE_OPTIONS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "reasoning", "chat_template_kwargs"})
+_TOOL_TURN_OPTIONS = frozenset({"tool_choice", "parallel_tool_calls"})
+
 class MLXTandemLLM(FunctionCallingLLM):
     """LlamaIndex LLM running local MLX models in-process, with continuous batching.
 
@@ -152,8 +157,19 @@ class MLXTandemLLM(FunctionCallingLLM):
         return {"class_name": self.class_name(), **self._metadata(info).model_dump()}
 
     # ------------------------------------------------------------------ engine plumbing
-    def _options(self, kwargs: dict) -> tuple[SamplingParams, dict, Optional[float]]:
-        call = resolve_call(self, {**self.additional_kwargs, **kwargs}, owner="MLXTandemLLM")
+    def _options(self, kwargs: dict, *, formatted: bool = False) -> tuple[SamplingParams, dict, Optional[float]]:
+        """This call's settings: ``additional_kwargs`` are defaults, where they apply. A
+        formatted prompt skips the chat template, so the template's options set on the LLM
+        do not apply to it; ``tool_choice`` and ``parallel_tool_calls`` set on the LLM are
+        defaults for tool turns, so a call without tools (``complete``, a structured
+        program) leaves them out instead of failing on them."""
+        defaults = dict(self.additional_kwargs)
+        if formatted:
+            defaults = {k: v for k, v in defaults.items() if k not in _TEMPLATE_OPTIONS}
+        merged = {**defaults, **kwargs}
+        if not merged.get("tools"):
+            merged = {k: v for k, v in merged.items() if k not in _TOOL_TURN_OPTIONS or k in kwargs}
+        call = resolve_call(self, merged, owner="MLXTandemLLM")
         return call.params, call.options, call.timeout
 
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict):
@@ -170,7 +186,7 @@ class MLXTandemLLM(FunctionCallingLLM):
         ``formatted=True`` means the prompt is already rendered."""
         if not formatted and self.completion_to_prompt is not default_completion_to_prompt:
             prompt, formatted = self.completion_to_prompt(prompt), True
-        params, options, timeout = self._options(kwargs)
+        params, options, timeout = self._options(kwargs, formatted=formatted)
         if formatted:
             if options.pop("tools", None) or options.get("tool_choice") not in (None, "auto", "none"):
                 raise TypeError("tools need a chat; formatted=True continues a raw prompt")
@@ -342,8 +358,9 @@ class MLXTandemLLM(FunctionCallingLLM):
                            llm_kwargs: Optional[dict], prompt_args: dict) -> tuple[list[ChatMessage], dict]:
         messages = self._extend_messages(prompt.format_messages(llm=self, **prompt_args))
         kwargs = dict(llm_kwargs or {})
-        for k in ("tools", "tool_choice", "tool_required", "allow_parallel_tool_calls"):
+        for k in ("tool_choice", "tool_required", "allow_parallel_tool_calls"):
             kwargs.pop(k, None)
+        kwargs["tools"] = None  # the LLM's own tools too: the answer is the document
         kwargs["response_format"] = {"type": "json_schema", "json_schema": {
             "name": output_cls.__name__, "schema": output_cls.model_json_schema()}}
         return messages, kwargs

@@ -205,6 +205,13 @@ async def test_missing_model_is_a_load_error(tmp_path):
     engine = Engine(tmp_path / "empty", show_progress=False)
     with pytest.raises(ModelLoadError):
         await engine.start()
+    # Reading its facts without loading (LlamaIndex's metadata and payload do) is the same
+    # typed error, not the FileNotFoundError or JSONDecodeError it was.
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    for name in ("empty", "broken"):
+        with pytest.raises(ModelLoadError, match="not a checkpoint directory"):
+            Engine(tmp_path / name, show_progress=False).model_info()
 
 
 async def test_malformed_inputs_are_typed_errors_and_the_engine_keeps_serving(llama_engine, llama_path):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .errors import ModelLoadError
 from .params import SamplingParams
 
 
@@ -65,7 +66,13 @@ def _template_text(path: Path) -> str:
 
 
 def read_model_info(path: Path, *, name: str, max_model_len: Optional[int] = None) -> ModelInfo:
-    config = json.loads((path / "config.json").read_text())
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # as the loader would refuse it
+        raise ModelLoadError(f"{path} is not a checkpoint directory: its config.json cannot be read "
+                             f"({type(exc).__name__}: {exc})") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path} is not a checkpoint directory: its config.json is not an object")
     template = _template_text(path)
     return ModelInfo(
         name=name,

@@ -901,6 +901,45 @@ async def test_tool_choice_none_never_emits_a_call(qwen3_5_engine):
         assert out.finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("opened", [False, True])
+async def test_asked_to_reason_the_model_reasons_then_the_constraint_holds_the_answer(qwen3_5_engine, opened):
+    """``reasoning=True`` with a response_format or a forced call: reasoning first, then the
+    grammar holds what follows ``</think>``. The request was rendered with reasoning off
+    whatever it asked. ``opened``: the prompt opens the reasoning (Qwen3.5's template); else
+    the model may open it. Closing mode still ends every answer with a valid document:
+    ``</think>`` is the way out of the free text."""
+    engine = qwen3_5_engine
+    schema, pytype = SCHEMAS["optional_fields"]
+    eos = engine.loaded.eos_token_ids[0]
+    chat, options = USER, {"reasoning": True}
+    if opened:
+        chat = USER + [{"role": "assistant", "content": "<think>\n"}]
+        options["template_kwargs"] = {"continue_final_message": True}
+    head = "" if opened else "<think>"
+
+    async def forced(text, **kw):
+        ids = engine.tokenizer.encode(head + text, add_special_tokens=False)
+        return await engine.chat(chat, SamplingParams(max_tokens=len(ids) + 40,
+                                                      logits_processors=[forcing_processor(ids, eos)]), **options, **kw)
+
+    out = await forced('I will say 3.</think>\n\n{"a": "x", "b": 3}', response_format=rf(schema))
+    assert (out.reasoning, out.content, out.finish_reason) == ("I will say 3.", '{"a": "x", "b": 3}', "stop")
+    assert 0 < out.usage.reasoning_tokens < out.usage.completion_tokens
+    call = await forced('Add them.</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+                        tools=TOOLS, tool_choice="add")
+    assert call.reasoning == "Add them." and [(c.name, c.arguments) for c in call.tool_calls] == [("add", {"a": 2, "b": 3})]
+
+    budgets = (40, 90)
+    runs = [(n, seed) for n in budgets for seed in range(4)]
+    outs = await asyncio.gather(*[engine.chat(chat, SamplingParams(max_tokens=n, temperature=1.0, seed=seed),
+                                              response_format=rf(schema), **options) for n, seed in runs])
+    for (n, _), out in zip(runs, outs):
+        assert out.finish_reason == "stop" and len(out.token_ids) <= n, (out.finish_reason, out.text)
+        validate(out.content, schema, pytype)
+    if opened:  # the random model never closes its reasoning by itself: closing mode did
+        assert all(out.reasoning for out in outs)
+
+
 async def test_tool_choice_none_keeps_the_response_format(qwen3_5_engine):
     schema, pytype = SCHEMAS["nested_object"]
     out = await qwen3_5_engine.chat(USER, SamplingParams(max_tokens=45), tools=TOOLS, tool_choice="none",

@@ -14,7 +14,10 @@ Decisions (see docs/design.md, "Tools and structured output"):
   of returning call markup as its content. Not when ``template_kwargs`` carries ``tools``:
   that caller renders and parses calls itself.
 - A constrained request (forced tool call or response_format) is rendered with reasoning
-  off: a grammar constrains the answer from its first token.
+  off by default: a grammar constrains the answer from its first token. Asked for
+  ``reasoning=True``, it reasons first and the grammar holds what follows the reasoning
+  (``reason_first``; the engine wraps the constraint once it knows whether the rendered
+  prompt opened the reasoning).
 - A forced tool_choice forces exactly one call unless ``parallel_tool_calls=True`` is given:
   the grammar governs the whole answer, and an open-ended list of calls lets a weak model
   loop until its budget runs out. Under "auto" the model may make any number of calls,
@@ -52,6 +55,7 @@ class ChatPlan:
     open_call: Optional[Constraint] = None
     call_start_id: Optional[int] = None
     max_tool_calls: Optional[int] = None  # 1 under parallel_tool_calls=False; None: any number
+    reason_first: bool = False  # the constraint holds the answer after the reasoning
 
 
 def normalize_tools(tools: Optional[Sequence[Any]]) -> list[dict]:
@@ -133,7 +137,8 @@ def plan_chat(
         if constraint is not None:
             raise ConstraintError("give either a forced tool_choice or a response_format, not both")
         constraint = tool_call_constraint(fmt, tools, forced, parallel=bool(parallel_tool_calls), marker=marker)
-    if constraint is not None and fmt.has_thinking:
+    reason_first = constraint is not None and fmt.has_thinking and reasoning is True
+    if constraint is not None and fmt.has_thinking and not reason_first:
         kwargs[fmt.thinking_kwarg] = False
 
     if forced == [] or tool_choice == "none" or (not tools and "tools" not in kwargs):
@@ -144,7 +149,8 @@ def plan_chat(
             if len(ids) == 1:
                 banned = ids
         # Keep the response_format constraint: tool_choice="none" only removes the tools.
-        return ChatPlan(tools=None, template_kwargs=kwargs, constraint=constraint, banned_token_ids=banned)
+        return ChatPlan(tools=None, template_kwargs=kwargs, constraint=constraint, banned_token_ids=banned,
+                        reason_first=reason_first)
     call_or_answer = (not forced and constraint is not None and constraint.kind == "json_schema"
                       and bool(tools) and bool(fmt.tool_call_start and fmt.tool_call_end))
     if call_or_answer:
@@ -166,4 +172,5 @@ def plan_chat(
         call_start_id=start_id,
         # A forced call's grammar (and call_or_answer's) already ends the answer after one call.
         max_tool_calls=1 if parallel_tool_calls is False and tools and not forced and not call_or_answer else None,
+        reason_first=reason_first,
     )

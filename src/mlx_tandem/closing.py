@@ -56,6 +56,7 @@ class TokenClasses(NamedTuple):
     partial: np.ndarray  # bytes that are not whole UTF-8 characters
     structural: np.ndarray  # only JSON punctuation and whitespace (or EOS): no content
     blank: np.ndarray  # whitespace only (tool_call_grammar: what may come before <think>)
+    special: np.ndarray  # special tokens but EOS (markers such as </think>, matched by id)
 
 
 def token_classes(llt, vocab_size: int, eos_token_ids: Sequence[int]) -> TokenClasses:
@@ -67,7 +68,9 @@ def token_classes(llt, vocab_size: int, eos_token_ids: Sequence[int]) -> TokenCl
     partial = np.zeros(vocab_size, dtype=bool)
     structural = np.zeros(vocab_size, dtype=bool)
     blank = np.zeros(vocab_size, dtype=bool)
+    special = np.zeros(vocab_size, dtype=bool)
     for i in range(vocab_size):
+        special[i] = llt.is_special_token(i)
         b = llt.decode_bytes([i])
         length[i] = len(b)
         blank[i] = bool(b) and not b.decode("utf-8", "replace").strip()
@@ -87,7 +90,8 @@ def token_classes(llt, vocab_size: int, eos_token_ids: Sequence[int]) -> TokenCl
     eos = list(eos_token_ids)
     tier[eos] = 0
     structural[eos] = True
-    return TokenClasses(tier, length, quote_first, awkward, partial, structural, blank)
+    special[eos] = False
+    return TokenClasses(tier, length, quote_first, awkward, partial, structural, blank, special)
 
 
 def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
@@ -148,7 +152,10 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
     tier, length, quote_first, awkward, partial = tiers[:5]
     vocab = tier.shape[0]
     closer = tier == 1
-    in_text = np.where(closer & ~quote_first, 4, tier)
+    # In free text a special token the grammar allows is markup that ends it (the
+    # ``</think>`` before an answer, ``after_reasoning``): a closer. Among the vocabulary's
+    # content it was never among the candidates tried, and reasoning ran to "length".
+    in_text = np.where(tiers.special, 1, np.where(closer & ~quote_first, 4, tier))
     in_structure = np.where(closer & quote_first, np.where(length > 1, 4, 2), tier)
     lone_quote = quote_first & (length == 1)
     ends = quote_first | (tier == 0)  # what ends a string, or the grammar

@@ -300,13 +300,41 @@ def call_or_answer_constraint(fmt: ChatFormat, tools: Sequence[dict], answer: Co
     call = f'{marker(fmt.tool_call_start)} "\\n" body "\\n" {marker(fmt.tool_call_end)}'
     calls = 'calls: call ("\\n" call)*' if parallel else "calls: call"
     body = _schema_text(lambda: _call_body_schema(tools, names))
-    schema = json.loads(answer.source)
-    if isinstance(schema, dict):
-        schema = {**schema, "x-guidance": JSON_STYLE}
-    grammar = (f"start: calls | answer\n{calls}\ncall: {call}\nbody: %json {body}\n"
-               f"answer: %json {json.dumps(schema)}\n")
+    grammar = f"start: calls | answer\n{calls}\ncall: {call}\nbody: %json {body}\nanswer: {_as_rule(answer)}\n"
     return Constraint("lark", grammar, f"tool_call({', '.join(names)}) or {answer.description}",
                       answer.hints + _string_hints(body))
+
+
+def after_reasoning(constraint: Constraint, think_ids: tuple[int, int], *, opened: bool) -> Constraint:
+    """Reasoning first, then ``constraint`` (a request that asks for ``reasoning=True`` with a
+    response_format or a forced call).
+
+    The reasoning is free text up to the end marker; ``opened``: the prompt already opened it
+    (Qwen3.5's template), else the model may open it or skip it. The markers are matched by
+    token id, so reasoning text cannot end it by spelling one. vLLM applies structured output
+    after its reasoning parser's end marker the same way. One grammar for both parts keeps
+    closing mode exact: near the end of the budget the shortest way out is the end marker
+    and the shortest answer, so the answer still closes within ``max_tokens``.
+    """
+    start, end = think_ids
+    head = f"THOUGHT <[{end}]>" if opened else f"(<[{start}]> THOUGHT <[{end}]>)?"
+    grammar = (f"start: {head} /\\n{{0,2}}/ answer\nTHOUGHT: /(.|\\n)*/\n"
+               f"answer: {_as_rule(constraint)}\n")
+    return Constraint("lark", grammar, f"reasoning, then {constraint.description}", constraint.hints)
+
+
+def _as_rule(c: Constraint) -> str:
+    """``c`` as the body of a Lark rule (a nested grammar)."""
+    if c.kind == "json_schema":
+        schema = json.loads(c.source)
+        if isinstance(schema, dict):  # what the top-level compile passes as overrides
+            schema = {**schema, "x-guidance": JSON_STYLE}
+        return f"%json {json.dumps(schema)}"
+    if c.kind == "lark":
+        return f"%lark {{\n{c.source}\n}}"
+    if c.kind == "regex":
+        return "/" + c.source.replace("/", "\\/") + "/"
+    raise ConstraintError(f"unknown constraint kind {c.kind!r}")
 
 
 def open_call_constraint(fmt: ChatFormat, tools: Sequence[dict], *, marker: Callable[[str], str]) -> Constraint:

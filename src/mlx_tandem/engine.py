@@ -26,12 +26,13 @@ from .chat_format import ChatFormat
 from .chat_output import ChatOutputParser
 from .chat_plan import plan_chat
 from .closing import GrammarProcessor
-from .constraints import GrammarCompiler, TokenBan, response_format_constraint
+from .constraints import GrammarCompiler, TokenBan, after_reasoning, response_format_constraint
 from .tool_call_grammar import LazyToolCallGrammar
 from .core import EngineCore
 from .default_model import DEFAULT_MODEL_NAME, names_default
 from .detokenizer import CallMarkers
-from .errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError, UnsupportedContentError
+from .errors import (ConstraintError, ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError,
+                     UnsupportedContentError)
 from .media import load_images, media_markers, refuse_media_markers
 from .messages import has_media, validate_messages
 from .model_info import ModelInfo, local_checkpoint, read_model_info
@@ -298,6 +299,12 @@ class Engine:
             if plan.banned_token_ids:
                 processors.append(TokenBan(plan.banned_token_ids))
             constraint = plan.constraint
+            if plan.reason_first:
+                if self._think_ids is None:
+                    raise ConstraintError(
+                        "reasoning=True with a response_format or a forced tool call needs reasoning markers "
+                        f"that are one token each; {fmt.think_start!r} and {fmt.think_end!r} are not")
+                constraint = after_reasoning(constraint, self._think_ids, opened=starts_in_reasoning)
             open_call = plan.open_call
             if plan.parse_tool_calls and fmt.tool_call_start and fmt.tool_call_end:
                 thinks = fmt.has_thinking

@@ -316,6 +316,12 @@ def test_bad_memory_options(opts):
         Engine("x", **opts)
 
 
+def _unexpanded(engine, msgs) -> int:
+    """The prompt's length with one placeholder per image, as the front end measures it
+    before the vision lane expands the images (apply_chat_template counts them expanded)."""
+    return len(engine._renderer.render(msgs))
+
+
 def test_an_image_request_is_measured_with_its_expanded_prompt(qwen3_5_vl_path):
     """The vision lane learns a prompt's image tokens only when it takes the request: one
     that fits before the images are expanded and not after fails typed, leaves nothing
@@ -330,10 +336,10 @@ def test_an_image_request_is_measured_with_its_expanded_prompt(qwen3_5_vl_path):
                     request_memory_bytes=ledger.alone_bytes("vision", CACHE_STEP)).start_sync()
     try:
         small = engine.chat_sync(msgs, SamplingParams(max_tokens=4))
-        image_tokens = small.usage.prompt_tokens - len(engine.apply_chat_template(msgs))
+        image_tokens = small.usage.prompt_tokens - _unexpanded(engine, msgs)
         assert image_tokens > 0
         # Before expansion its row fits the budget alone, after it no longer does.
-        max_tokens = CACHE_STEP - ledger.row_tokens("vision", len(engine.apply_chat_template(msgs)), 0) - image_tokens // 2
+        max_tokens = CACHE_STEP - ledger.row_tokens("vision", _unexpanded(engine, msgs), 0) - image_tokens // 2
         with pytest.raises(RequestTooLargeError):
             engine.chat_sync(msgs, SamplingParams(max_tokens=max_tokens))
         assert engine._core._lanes["vision"].num_active == 0
@@ -358,7 +364,7 @@ def test_an_image_request_waits_when_its_expanded_prompt_does_not_fit_beside_oth
     engine = Engine(str(qwen3_5_vl_path), show_progress=False).start_sync()
     try:
         alone = engine.chat_sync(msgs, SamplingParams(max_tokens=8))
-        unexpanded = len(engine.apply_chat_template(msgs))
+        unexpanded = _unexpanded(engine, msgs)
     finally:
         engine.close_sync()
     assert alone.usage.prompt_tokens > unexpanded

@@ -143,7 +143,7 @@ def test_stop_matcher_never_cuts_a_tool_call(pieces, stop, expected, hit):
     out, was_hit = _feed(m, pieces)
     assert (out, was_hit) == (expected, hit)
     if not hit:
-        assert out + m.flush() == "".join(pieces)
+        assert out + m.flush()[0] == "".join(pieces)
 
 
 THINKING = CallMarkers("<tool_call>", "</tool_call>", "<think>", "</think>")
@@ -169,6 +169,36 @@ def test_stop_matcher_reads_reasoning_as_the_parser_does(pieces, markers, expect
     a </tool_call> followed, so stop strings no longer ended the answer."""
     m = StopStringMatcher(["}"], exempt=markers)
     assert _feed(m, pieces) == (expected, hit)
+
+
+@pytest.mark.parametrize("text", [
+    'Sure.<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> after <b>',
+    '<think>hmm, a <tool_call> in thought</think>Then <tool_call>{"x": 1}</tool_call> tail',
+    'no markers at all, <tool_ only a start',
+])
+@pytest.mark.parametrize("stop", ["<", "call", "o", "think", "_", "/", ">"])
+def test_stop_matching_does_not_depend_on_how_a_marker_is_tokenized(text, stop):
+    """A model may write a marker in several tokens ("<", "tool", "_call", ">"). A stop string
+    inside a marker still forming ended the answer there ("Sure.<tool_" for the stop
+    "call"), where the same text in one piece (a one-token marker) kept the call."""
+    import random
+
+    def run(sizes):
+        m = StopStringMatcher([stop], exempt=THINKING)
+        out, pos = "", 0
+        for n in sizes:
+            piece, hit = m.feed(text[pos:pos + n])
+            out, pos = out + piece, pos + n
+            if hit:
+                return out, True
+        rest, hit = m.flush()
+        return out + rest, hit
+
+    whole = run([len(text)])
+    rng = random.Random(0)
+    splits = [[1] * len(text)] + [[rng.randint(1, 4) for _ in range(len(text))] for _ in range(20)]
+    for sizes in splits:
+        assert run(sizes) == whole, sizes
 
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {

@@ -77,8 +77,14 @@ class StopStringMatcher:
             if self._state != _CALL:  # stop strings: in text and reasoning, never in a call
                 hit = min(((i, s) for s in self._stop if (i := buf.find(s)) >= 0), default=None)
                 if hit is not None and (marker is None or hit[0] < marker[0]):
-                    self._buffer = ""
-                    return out + buf[:hit[0]], True
+                    # A hit inside a marker still forming (written in several tokens: "<",
+                    # "tool", "_call", ">") waits until the marker completes or is ruled
+                    # out, as it would have come whole from a one-token marker.
+                    forming = len(buf) - partial_marker_length(buf, markers) if marker is None else len(buf)
+                    if hit[0] < forming:
+                        self._buffer = ""
+                        return out + buf[:hit[0]], True
+                    return out + self._hold(buf, forming), False
             if marker is not None:
                 i, mk = marker
                 end = i + len(mk)
@@ -89,11 +95,14 @@ class StopStringMatcher:
                 self._switch(mk)
                 continue
             held = markers if self._state == _CALL else self._stop + markers
-            cut = len(buf) - partial_marker_length(buf, held)
-            if self._state == _TEXT and buf[:cut].strip():
-                self._text_seen = True
-            self._buffer = buf[cut:]
-            return out + buf[:cut], False
+            return out + self._hold(buf, len(buf) - partial_marker_length(buf, held)), False
+
+    def _hold(self, buf: str, cut: int) -> str:
+        """Emit ``buf[:cut]``; hold the rest back."""
+        if self._state == _TEXT and buf[:cut].strip():
+            self._text_seen = True
+        self._buffer = buf[cut:]
+        return buf[:cut]
 
     def _switch(self, marker: str) -> None:
         if self._state != _TEXT:  # a call's end, or </think>
@@ -103,9 +112,15 @@ class StopStringMatcher:
         else:  # <think>, before any text
             self._state = _REASONING
 
-    def flush(self) -> str:
-        out, self._buffer = self._buffer, ""
-        return out
+    def flush(self) -> tuple[str, bool]:
+        """The end of the text: what was held back, cut at a stop string in it (a marker
+        that was still forming can no longer complete)."""
+        buf, self._buffer = self._buffer, ""
+        if self._stop and self._state != _CALL:
+            hit = min((i for s in self._stop if (i := buf.find(s)) >= 0), default=None)
+            if hit is not None:
+                return buf[:hit], True
+        return buf, False
 
 
 def partial_marker_length(buf: str, markers: Sequence[str]) -> int:
@@ -173,5 +188,6 @@ class RequestDetokenizer:
             return ""
         out, self.stopped = self._stop.feed(self._delta(final=True))
         if not self.stopped:
-            out += self._stop.flush()
+            rest, self.stopped = self._stop.flush()
+            out += rest
         return out

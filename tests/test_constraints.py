@@ -938,6 +938,12 @@ async def test_asked_to_reason_the_model_reasons_then_the_constraint_holds_the_a
         validate(out.content, schema, pytype)
     if opened:  # the random model never closes its reasoning by itself: closing mode did
         assert all(out.reasoning for out in outs)
+    # The content is exactly the constraint's, whether or not the model reasoned (the blank
+    # line after </think> was allowed before an answer with no reasoning, and kept in it).
+    pattern = {"type": "regex", "pattern": "A[0-9]+"}
+    outs = await asyncio.gather(*[engine.chat(chat, SamplingParams(max_tokens=40, temperature=1.0, seed=seed),
+                                              response_format=pattern, **options) for seed in range(6)])
+    assert all(re.fullmatch("A[0-9]+", out.content) for out in outs), [out.content for out in outs]
 
 
 async def test_tool_choice_none_keeps_the_response_format(qwen3_5_engine):
@@ -981,6 +987,28 @@ async def test_response_format_with_auto_tools_gives_calls_or_json(qwen3_5_engin
     assert assert_valid_structured(got["document"], schema, pytype, 90) == {"a": "Ann", "b": 3}
     one = await run(answers["two calls"], parallel_tool_calls=False)
     assert [(c.name, c.arguments) for c in one.tool_calls] == [("add", {"a": 2, "b": 3})]
+
+
+async def test_calls_or_a_document_close_at_every_budget_the_document_fits(qwen3_5_engine):
+    """A call is about twice as long as a small document: near the end of the budget,
+    closing keeps only the branches that still fit. A budget that fitted the document ended
+    with "length" in a call the model opened (or the search took) and could not finish."""
+    engine = qwen3_5_engine
+    schema, pytype = SCHEMAS["optional_fields"]
+    budgets = range(8, 40)
+    plain = await asyncio.gather(*[engine.chat(USER, SamplingParams(max_tokens=n), response_format=rf(schema))
+                                   for n in budgets])
+    smallest = next(n for n, out in zip(budgets, plain) if out.finish_reason == "stop")
+    runs = [(n, seed) for n in range(smallest, smallest + 20) for seed in (None, 0, 1, 2)]
+    outs = await asyncio.gather(*[
+        engine.chat(USER, SamplingParams(max_tokens=n, **({} if seed is None else {"temperature": 1.0, "seed": seed})),
+                    tools=TOOLS, response_format=rf(schema)) for n, seed in runs])
+    for (n, seed), out in zip(runs, outs):
+        assert out.finish_reason in ("stop", "tool_calls"), (n, seed, out.text)
+        if out.tool_calls:
+            assert_valid_calls(out, set(TOOL_MODELS))
+        else:
+            assert_valid_structured(out, schema, pytype, n)
 
 
 # ---------------------------------------------------------------------------- errors

@@ -44,6 +44,9 @@ _STUCK_TRIES = 8
 _AWKWARD_AFTER = 16
 # Searches that may find no completion in one request before closing mode gives up on it.
 _MAX_FAILED_SEARCHES = 3
+# A choice of at most this many tokens, one of them markup (a special token such as
+# <tool_call>), is judged branch by branch near the end of the budget (GrammarProcessor).
+_BRANCH_CHOICES = 4
 
 
 class TokenClasses(NamedTuple):
@@ -348,17 +351,54 @@ class GrammarProcessor:
                 if probe.try_consume_tokens(body) != len(body) or not (probe.is_stopped() or probe.is_accepting()):
                     path = None
         if path is None:
-            path = closing_path(self.matcher, self._tiers, self._eos, limit=remaining, hints=self._hints)
-            if path is None or len(path) >= remaining - _SLACK:
-                # Tight: the completion will be forced, or none fits. Spelled in longer
-                # tokens it can be several shorter (an enum value in one token, not three).
-                short = closing_path(self.matcher, self._tiers, self._eos, limit=remaining, hints=self._hints,
-                                     long_words=True)
-                if short is not None and (path is None or len(short) < len(path)):
-                    path = short
+            path = self._search(self.matcher, remaining)
             self._path_set = allowed.tobytes()
         self._path, self._path_stale = path, False
         return path
+
+    def _search(self, matcher, limit: int) -> Optional[list[int]]:
+        """``closing_path`` from ``matcher``'s state; where it is tight (the completion will
+        be forced, or none fits), also spelled in longer tokens, which can be several
+        shorter (an enum value in one token, not three): the shorter of the two."""
+        path = closing_path(matcher, self._tiers, self._eos, limit=limit, hints=self._hints)
+        if path is None or len(path) >= limit - _SLACK:
+            short = closing_path(matcher, self._tiers, self._eos, limit=limit, hints=self._hints, long_words=True)
+            if short is not None and (path is None or len(short) < len(path)):
+                path = short
+        return path
+
+    def _fitting_branches(self, allowed: np.ndarray, remaining: int,
+                          path: Optional[list[int]]) -> tuple[np.ndarray, Optional[list[int]]]:
+        """At a choice that a special token opens (a tool call or a document, another call
+        or the end), keep the branches a completion still fits after.
+
+        The greedy search picks one branch without looking ahead, and a call is twice as
+        long as a small document: with tools and a JSON response_format, a budget that
+        fitted the document ended with "length" in a call the model opened (or that the
+        search took). Judged near the end only, at such choices only (a search each)."""
+        n = min(allowed.shape[0], self._tiers.special.shape[0])
+        choices = np.flatnonzero(allowed[:n])
+        if not (1 < len(choices) <= _BRANCH_CHOICES and self._tiers.special[choices].any()):
+            return allowed, path
+        fits: dict[int, list[int]] = {}
+        for tok in (int(t) for t in choices):
+            if tok in self._eos:
+                fits[tok] = [tok]
+                continue
+            probe = self.matcher.deep_copy()
+            if not probe.consume_token(tok):
+                continue
+            rest = [min(self._eos)] if probe.is_stopped() else self._search(probe, remaining - 1)
+            if rest is not None:
+                fits[tok] = [tok, *rest]
+        if not fits or len(fits) == len(choices):
+            return allowed, path
+        kept = np.zeros_like(allowed)
+        kept[list(fits)] = True
+        if path is None or path[0] not in fits:
+            path = min(fits.values(), key=len)
+            self._path, self._path_stale, self._path_set = path, False, allowed.tobytes()
+        return kept, path
 
     def mask(self, logits):
         """The logits for the next token, masked to the grammar (one call per token)."""
@@ -375,6 +415,7 @@ class GrammarProcessor:
                 self._calls >= self._next_check or remaining <= 2 * self._estimate + _STRUCTURE_SLACK):
             current = allowed_tokens(self.matcher, logits.shape[-1])
             path = self._completion(current, remaining)
+            current, path = self._fitting_branches(current, remaining, path)
             if path is None:
                 # None fits now (or the search found none): look again later, less often,
                 # since the model may reach a state it can close from; a failed search

@@ -317,9 +317,11 @@ def after_reasoning(constraint: Constraint, think_ids: tuple[int, int], *, opene
     and the shortest answer, so the answer still closes within ``max_tokens``.
     """
     start, end = think_ids
-    head = f"THOUGHT <[{end}]>" if opened else f"(<[{start}]> THOUGHT <[{end}]>)?"
-    grammar = (f"start: {head} /\\n{{0,2}}/ answer\nTHOUGHT: /(.|\\n)*/\n"
-               f"answer: {_as_rule(constraint)}\n")
+    # The blank line Qwen's template writes after </think>, which the output parser drops;
+    # only after a reasoning, so an answer without one is exactly the constraint's.
+    thought = f"THOUGHT <[{end}]> /\\n{{0,2}}/"
+    head = thought if opened else f"(<[{start}]> {thought})?"
+    grammar = f"start: {head} answer\nTHOUGHT: /(.|\\n)*/\nanswer: {_as_rule(constraint)}\n"
     return Constraint("lark", grammar, f"reasoning, then {constraint.description}", constraint.hints)
 
 

@@ -1026,6 +1026,8 @@ BAD_REQUESTS = [
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "no schema"}}), ConstraintError),
     (dict(response_format={"type": "json_schema", "json_schema": "not a dict"}), ConstraintError),
     (dict(response_format={"type": "regex", "pattern": "(("}), ConstraintError),
+    # An added token's text: llguidance allowed the token, then refused it mid-answer.
+    (dict(response_format={"type": "regex", "pattern": "<think>[a-z]{3}"}), ConstraintError),
     (dict(response_format={"type": "lark", "grammar": "start: undefined_rule"}), ConstraintError),
     (dict(response_format={"type": "xml"}), ConstraintError),
     (dict(response_format="json"), ConstraintError),

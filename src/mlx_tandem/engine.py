@@ -299,6 +299,7 @@ class Engine:
             if plan.banned_token_ids:
                 processors.append(TokenBan(plan.banned_token_ids))
             constraint = plan.constraint
+            self._grammar.refuse_unspellable(constraint)
             if plan.reason_first:
                 if self._think_ids is None:
                     raise ConstraintError(
@@ -316,6 +317,7 @@ class Engine:
             constraint = open_call = None
             if spec.response_format is not None:
                 constraint = response_format_constraint(spec.response_format)
+                self._grammar.refuse_unspellable(constraint)
             if isinstance(prompt, str):
                 prompt_ids = renderer.encode(prompt)
             elif prompt is not None:

@@ -75,15 +75,17 @@ class ChatOutputParser:
         starts_in_reasoning: bool = False,
         forced_json_calls: bool = False,
         max_tool_calls: Optional[int] = None,
+        verbatim: bool = False,
     ):
         self._fmt = fmt
+        self._verbatim = verbatim  # no markers: the text is the content, exactly
         self._max_calls = max_tool_calls
         #: The answer has made its last allowed call; everything after it is dropped.
         self.calls_exhausted = False
         self._tools = list(tools or [])
         self._parse_tools = parse_tool_calls and fmt.has_tool_calling
         self._forced_json = forced_json_calls
-        self._state = REASONING if (starts_in_reasoning and fmt.has_thinking) else CONTENT
+        self._state = REASONING if (starts_in_reasoning and fmt.has_thinking and not verbatim) else CONTENT
         self._buf = ""
         self._call_buf = ""
         self._content = _Channel(strip_leading=False)
@@ -110,6 +112,8 @@ class ChatOutputParser:
     # ------------------------------------------------------------------ markers
     def _markers(self) -> list[str]:
         f = self._fmt
+        if self._verbatim:
+            return []
         if self._state == REASONING:
             return [f.think_end]
         if self._state == TOOL_CALL:

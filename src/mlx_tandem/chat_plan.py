@@ -56,6 +56,9 @@ class ChatPlan:
     call_start_id: Optional[int] = None
     max_tool_calls: Optional[int] = None  # 1 under parallel_tool_calls=False; None: any number
     reason_first: bool = False  # the constraint holds the answer after the reasoning
+    # A response_format grammar holds the whole answer: its text is the content, not parsed
+    # for markers (a format may spell "<think>" or "<tool_call>" in ordinary tokens).
+    verbatim: bool = False
 
 
 def normalize_tools(tools: Optional[Sequence[Any]]) -> list[dict]:
@@ -150,7 +153,7 @@ def plan_chat(
                 banned = ids
         # Keep the response_format constraint: tool_choice="none" only removes the tools.
         return ChatPlan(tools=None, template_kwargs=kwargs, constraint=constraint, banned_token_ids=banned,
-                        reason_first=reason_first)
+                        reason_first=reason_first, verbatim=constraint is not None and not reason_first)
     call_or_answer = (not forced and constraint is not None and constraint.kind == "json_schema"
                       and bool(tools) and bool(fmt.tool_call_start and fmt.tool_call_end))
     if call_or_answer:
@@ -173,4 +176,6 @@ def plan_chat(
         # A forced call's grammar (and call_or_answer's) already ends the answer after one call.
         max_tool_calls=1 if parallel_tool_calls is False and tools and not forced and not call_or_answer else None,
         reason_first=reason_first,
+        # With tools a grammar may write calls (a Lark format that names <tool_call>): parsed.
+        verbatim=constraint is not None and not tools and not reason_first,
     )

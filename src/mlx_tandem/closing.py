@@ -60,6 +60,9 @@ class TokenClasses(NamedTuple):
     structural: np.ndarray  # only JSON punctuation and whitespace (or EOS): no content
     blank: np.ndarray  # whitespace only (tool_call_grammar: what may come before <think>)
     special: np.ndarray  # special tokens but EOS (markers such as </think>, matched by id)
+    # Special token id -> the ordinary token that starts its text (``<`` for ``<think>``):
+    # what ``allowed_tokens`` allows instead where the matcher refuses the special token.
+    respelled: dict[int, int] = {}
 
 
 def token_classes(llt, vocab_size: int, eos_token_ids: Sequence[int]) -> TokenClasses:
@@ -72,9 +75,12 @@ def token_classes(llt, vocab_size: int, eos_token_ids: Sequence[int]) -> TokenCl
     structural = np.zeros(vocab_size, dtype=bool)
     blank = np.zeros(vocab_size, dtype=bool)
     special = np.zeros(vocab_size, dtype=bool)
+    ordinary: dict[bytes, int] = {}
     for i in range(vocab_size):
         special[i] = llt.is_special_token(i)
         b = llt.decode_bytes([i])
+        if b and not special[i]:
+            ordinary.setdefault(b, i)
         length[i] = len(b)
         blank[i] = bool(b) and not b.decode("utf-8", "replace").strip()
         quote_first[i] = b[:1] == b'"'
@@ -94,14 +100,35 @@ def token_classes(llt, vocab_size: int, eos_token_ids: Sequence[int]) -> TokenCl
     tier[eos] = 0
     structural[eos] = True
     special[eos] = False
-    return TokenClasses(tier, length, quote_first, awkward, partial, structural, blank, special)
+    respelled = {}
+    for i in np.flatnonzero(special):
+        text = llt.decode_bytes([int(i)])
+        first = next((ordinary[text[:n]] for n in range(len(text), 0, -1) if text[:n] in ordinary), None)
+        if first is not None:
+            respelled[int(i)] = first
+    return TokenClasses(tier, length, quote_first, awkward, partial, structural, blank, special, respelled)
 
 
-def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
+def allowed_tokens(matcher, vocab_size: int, respelled: Optional[dict[int, int]] = None) -> np.ndarray:
+    """The matcher's mask as a bool array, repaired for text that spells a special token.
+
+    llguidance 1.9.1 turns forced bytes into tokens with the tokenizer, which reads the
+    text of an added token (a JSON ``const`` or a Lark literal ``"<think>"``) as that token:
+    the mask allows only the special token, and the matcher then refuses it (a grammar
+    matches special tokens only by id), so the request failed mid-answer. The matcher takes
+    the text spelled in ordinary tokens: ``respelled`` (``TokenClasses.respelled``) names the
+    ordinary token that starts it, allowed instead where the matcher takes it.
+    """
     bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
     allowed = np.zeros(vocab_size, dtype=bool)
     n = min(vocab_size, bits.shape[0])
     allowed[:n] = bits[:n].astype(bool)
+    if respelled:
+        for special, first in respelled.items():
+            if special < vocab_size and allowed[special] and not matcher.validate_tokens([special]):
+                allowed[special] = False
+                if first < vocab_size and matcher.validate_tokens([first]):
+                    allowed[first] = True
     return allowed
 
 
@@ -164,14 +191,14 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
     ends = quote_first | (tier == 0)  # what ends a string, or the grammar
     m = matcher.deep_copy()
     path: list[int] = []
-    allowed = allowed_tokens(m, vocab)
+    allowed = allowed_tokens(m, vocab, tiers.respelled)
     seen = Counter([allowed.tobytes()])  # visits of each allowed set since the last closer
     budget, same_closes, stuck, turned = _TRY_BUDGET, 0, 0, 0
 
     def take(tok: int) -> np.ndarray:
         if not m.consume_token(tok):
             raise ValueError(tok)
-        return allowed_tokens(m, vocab)
+        return allowed_tokens(m, vocab, tiers.respelled)
 
     def progress(tok: int, strict: bool, visits: int = 1) -> Optional[np.ndarray]:
         """Take ``tok`` if the allowed set after it is new (``strict``) or at least another
@@ -192,7 +219,7 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
         nonlocal budget
         n = m.try_consume_tokens(list(ids))
         if n == len(ids):
-            after = allowed_tokens(m, vocab)
+            after = allowed_tokens(m, vocab, tiers.respelled)
             if m.is_stopped() or (after & ends & ~allowed).any():
                 return after
         m.rollback(n)
@@ -413,7 +440,7 @@ class GrammarProcessor:
         steer = current = None
         if not self._forced and self._calls >= self._retry_at and (
                 self._calls >= self._next_check or remaining <= 2 * self._estimate + _STRUCTURE_SLACK):
-            current = allowed_tokens(self.matcher, logits.shape[-1])
+            current = allowed_tokens(self.matcher, logits.shape[-1], self._tiers.respelled)
             path = self._completion(current, remaining)
             current, path = self._fitting_branches(current, remaining, path)
             if path is None:
@@ -435,7 +462,7 @@ class GrammarProcessor:
             allowed = np.zeros(logits.shape[-1], dtype=bool)
             allowed[self._forced.pop(0)] = True
         else:
-            allowed = current if current is not None else allowed_tokens(self.matcher, logits.shape[-1])
+            allowed = current if current is not None else allowed_tokens(self.matcher, logits.shape[-1], self._tiers.respelled)
             classes = self._tiers
             n = min(allowed.shape[0], classes.structural.shape[0])  # logits may be wider than the vocab
             if steer is not None and not (allowed[n:].any() or (

@@ -420,7 +420,6 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
         self._llt = None
         self._tiers: Optional[TokenClasses] = None
-        self._added: Optional[tuple[str, ...]] = None
 
     @property
     def tokenizer(self):
@@ -445,25 +444,6 @@ class GrammarCompiler:
         if len(ids) == 1 and llt.is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
         return json.dumps(text)
-
-    def refuse_unspellable(self, constraint: Optional[Constraint]) -> None:
-        """A regex that spells one of the tokenizer's added tokens (``<think>``) is refused.
-
-        llguidance matches added tokens only as themselves, never in a regex's text: 1.9.1
-        allows the token in the mask and then refuses it, so the request failed mid-answer
-        ("grammar rejected token"). Lark grammars name such tokens as ``<think>``."""
-        if constraint is None or constraint.kind != "regex":
-            return
-        for text in self._added_texts():
-            if text in constraint.source:
-                raise ConstraintError(
-                    f"the regex spells {text!r}, one of the tokenizer's added tokens, which a grammar matches "
-                    "only as that token: a regex cannot produce it (a Lark grammar can, as <token>)")
-
-    def _added_texts(self) -> tuple[str, ...]:
-        if self._added is None:
-            self._added = tuple(t for t in self._hf.get_added_vocab() if len(t) > 1)
-        return self._added
 
     def compile(self, constraint: Constraint):
         """A fresh LLMatcher for one request; ConstraintError if the grammar is invalid."""

@@ -295,11 +295,10 @@ class Engine:
             parser = ChatOutputParser(
                 fmt, tools=plan.tools, parse_tool_calls=plan.parse_tool_calls,
                 forced_json_calls=plan.forced_json_calls, max_tool_calls=plan.max_tool_calls,
-                starts_in_reasoning=starts_in_reasoning)
+                starts_in_reasoning=starts_in_reasoning, verbatim=plan.verbatim)
             if plan.banned_token_ids:
                 processors.append(TokenBan(plan.banned_token_ids))
             constraint = plan.constraint
-            self._grammar.refuse_unspellable(constraint)
             if plan.reason_first:
                 if self._think_ids is None:
                     raise ConstraintError(
@@ -317,7 +316,6 @@ class Engine:
             constraint = open_call = None
             if spec.response_format is not None:
                 constraint = response_format_constraint(spec.response_format)
-                self._grammar.refuse_unspellable(constraint)
             if isinstance(prompt, str):
                 prompt_ids = renderer.encode(prompt)
             elif prompt is not None:

@@ -390,6 +390,36 @@ def test_token_bans_keep_rows_drafting_and_hold_in_every_position(qwen3_5_mtp_pa
     assert stats["mtp"]["spec_steps"] > 0 and stats["mtp"]["accepted"] > 0
 
 
+
+def test_processors_see_the_logits_of_a_plain_step(qwen3_5_mtp_path):
+    """A chat without tools bans the call marker after the row's processors in a plain step
+    (the sampler, or TokenBan last): in a speculative step, rows that do not draft got the
+    banned ids at -inf, and a processor that reads the whole vocabulary (here a centring,
+    which leaves the argmax alone) turned them into NaN."""
+    chats = [[{"role": "user", "content": f"Say something about item {i}."}] for i in range(4)]
+    saw_inf = []
+
+    def centre(tokens, logits):
+        saw_inf.append(bool(mx.isinf(logits).any().item()))
+        return logits - mx.mean(logits, axis=-1, keepdims=True)
+
+    async def run(mode):
+        async with Engine(qwen3_5_mtp_path, show_progress=False, mtp=mode) as engine:
+            outs = await asyncio.gather(
+                *(engine.chat(c, {"max_tokens": 16, "logits_processors": [centre]}) for c in chats),
+                *(engine.complete(p, {"max_tokens": 24, "mtp": "on"}) for p in TRAINED[:4]))
+            return ([o.token_ids for o in outs[:4]], [engine.apply_chat_template(c) for c in chats],
+                    engine.stats()["mtp"])
+
+    ref, prompts, _ = asyncio.run(run("off"))
+    assert saw_inf and not any(saw_inf)
+    got, _, mtp = asyncio.run(run("auto"))
+    assert mtp["spec_steps"] > 0
+    assert not any(saw_inf), "a processor saw banned ids at -inf"
+    for i, (g, r, prompt) in enumerate(zip(got, ref, prompts)):
+        same_greedy(g, r, judge=qwen3_5_mtp_path, prompt_ids=prompt, what=f"request {i}")
+
+
 def _pending_ops(arrays) -> int:
     """Operations MLX has yet to run to produce ``arrays`` (0 once they are evaluated)."""
     import io

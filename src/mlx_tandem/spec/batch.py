@@ -260,14 +260,18 @@ class MTPGenerationBatch(GenerationBatch):
         # Verify every row's block in one forward.
         inputs = mx.concatenate([x[:, None], drafts], axis=1)
         hidden, records = verify_hidden(lm, inputs, backbone)
-        logits = _ban(_logits(lm, hidden), keep)
+        raw = _logits(lm, hidden)
+        logits = _ban(raw, keep)
         accepted, nxt = drafter.accept(logits, drafts)
-        nxt = self._plain_rows_next(drafting, logits[:, 0], x, nxt)
+        # Processors see the logits a plain step gives them: the ban comes after them there
+        # (BannedSampler, or TokenBan as the last processor), and a processor that reads the
+        # whole vocabulary (a mean, an entropy) turned -inf into NaN.
+        nxt = self._plain_rows_next(drafting, raw[:, 0], x, nxt)
         mx.eval(accepted, nxt, inputs)
         acc = accepted.tolist()
         blocks = inputs.tolist()
         if any(r.lazy is not None and d for r, d in zip(rows, drafting)):
-            nxt = self._stop_at_call_start(rows, drafting, blocks, acc, logits, nxt)
+            nxt = self._stop_at_call_start(rows, drafting, blocks, acc, raw, nxt)
         # Emit before rolling back, so a row that finishes inside its block (max_tokens or
         # a stop token before its last accepted draft) is cut back to its finish: its cache
         # then holds exactly its tokens and can be handed back for the prefix cache.

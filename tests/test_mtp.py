@@ -93,6 +93,26 @@ def test_acceptance_counts_only_drafts_that_reached_the_output(qwen3_5_mtp_path,
     assert emitted == mtp["draft_rows"] + mtp["accepted"], mtp
 
 
+
+def test_acceptance_counts_no_drafts_past_a_stop_string(qwen3_5_mtp_path):
+    """A stop string is found after the step (on the text): the drafts accepted after it
+    in the same block never reached the output and must not count."""
+    async def run():
+        async with Engine(qwen3_5_mtp_path, show_progress=False, mtp="on", mtp_depth=3) as engine:
+            free = await asyncio.gather(*(engine.complete(p, {"max_tokens": 16}) for p in TRAINED[:8]))
+            base = engine.stats()["mtp"]
+            # Each row stops at a piece of its own free answer, a few tokens in.
+            stops = [[engine.tokenizer.decode(o.token_ids[4:6]).strip() or o.text[-3:]] for o in free]
+            outs = await asyncio.gather(*(engine.complete(p, {"max_tokens": 16, "stop": s})
+                                          for p, s in zip(TRAINED[:8], stops)))
+            mtp = engine.stats()["mtp"]
+            return outs, {k: mtp[k] - base[k] for k in ("draft_rows", "accepted")}
+
+    outs, mtp = asyncio.run(run())
+    assert sum(o.finish_reason == "stop" for o in outs) >= 4
+    assert sum(o.usage.completion_tokens for o in outs) == mtp["draft_rows"] + mtp["accepted"], mtp
+
+
 def test_rows_with_processors_and_seeded_rows_match_plain_decoding(qwen3_5_mtp_path):
     """Rows that cannot draft (logits processors; seeded sampling under "auto") share the
     speculative batch and still produce their plain-decoding output: exactly on the CPU,

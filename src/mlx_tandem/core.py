@@ -457,9 +457,9 @@ class EngineCore:
             generation_tokens=st.generation_tokens,
             decode_time=st.decode_time,
         )
-        self._publish_lane_stats(lane)
         for ev in events:
             self._process(lane, ev)
+        self._publish_lane_stats(lane)  # after the events: a stop string takes back drafts
 
     def _publish_lane_stats(self, lane: Lane) -> None:
         mtp = getattr(lane, "mtp_stats", None)
@@ -487,7 +487,7 @@ class EngineCore:
             self.stats.record_ttft(now - req.arrival)
         eos = self._eos
         text, new_ids, finish = "", [], None
-        for tok in ev.tokens:
+        for i, tok in enumerate(ev.tokens):
             req.num_generated += 1
             if tok in eos:
                 finish = "stop"
@@ -497,6 +497,7 @@ class EngineCore:
             if req.detokenizer.stopped:
                 finish = "stop"
                 lane.remove([req.request_id])
+                lane.discard_tokens(len(ev.tokens) - i - 1)
                 break
         finish = finish or ev.finish_reason
         if finish is None:

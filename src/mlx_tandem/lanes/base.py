@@ -95,6 +95,10 @@ class Lane(Protocol):
 
     def remove(self, request_ids: Sequence[str]) -> None: ...
 
+    def discard_tokens(self, n: int) -> None:
+        """``n`` tokens of a step's event went unused (cut by a stop string): stats that
+        count what reached the output (MTP's accepted drafts) take them back."""
+
     def has_work(self) -> bool: ...
 
     @property

@@ -276,6 +276,11 @@ class TextLane:
             if self.spec is not None:
                 self._gen.forget(uids)
 
+    def discard_tokens(self, n: int) -> None:
+        # Only a speculative step emits more than one token per event: the rest are drafts.
+        if self.spec is not None and n > 0:
+            self.spec.stats.accepted -= n
+
     def step(self) -> tuple[list[TokenEvent], LaneStepStats]:
         sparse_events, sparse_tokens, sparse_time = self._advance_sparse() if self._sparse else ([], 0, 0.0)
         if not self._rows:

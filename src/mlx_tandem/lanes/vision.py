@@ -123,6 +123,9 @@ class VisionLane:
                                   logits_processors=[processors])
         self._rows.add(uid, rid)
 
+    def discard_tokens(self, n: int) -> None:  # no speculation here: nothing counts drafts
+        pass
+
     def remove(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             uid = self._rows.pop(rid)

@@ -189,6 +189,25 @@ def test_eviction_is_lru_within_kind_priority_under_the_byte_budget():
     assert not pc.store(list(range(50, 1050)), _hybrid(1000, 0.0), "system")
 
 
+def test_a_new_entry_never_evicts_a_more_durable_one():
+    """Room for a new entry comes from its own kind or a less durable one; where that is
+    not enough the new entry is not stored (a final answer pushed system prompts out)."""
+    entry_bytes = sum(c.nbytes for c in _hybrid(4, 0.0))
+    pc = PrefixCache(int(1.5 * entry_bytes), min_tokens=2)
+    assert pc.store([1, 2, 3, 4], _hybrid(4, 1.0), "system")
+    assert not pc.store([5, 2, 3, 4], _hybrid(4, 2.0), "final")
+    assert not pc.store([6, 2, 3, 4], _hybrid(4, 2.0), "turn")
+    assert pc.fetch([1, 2, 3, 4, 7])[1] == 4 and pc.evicted == 0
+    assert pc.store([7, 2, 3, 4], _hybrid(4, 3.0), "system")  # its own kind: LRU
+    assert pc.evicted == 1 and pc.fetch([1, 2, 3, 4, 7])[1] == 0 and pc.fetch([7, 2, 3, 4, 9])[1] == 4
+    pc = PrefixCache(int(2.5 * entry_bytes), min_tokens=2)
+    pc.store([1, 2, 3, 4], _hybrid(4, 1.0), "system")
+    pc.store([5, 2, 3, 4], _hybrid(4, 2.0), "final")
+    assert pc.store([6, 2, 3, 4], _hybrid(4, 2.0), "turn")  # the final goes, not the system prompt
+    assert pc.fetch([5, 2, 3, 4, 9])[1] == 0
+    assert pc.fetch([1, 2, 3, 4, 9])[1] == 4 and pc.fetch([6, 2, 3, 4, 9])[1] == 4
+
+
 def test_a_system_prompt_outlives_longer_trimmable_entries():
     pc = PrefixCache(1 << 20, min_tokens=2)
     pc.store([1, 2, 3, 4], [_kv(4, 1.0)], "system")

@@ -140,7 +140,13 @@ class PrefixCache:
                 self._lru[kind][tokens] = prev
             self._touch(prev)
             return False
+        # Room is made from entries of this kind or a less durable one: a final answer's
+        # entry pushed system prompts out (the new entry was exempt from eviction).
+        rank = KINDS.index(kind)
+        durable = sum(e.nbytes for k in KINDS[rank + 1:] for e in self._lru[k].values())
         owned, nbytes = _owned_copy(cache)
+        if durable + nbytes > self.budget_bytes:
+            return False
         entry = _Entry(tokens, owned, nbytes, kind, can_trim_prompt_cache(cache))
         self._trie.add(_KEY, list(tokens), entry)
         self._lru[kind][tokens] = entry
@@ -149,7 +155,6 @@ class PrefixCache:
         if entry.trimmable:
             # A trimmable entry serves every prefix of itself, so shorter copies are waste,
             # except those of a more durable kind: they must outlive this entry.
-            rank = KINDS.index(kind)
             for _, old in self._trie.pop_prefixes(_KEY, list(tokens)):
                 if KINDS.index(old.kind) > rank:
                     self._trie.add(_KEY, list(old.tokens), old)

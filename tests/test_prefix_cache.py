@@ -278,6 +278,26 @@ async def test_shared_system_prompt_hits_equal_cold_runs_in_mixed_batches(kind, 
         assert out.usage.cached_tokens <= shared < system_len
 
 
+async def test_a_cancelled_request_reports_the_tokens_it_reused(qwen3_5_path):
+    """usage.cached_tokens of an answer cut short (a cancelled stream, an abort) is what the
+    cache restored for it, as for a finished one."""
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user(0)}]
+    async with _engine(qwen3_5_path) as engine:
+        await engine.chat(chat, SamplingParams(max_tokens=4))
+        finished = await engine.chat(chat, SamplingParams(max_tokens=4))
+        assert finished.usage.cached_tokens > 0
+        stream = await engine.open_chat_stream(chat, SamplingParams(max_tokens=50))
+        await stream.__anext__()
+        stream.cancel()
+        cancelled = await stream.collect()
+        stream = await engine.open_chat_stream(chat, SamplingParams(max_tokens=50))
+        await stream.__anext__()
+        engine._core.abort(stream._req)  # the engine's own abort (a closed event loop, a timeout)
+        aborted = await stream.collect()
+    assert cancelled.finish_reason == aborted.finish_reason == "abort"
+    assert cancelled.usage.cached_tokens == aborted.usage.cached_tokens == finished.usage.cached_tokens
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
 async def test_agent_turns_reuse_the_previous_turn(kind, request):
     """Turn N+1 (after a tool result) starts from turn N's cache and equals a cold run."""

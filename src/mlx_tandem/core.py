@@ -541,7 +541,7 @@ class EngineCore:
 
     def _finish_aborted(self, req: Request) -> None:
         self._emit(req, StreamDelta(req.request_id, "", (), finish_reason="abort",
-                                    usage=Usage(req.num_prompt_tokens, req.num_generated)))
+                                    usage=Usage(req.num_prompt_tokens, req.num_generated, req.cached_tokens)))
         self._retire(req)
         self.stats.count("requests_aborted")
 

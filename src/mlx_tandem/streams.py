@@ -108,7 +108,7 @@ class _StreamBase:
             text="".join(self.text_parts),
             token_ids=self.token_ids,
             finish_reason=last.finish_reason if last else "abort",
-            usage=(last and last.usage) or Usage(req.num_prompt_tokens, len(self.token_ids),
+            usage=(last and last.usage) or Usage(req.num_prompt_tokens, len(self.token_ids), req.cached_tokens,
                                                  reasoning_tokens=self._reasoning_tokens()),
             prompt_token_ids=req.prompt_ids,
             time_to_first_token=(req.first_token_time - req.arrival) if req.first_token_time else None,

@@ -185,6 +185,63 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_recovers(llama_p
         assert [o.token_ids for o in outs] == expected
 
 
+def _held_arrays(exc: BaseException) -> list[str]:
+    """Frames in ``exc``'s tracebacks (chained ones too) whose locals hold an mx.array."""
+    import mlx.core as mx
+
+    out, stack, seen = [], [exc], set()
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        tb = err.__traceback__
+        while tb is not None:
+            if any(isinstance(v, mx.array) for v in tb.tb_frame.f_locals.values()):
+                out.append(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        stack += [err.__cause__, err.__context__]
+    return out
+
+
+async def test_errors_handed_to_callers_hold_no_engine_state(llama_path, monkeypatch):
+    """A failed step's or processor's error keeps no frames of the engine thread with their
+    locals (the lane, its caches, a step's arrays): a caller holding it kept the engine's
+    MLX state alive past close(), to be freed on the caller's thread."""
+    import gc
+    import weakref
+
+    def broken(tokens, logits):
+        raise ValueError("a processor bug")
+
+    engine = Engine(llama_path, show_progress=False)
+    await engine.start()
+    lane = weakref.ref(engine._core._lanes["text"])
+    model_cls = type(engine.loaded.model)
+    real_call = model_cls.__call__
+    calls = {"n": 0}
+
+    def flaky(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated step failure")
+        return real_call(self, *a, **k)
+
+    with pytest.raises(InvalidRequestError) as processor_error:
+        await engine.chat(chat_prompts(1)[0], {"max_tokens": 8, "logits_processors": [broken]})
+    monkeypatch.setattr(model_cls, "__call__", flaky)
+    with pytest.raises(EngineStepError) as step_error:
+        await engine.chat(chat_prompts(1)[0], {"max_tokens": 8})
+    monkeypatch.setattr(model_cls, "__call__", real_call)
+    held = [processor_error.value, step_error.value]
+    await engine.close()
+    del engine
+    gc.collect()
+    assert [_held_arrays(e) for e in held] == [[], []]
+    # The engine loop's own frame may still name the lane, but a closed lane holds nothing.
+    assert lane() is None or not vars(lane())
+
+
 async def test_closed_engine(llama_path):
     engine = Engine(llama_path, show_progress=False)
     await engine.start()

@@ -535,6 +535,9 @@ class EngineCore:
         self._update_queue_stats()
 
     def _fail(self, req: Request, exc: BaseException) -> None:
+        # The error goes to a caller's thread: its frames' locals (a lane, its caches, a
+        # step's arrays) would keep this thread's MLX state alive there, past close().
+        clear_frames(exc)
         self._emit(req, exc)
         self._retire(req)
         self.stats.count("requests_failed")

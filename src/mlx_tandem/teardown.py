@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import gc
 import logging
-import traceback
+import inspect
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 
 def clear_frames(exc: BaseException) -> None:
-    """Drop the locals of every frame in ``exc``'s traceback and in the errors it chains."""
+    """Drop the locals of every frame in ``exc``'s traceback and in the errors it chains.
+
+    A frame still running (the one handling the error, which cannot be cleared) is cut from
+    the traceback instead: once it returns it would keep its locals (the engine core, a
+    lane) for as long as the error lives."""
     seen: set[int] = set()
     stack = [exc]
     while stack:
@@ -26,8 +30,37 @@ def clear_frames(exc: BaseException) -> None:
         if err is None or id(err) in seen:
             continue
         seen.add(id(err))
-        traceback.clear_frames(err.__traceback__)
+        tb = err.__traceback__
+        while tb is not None and _running(tb.tb_frame):
+            tb = tb.tb_next
+        if tb is not err.__traceback__:
+            err.__traceback__ = tb
+        while tb is not None:
+            # A frame also keeps its callers (f_back), which returned since: mlx-lm's step
+            # with its logits, the lane's step with the lane. Those still running are left.
+            frame = tb.tb_frame
+            while frame is not None:
+                _running(frame)
+                frame = frame.f_back
+            tb = tb.tb_next
         stack += [err.__cause__, err.__context__, *getattr(err, "exceptions", ())]
+
+
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def _running(frame) -> bool:
+    """Clear ``frame``'s locals; True if it is running (it cannot be cleared).
+
+    A generator's or coroutine's frame is left alone: clearing a suspended one closes it
+    (Python 3.11), and the engine's generators must go on."""
+    if frame.f_code.co_flags & _SUSPENDABLE:
+        return False
+    try:
+        frame.clear()
+    except RuntimeError:  # "cannot clear an executing frame"
+        return True
+    return False
 
 
 def drain_device() -> None:

@@ -167,3 +167,6 @@ class VisionLane:
 
     def close(self) -> None:
         self._gen.close()
+        # A closed lane keeps nothing: the frames of a failed step that a caller's error
+        # still holds (the engine loop's own) may name it after the engine closed.
+        vars(self).clear()

@@ -242,6 +242,17 @@ async def test_errors_handed_to_callers_hold_no_engine_state(llama_path, monkeyp
     assert lane() is None or not vars(lane())
 
 
+async def test_a_repetition_context_longer_than_any_context_is_the_whole_context(llama_engine):
+    """A huge repetition_context_size reached mlx as a slice index past 32 bits and failed
+    the step, so every request in the batch failed with it."""
+    prompts = chat_prompts(2)
+    whole = {"max_tokens": 12, "repetition_penalty": 1.3, "repetition_context_size": 100_000}
+    huge = dict(whole, repetition_context_size=2**40)
+    ref = await asyncio.gather(llama_engine.chat(prompts[0], whole), llama_engine.chat(prompts[1], {"max_tokens": 12}))
+    got = await asyncio.gather(llama_engine.chat(prompts[0], huge), llama_engine.chat(prompts[1], {"max_tokens": 12}))
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
 async def test_closed_engine(llama_path):
     engine = Engine(llama_path, show_progress=False)
     await engine.start()

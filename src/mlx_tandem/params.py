@@ -21,6 +21,8 @@ TOP_P_FLOOR = 1e-9
 #: Beyond these the scaled logits overflow or vanish in float32 (NaN, then always the last id).
 MAX_TEMPERATURE = 1e6
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+#: A repetition_context_size past this (longer than any context) is lowered to it.
+MAX_CONTEXT_SIZE = 2**31 - 1
 
 
 def _as_tuple(value: Any, name: str) -> tuple:
@@ -79,6 +81,10 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
         if self.top_p < TOP_P_FLOOR:
             object.__setattr__(self, "top_p", TOP_P_FLOOR)
+        if self.repetition_context_size > MAX_CONTEXT_SIZE:
+            # Longer than any context means the whole context; mlx slices take 32-bit
+            # indices, and a larger one failed the step of every request in the batch.
+            object.__setattr__(self, "repetition_context_size", MAX_CONTEXT_SIZE)
 
     def validate(self) -> None:
         def bad(name, why):

@@ -258,6 +258,18 @@ def test_unparsable_call_is_kept_as_invalid_with_its_raw_text(body, name, argume
     assert r.content == "before"
 
 
+@pytest.mark.parametrize("forced_json", [False, True])
+@pytest.mark.parametrize("body", [
+    '{"name": "add", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}",  # valid, too deep
+    '{"name": "add", "arguments": {"a": ' + "[" * 5000,  # a looping model, cut at the budget
+])
+def test_a_call_nested_past_the_recursion_limit_is_an_invalid_call(body, forced_json):
+    """A RecursionError from the JSON parser escaped the fallback and lost the answer."""
+    r = parse(["ok " + f"<tool_call>\n{body}\n</tool_call>"], parse_tool_calls=True, forced_json_calls=forced_json)
+    assert r.tool_calls == [] and r.content == "ok"
+    assert [c.text for c in r.invalid_tool_calls] == [body] and r.invalid_tool_calls[0].name is None
+
+
 def test_valid_and_invalid_calls_in_one_answer():
     text = call("get_weather", {"city": "Oslo"}) + "\n<tool_call>\n{oops}\n</tool_call>\n" + call("add", {"a": 3})
     r = parse_every_split(text, parse_tool_calls=True)

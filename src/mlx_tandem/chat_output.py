@@ -252,12 +252,12 @@ def _readable_parts(body: str) -> tuple[Optional[str], str]:
     pass for a call of a real tool."""
     try:
         item = json.loads(body)
-    except ValueError:
+        if not isinstance(item, dict):
+            return None, body
+        name = item.get("name") if isinstance(item.get("name"), str) else None
+        if "arguments" not in item:
+            return name, body
+        args = item["arguments"]
+        return name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    except (ValueError, RecursionError):  # nested past Python's limit: a looping model's "[[[["
         return None, body
-    if not isinstance(item, dict):
-        return None, body
-    name = item.get("name") if isinstance(item.get("name"), str) else None
-    if "arguments" not in item:
-        return name, body
-    args = item["arguments"]
-    return name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)

@@ -113,6 +113,17 @@ def test_bad_engine_options():
         Engine("x", not_an_option=1)
     with pytest.raises(InvalidRequestError, match="mtp_depth"):
         Engine("x", mtp_depth=2.0)  # equal to 2, yet it failed every speculative step later
+    for name in ("show_progress", "allow_remote_images"):  # Engine.shared hashed them: TypeError
+        with pytest.raises(InvalidRequestError, match=name):
+            Engine.shared("x", **{name: []})
+
+
+def test_a_home_directory_that_does_not_exist_is_a_load_error():
+    from mlx_tandem import ModelLoadError
+
+    engine = Engine("~no-such-user-here/model", show_progress=False)
+    with pytest.raises(ModelLoadError):
+        engine.start_sync()
 
 
 async def test_bad_requests_fail_alone_while_others_keep_going(llama_engine, llama_path):
@@ -285,6 +296,9 @@ async def test_missing_model_is_a_load_error(tmp_path):
 async def test_malformed_inputs_are_typed_errors_and_the_engine_keeps_serving(llama_engine, llama_path):
     engine = llama_engine
     hi = [{"role": "user", "content": "hi"}]
+    deep, deep_json = "x", '{"a":' * 3000 + "1" + "}" * 3000  # past Python's recursion limit
+    for _ in range(5000):
+        deep = [deep]
     bad_calls = [
         engine.complete(123), engine.complete(["a"]), engine.complete([1.5]), engine.complete([None]),
         engine.chat([{"role": "user", "content": [{"type": "text", "text": None}]}]),
@@ -297,9 +311,15 @@ async def test_malformed_inputs_are_typed_errors_and_the_engine_keeps_serving(ll
         engine.complete(b"abc"), engine.complete([True, 5]),  # bytes and booleans are not token ids
         engine.chat(hi, parallel_tool_calls="no"),
         engine.chat(hi, tools=[TOOL], tool_choice={"type": "function"}),  # forced, but which tool?
+        # Names that are not strings (a TypeError in the grammar's Lark, or unhashable).
+        *(engine.chat(hi, tools=[{"type": "function", "function": {"name": name}}]) for name in (5, ["a"], {"a": 1})),
+        engine.chat([{"role": "user", "content": "x", "meta": deep}]),  # a RecursionError
+        engine.chat(hi, response_format={"type": "json_schema", "json_schema": {"schema": deep_json}}),
     ]
     errors = await asyncio.gather(*bad_calls, return_exceptions=True)
     assert all(isinstance(e, InvalidRequestError) for e in errors), errors
+    with pytest.raises(InvalidRequestError):
+        engine.encode(5)
     submitted = engine.stats()["requests"]
     for timeout in (float("nan"), -1, "5"):  # refused before anything is submitted
         with pytest.raises(InvalidRequestError):

@@ -70,7 +70,8 @@ def normalize_tools(tools: Optional[Sequence[Any]]) -> list[dict]:
         if "function" not in t and "name" in t:
             t = {"type": "function", "function": t}
         fn = t.get("function")
-        if t.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+        if t.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name") \
+                or not isinstance(fn["name"], str):
             raise InvalidRequestError(f"not an OpenAI function tool: {t!r}")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):

@@ -60,6 +60,8 @@ class Constraint:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ConstraintError("the JSON schema is nested too deeply") from None
         if not isinstance(schema, dict):
             raise ConstraintError("a JSON schema must be an object")
         text = _schema_text(lambda: _prepared_schema(schema))

@@ -515,6 +515,8 @@ class Engine:
 
         Safe from any thread: the tokenizer is shared with the engine's renderer under its lock.
         """
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"encode takes a string, got {type(text).__name__}")
         self.start_sync()
         return self._renderer.encode(text)
 

@@ -191,7 +191,10 @@ def normalize_messages(messages: Iterable[Message]) -> list[Message]:
 
 def _normalized(messages: list[Message]) -> list[tuple[Message, list[int]]]:
     """``normalize_messages``, each message with the caller's indices it was made from."""
-    msgs = [_copy(m) for m in messages]
+    try:
+        msgs = [_copy(m) for m in messages]
+    except RecursionError:
+        raise InvalidRequestError("a message is nested too deeply") from None
     for m in msgs:
         m["role"] = ROLE_ALIASES.get(m["role"], m["role"])
 

@@ -47,7 +47,10 @@ def resolve_model_path(model: Optional[str | os.PathLike]) -> Path:
         from .default_model import default_model_path
 
         return default_model_path()
-    path = Path(model).expanduser()
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError as exc:  # "~nosuchuser/...": no such home directory
+        raise ModelLoadError(f"cannot resolve {model!s}: {exc}") from None
     if path.is_dir():
         return path.resolve()
     if path.exists():

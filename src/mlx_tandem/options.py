@@ -86,9 +86,9 @@ class EngineOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 0")
-        if not isinstance(self.constrain_tool_calls, bool):
-            raise InvalidRequestError(
-                f"engine option constrain_tool_calls={self.constrain_tool_calls!r}: must be True or False")
+        for name in ("constrain_tool_calls", "show_progress", "allow_remote_images"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"engine option {name}={getattr(self, name)!r}: must be True or False")
         if not isinstance(self.coalesce_ms, (int, float)) or not 0 <= self.coalesce_ms <= 1000:
             raise InvalidRequestError(f"engine option coalesce_ms={self.coalesce_ms!r}: must be in [0, 1000]")
         from .spec.policy import normalize_mode

@@ -65,7 +65,7 @@ def _template_ready(messages: list[Message], *, short_ids: bool = False) -> list
                 if isinstance(args, str):
                     try:
                         fn["arguments"] = json.loads(args) if args.strip() else {}
-                    except json.JSONDecodeError:
+                    except (json.JSONDecodeError, RecursionError):
                         pass  # keep the raw string; the template prints it as is
                 if nested:
                     call["function"] = fn

@@ -108,6 +108,47 @@ def test_the_reservation_covers_what_the_batch_caches_hold(kind, mtp, tiny_model
         engine.close_sync()
 
 
+def test_a_specprefill_request_reserves_its_drafts_cache(llama_path, tiny_models):
+    """The draft scores the whole prompt in a cache of its own, beside the row's dense part:
+    the reservation covers it too where it is larger than the row (here a draft with twice
+    the target's attention cache per token, as a Qwen3 draft has beside a hybrid Qwen3.5)."""
+    draft = tiny_models.get("draft", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2)
+    engine = Engine(str(llama_path), show_progress=False, specprefill_draft=str(draft),
+                    specprefill_threshold=256, prefill_step_size=64).start_sync()
+    try:
+        lane = engine._core._lanes["text"]
+        seen_draft = []
+
+        def sparse_bytes() -> int:
+            total = 0
+            for pending in lane._sparse.values():
+                job = pending.job
+                total += sum(c.nbytes for c in job.cache)
+                if job.scorer is not None and job.scorer.cache is not None:
+                    seen_draft.append(sum(c.nbytes for c in job.scorer.cache))
+                    total += seen_draft[-1]
+            return total
+
+        rec = _Recorder(engine)
+        step = lane.step
+
+        def with_sparse():  # measured before the step: a finished job's caches leave in it
+            before = sparse_bytes()
+            memory = engine._core._memory
+            assert before + _cache_bytes(lane) <= memory.reserved(), (before, memory.reserved())
+            return step()
+
+        lane.step = with_sparse
+        # Alone: a row that shares its batch is reserved as long as the longest, which hides it.
+        out = _burst(engine, [("long", _prompt(900, 300), 4)])[0].collect()
+        assert out.finish_reason == "length"
+        assert engine.stats()["specprefill"]["requests"] == 1 and max(seen_draft) > 0
+        assert rec.steps and engine.stats()["memory"]["reserved_bytes"] == 0
+    finally:
+        engine.close_sync()
+
+
 def _pause_after_first_step(lane):
     """Make the lane's first step wait until released, so a request can join mid-prefill."""
     step, paused, resume, steps = lane.step, threading.Event(), threading.Event(), [0]

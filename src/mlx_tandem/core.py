@@ -243,6 +243,12 @@ class EngineCore:
         # Text rows may speculate; vision rows (the same backbone, no head) never do.
         footprint = base.speculating(head_layers=len(mtp_head.layers), depth=opts.mtp_depth) if mtp_head else base
         footprints = {"text": footprint, **({"vision": base} if "vision" in self._lanes else {})}
+        specprefill = getattr(self._lanes["text"], "specprefill", None)
+        if specprefill is not None:
+            try:
+                footprints["draft"] = probe_footprint(specprefill.draft)
+            except Exception:  # noqa: BLE001 - as for the target: its draft cache goes uncounted
+                logger.warning("could not probe the SpecPrefill draft's cache size", exc_info=True)
         prefix_bytes = opts.prefix_cache_bytes
         if opts.specprefill_draft is not None:
             prefix_bytes += prefix_bytes // 8  # the draft's own snapshots (lanes/text.py)
@@ -391,18 +397,20 @@ class EngineCore:
                     raise InvalidRequestError(f"this model has no {req.lane} lane")
                 req.detokenizer = RequestDetokenizer(self._decode, req.params.stop, req.stop_exempt)
                 lane.add(req)
-                # The vision lane expands a prompt's images in add: measure it again.
+                # The vision lane expands a prompt's images in add: measure it again. A
+                # request the text lane gives SpecPrefill also holds its draft's cache.
                 tokens = self._row_tokens(req)
-                if not memory.fits(req.lane, tokens):
+                side = memory.scoring_bytes(req.lane, tokens, *lane.scoring_tokens(req.request_id))
+                if not memory.fits(req.lane, tokens, side):
                     lane.remove([req.request_id])
-                    if memory.alone_bytes(req.lane, tokens) > memory.budget:
-                        raise self._too_large(req, memory.alone_bytes(req.lane, tokens))
+                    if memory.alone_bytes(req.lane, tokens) + side > memory.budget:
+                        raise self._too_large(req, memory.alone_bytes(req.lane, tokens) + side)
                     # It waits at its place, now with its real size (the lane expands it again).
                     held += 1
                     self._hold_for_memory(req)
                     kept.append(req)
                     continue
-                memory.reserve(req.request_id, req.lane, tokens)
+                memory.reserve(req.request_id, req.lane, tokens, side)
             except TandemError as exc:
                 self._fail(req, exc)
                 continue

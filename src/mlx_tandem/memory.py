@@ -18,6 +18,12 @@ reserves ``L + 255`` slots. Recurrent state (GatedDeltaNet's ``ArraysCache``) is
 size per row, and speculative verification keeps one copy per verified position besides
 (``spec/verify.py``).
 
+SpecPrefill's draft scores a request's whole prompt (and a lookahead) in a cache of its own,
+while the target's row holds only the prompt's dense part (a system prompt); the target
+prefills the kept chunks once the draft's cache is gone. The row's own reservation covers
+that peak unless the draft's cache is larger per token (a Qwen3 draft for a hybrid Qwen3.5
+target, whose layers are mostly recurrent): the difference is reserved besides.
+
 Not counted, because they pass within a step or two: a step's activations; the copy while
 a prefill joins the batch; and, after rows leave, the buffer ``filter`` gathered at the old
 length, which the remaining rows view until their next growth or join. ``memory_fraction``
@@ -133,6 +139,7 @@ def device_memory_bytes() -> int:
 class _Row:
     lane: str
     longest: int  # tokens the row may reach: CacheFootprint.row_tokens
+    side_bytes: int = 0  # a cache of its own besides the lane's batch (SpecPrefill's draft)
 
 
 @dataclass
@@ -140,7 +147,7 @@ class MemoryLedger:
     """Reservations of the running requests' caches against ``budget`` bytes (owner thread).
 
     ``footprints`` gives each lane's row cost: the text lane's rows may speculate, the
-    vision lane's never do."""
+    vision lane's never do; ``"draft"``, where present, is SpecPrefill's draft model's."""
 
     footprints: dict[str, CacheFootprint]
     budget: int
@@ -155,15 +162,27 @@ class MemoryLedger:
     def alone_bytes(self, lane: str, tokens: int) -> int:
         return self.footprint(lane).lane_bytes(1, tokens)
 
+    def scoring_bytes(self, lane: str, row_tokens: int, draft_tokens: int, dense_tokens: int) -> int:
+        """What SpecPrefill's scoring needs beyond a row's own reservation (module docstring):
+        the draft's cache of ``draft_tokens`` beside the row's dense part, less the row."""
+        draft = self.footprints.get("draft")
+        if draft is None or not draft_tokens:
+            return 0
+        dense = self.alone_bytes(lane, dense_tokens) if dense_tokens else 0
+        return max(0, draft.lane_bytes(1, draft_tokens) + dense - self.alone_bytes(lane, row_tokens))
+
     def reserved(self) -> int:
-        return sum(self._lane_bytes(lane) for lane in {r.lane for r in self._rows.values()})
+        return (sum(self._lane_bytes(lane) for lane in {r.lane for r in self._rows.values()})
+                + sum(r.side_bytes for r in self._rows.values()))
 
-    def fits(self, lane: str, tokens: int) -> bool:
-        """Would a new row of ``tokens`` on ``lane`` keep every lane's batch within budget?"""
-        return self.reserved() - self._lane_bytes(lane) + self._lane_bytes(lane, tokens) <= self.budget
+    def fits(self, lane: str, tokens: int, side_bytes: int = 0) -> bool:
+        """Would a new row of ``tokens`` on ``lane`` (and ``side_bytes`` of its own) keep
+        every lane's batch within budget?"""
+        return (self.reserved() - self._lane_bytes(lane) + self._lane_bytes(lane, tokens) + side_bytes
+                <= self.budget)
 
-    def reserve(self, request_id: str, lane: str, tokens: int) -> None:
-        self._rows[request_id] = _Row(lane, tokens)
+    def reserve(self, request_id: str, lane: str, tokens: int, side_bytes: int = 0) -> None:
+        self._rows[request_id] = _Row(lane, tokens, side_bytes)
 
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)

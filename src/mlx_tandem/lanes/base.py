@@ -95,6 +95,10 @@ class Lane(Protocol):
 
     def remove(self, request_ids: Sequence[str]) -> None: ...
 
+    def scoring_tokens(self, request_id: str) -> tuple[int, int]:
+        """SpecPrefill: (tokens the draft's cache will hold, the prompt's dense part);
+        (0, 0) for a request without it."""
+
     def discard_tokens(self, n: int) -> None:
         """``n`` tokens of a step's event went unused (cut by a stop string): stats that
         count what reached the output (MTP's accepted drafts) take them back."""

@@ -276,6 +276,12 @@ class TextLane:
             if self.spec is not None:
                 self._gen.forget(uids)
 
+    def scoring_tokens(self, request_id: str) -> tuple[int, int]:
+        pending = self._sparse.get(request_id)
+        if pending is None or pending.job.scorer is None:
+            return 0, 0
+        return len(pending.request.prompt_ids) + self.specprefill.lookahead, pending.job.dense_end
+
     def discard_tokens(self, n: int) -> None:
         # Only a speculative step emits more than one token per event: the rest are drafts.
         if self.spec is not None and n > 0:

@@ -126,6 +126,9 @@ class VisionLane:
     def discard_tokens(self, n: int) -> None:  # no speculation here: nothing counts drafts
         pass
 
+    def scoring_tokens(self, request_id: str) -> tuple[int, int]:  # no SpecPrefill on images
+        return 0, 0
+
     def remove(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             uid = self._rows.pop(rid)

@@ -56,6 +56,13 @@ def _hybrid(tokens: int, value: float) -> list:
     return [_kv(tokens, value), state]
 
 
+def _stored_bytes(cache: list) -> int:
+    """What an entry of ``cache`` holds once stored (its tokens, not its buffers' spare slots)."""
+    pc = PrefixCache(1 << 30, min_tokens=1)
+    pc.store(list(range(cache[0].offset)), cache, "final")
+    return pc.nbytes
+
+
 # --------------------------------------------------------------------------- PrefixCache alone
 def test_fetch_reuses_the_longest_stored_prefix_and_leaves_one_token_to_feed():
     pc = PrefixCache(1 << 20, min_tokens=2)
@@ -169,8 +176,25 @@ def test_an_entry_holds_its_own_bytes_not_the_batch_it_was_cut_from():
     assert all(np.array_equal(a, b) for a, b in zip(got, expected))
 
 
+def test_a_live_cache_is_stored_without_its_spare_slots():
+    """A live KVCache grows in 256-slot steps (SpecPrefill's draft snapshots its own): the
+    entry keeps and counts its tokens only, and answers the same."""
+    live = KVCache()
+    for n in (300, 273):  # 573 tokens in a larger buffer
+        live.update_and_fetch(mx.random.normal((1, 2, n, 4)), mx.random.normal((1, 2, n, 4)))
+    assert live.keys.shape[2] > 573
+    tokens = list(range(573))
+    pc = PrefixCache(1 << 30, min_tokens=2)
+    assert pc.store(tokens, [live], "system")
+    assert pc.nbytes == 2 * 573 * 2 * 4 * 4
+    (got,), n = pc.fetch(tokens + [9])
+    assert n == 573 and got.offset == 573
+    for a, b in ((got.keys, live.keys), (got.values, live.values)):
+        assert np.array_equal(np.array(a[..., :573, :]), np.array(b[..., :573, :]))
+
+
 def test_eviction_is_lru_within_kind_priority_under_the_byte_budget():
-    entry_bytes = sum(c.nbytes for c in _hybrid(4, 0.0))
+    entry_bytes = _stored_bytes(_hybrid(4, 0.0))
     pc = PrefixCache(3 * entry_bytes, min_tokens=2)
     sys_t, a, b, c = [0, 1, 2, 3], [5, 1, 2, 3], [6, 1, 2, 3], [7, 1, 2, 3]
     pc.store(sys_t, _hybrid(4, 0.0), "system")
@@ -192,7 +216,7 @@ def test_eviction_is_lru_within_kind_priority_under_the_byte_budget():
 def test_a_new_entry_never_evicts_a_more_durable_one():
     """Room for a new entry comes from its own kind or a less durable one; where that is
     not enough the new entry is not stored (a final answer pushed system prompts out)."""
-    entry_bytes = sum(c.nbytes for c in _hybrid(4, 0.0))
+    entry_bytes = _stored_bytes(_hybrid(4, 0.0))
     pc = PrefixCache(int(1.5 * entry_bytes), min_tokens=2)
     assert pc.store([1, 2, 3, 4], _hybrid(4, 1.0), "system")
     assert not pc.store([5, 2, 3, 4], _hybrid(4, 2.0), "final")

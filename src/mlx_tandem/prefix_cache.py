@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, PromptTrie, can_trim_prompt_cache, trim_prompt_cache
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +126,6 @@ class PrefixCache:
         tokens = tuple(int(t) for t in tokens)
         if len(tokens) < self.min_tokens or not cache:
             return False
-        if sum(c.nbytes for c in cache) > self.budget_bytes:
-            return False
         try:
             prev = self._get(list(tokens))
         except KeyError:
@@ -220,6 +218,18 @@ def _owned_copy(cache: list[Any]) -> tuple[list[Any], int]:
                 setattr(x, name, tree_map(own, value))
         return x
 
-    owned = [own(c) for c in copy.deepcopy(cache)]
+    owned = [own(_fitted(c)) for c in copy.deepcopy(cache)]
     mx.eval(arrays)
     return owned, sum(a.nbytes for a in arrays)
+
+
+def _fitted(c: Any) -> Any:
+    """A plain KVCache without the spare slots of its buffer (it grows in 256-slot steps):
+    SpecPrefill's draft snapshots its live cache, and kept 768 slots for 573 tokens.
+    Caches cut from a batch (``extract``) hold their tokens exactly already."""
+    if type(c) is KVCache and c.keys is not None and c.keys.shape[2] > c.offset:
+        fitted = KVCache()
+        n = c.offset
+        fitted.keys, fitted.values, fitted.offset = c.keys[..., :n, :], c.values[..., :n, :], n
+        return fitted
+    return c

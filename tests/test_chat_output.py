@@ -316,6 +316,28 @@ def test_an_id_the_model_writes_is_kept_once():
     assert ids[0] == "a1B2c3D4e" and all(i.startswith("call_") for i in ids[1:]) and len(set(ids)) == 4
 
 
+def test_a_format_without_an_end_marker_runs_its_call_to_the_end():
+    """Mistral's format (mlx-lm's parser: tool_call_end "") ends a call with the answer:
+    "" matched at once, so every call closed empty and its body went to the content."""
+    from mlx_lm.tool_parsers import mistral
+
+    fmt = ChatFormat(tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
+                     tool_parser=mistral.parse_tool_call)
+    assert fmt.tool_call_end == ""
+    for text in ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+                 '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'):
+        r = parse_every_split(text, fmt, parse_tool_calls=True)
+        assert _calls(r) == [("get_weather", {"city": "Paris"})] and r.content == "" and r.invalid_tool_calls == []
+
+
+def test_think_after_any_call_is_content():
+    """<think> opens reasoning only before any content or call, an invalid call included
+    (the stop matcher reads it so, and a stop string in such "reasoning" was emitted)."""
+    for first in ("<tool_call>\nnot json\n</tool_call>", call("get_weather", {"city": "Oslo"})):
+        r = parse_every_split(first + "<think>r</think>answer", parse_tool_calls=True)
+        assert r.reasoning == "" and r.content == "<think>r</think>answer"
+
+
 def test_tool_calls_not_parsed_when_disabled():
     text = "Sure.\n" + call("get_weather", {"city": "Paris"}) + "\n"
     r = parse_every_split(text, parse_tool_calls=False)

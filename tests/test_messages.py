@@ -102,6 +102,19 @@ def test_list_content_merges_keep_every_part_and_input_is_untouched():
     assert out[0]["content"][-1] == {"type": "text", "text": "and this"}
 
 
+@pytest.mark.parametrize("empty", [[], [{"type": "text", "text": ""}]])
+def test_empty_part_lists_merge_as_no_content(empty):
+    """[] joined with text added a lone separator (a blank line) to the prompt; "" did not."""
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    for msgs in ([{"role": "assistant", "content": "Let me check"},
+                  {"role": "assistant", "content": "{}", "tool_calls": calls}],
+                 [{"role": "system", "content": "{}"}, {"role": "developer", "content": "Be brief."},
+                  {"role": "user", "content": "hi"}]):
+        with_empty = [dict(m, content=empty) if m["content"] == "{}" else m for m in msgs]
+        with_blank = [dict(m, content="") if m["content"] == "{}" else m for m in msgs]
+        assert normalize_messages(with_empty) == normalize_messages(with_blank)
+
+
 def test_image_payloads_that_cannot_be_deep_copied_are_kept_as_given():
     """The structure is copied (the caller's messages stay as they were); payloads are not:
     a memoryview cannot be deep-copied, and copying a PIL image or bytes would be waste."""

@@ -201,6 +201,21 @@ def test_stop_matching_does_not_depend_on_how_a_marker_is_tokenized(text, stop):
         assert run(sizes) == whole, sizes
 
 
+@pytest.mark.parametrize("stop", ["</think>", "<think>", "</thi", "think", "k>"])
+@pytest.mark.parametrize("text", ["<think>\nI think.\n</think>\n\nThe answer is 4.", "Answer first. <think>x</think>"])
+def test_stop_strings_in_reasoning_markers_do_not_depend_on_tools(stop, text):
+    """Only calls are exempt: a stop such as "</think>" cut the answer without tools (the
+    matcher knows no markers then) and was swallowed by the marker with tools."""
+    plain = _feed(StopStringMatcher([stop]), [text])
+    assert plain[1]
+    for sizes in ([len(text)], [1] * len(text), [3] * len(text)):
+        pieces, pos = [], 0
+        for k in sizes:
+            pieces.append(text[pos:pos + k])
+            pos += k
+        assert _feed(StopStringMatcher([stop], exempt=THINKING), [p for p in pieces if p]) == plain, sizes
+
+
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
 
@@ -275,10 +290,12 @@ async def test_usage_counts_the_tokens_spent_reasoning(qwen3_5_engine, prompt, a
 
 
 # ---------------------------------------------------------------------------- grouping
-def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped():
+@pytest.mark.parametrize("end_tokens", [1, 3])
+def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped(end_tokens):
     """parallel_tool_calls=False ends the answer at its call. A speculative step can bring
     the call's end and what follows (EOS, more text) in one delta; a plain step brings them
-    one by one. The output (tokens, text, usage, call) must not depend on it."""
+    one by one. The output (tokens, text, usage, call) must not depend on it, also where the
+    end marker is several tokens that begin in an earlier delta."""
     from mlx_lm.tool_parsers.json_tools import parse_tool_call
 
     from mlx_tandem.chat_format import ChatFormat
@@ -287,11 +304,14 @@ def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped(
     from mlx_tandem.request import Request, SyncSink
     from mlx_tandem.streams import SyncStream
 
-    fmt = ChatFormat(tool_call_start="<tool_call>", tool_call_end="</tool_call>", tool_call_end_ids=(9,),
+    end = [(9, "</tool_call>")] if end_tokens == 1 else [(9, "</"), (10, "tool_"), (11, "call>")]
+    fmt = ChatFormat(tool_call_start="<tool_call>", tool_call_end="</tool_call>",
+                     tool_call_end_ids=tuple(i for i, _ in end),
                      tool_format="json_tools", tool_parser=parse_tool_call, template_has_tools=True)
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    pieces = [(7, "<tool_call>"), (5, '\n{"name": "add", "arguments": {"a": 1}}\n'), (9, "</tool_call>"),
+    pieces = [(7, "<tool_call>"), (5, '\n{"name": "add", "arguments": {"a": 1}}\n'), *end,
               (6, "\n<tool"), (4, "_call>")]
+    n = 2 + len(end)  # the tokens through the call's end
 
     class Core:
         early = 0
@@ -319,9 +339,31 @@ def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped(
 
     plain, early = run([[p] for p in pieces], finish_last=False)
     assert early == 1 and plain.finish_reason == "tool_calls"
-    assert plain.token_ids == [7, 5, 9] and plain.text == "".join(t for _, t in pieces[:3])
-    for groups in ([pieces[:2], pieces[2:4]], [pieces[:1], pieces[1:]], [pieces]):
+    assert plain.token_ids == [i for i, _ in pieces[:n]] and plain.text == "".join(t for _, t in pieces[:n])
+    for groups in ([pieces[:2], pieces[2:n + 1]], [pieces[:1], pieces[1:]], [pieces],
+                   [pieces[:n - 1], pieces[n - 1:]], [pieces[:3], pieces[3:]]):
         grouped, _ = run(groups, finish_last=True)
         assert (grouped.token_ids, grouped.text, grouped.usage, grouped.finish_reason) == \
             (plain.token_ids, plain.text, plain.usage, plain.finish_reason)
         assert [(c.name, c.arguments) for c in grouped.tool_calls] == [("add", {"a": 1})]
+
+
+@pytest.mark.parametrize("prefill,answer,reasoning,content", [
+    # The prefill leaves a reasoning open: what follows is reasoning until </think>.
+    ("<think>\nThe user asks", " about France.\n</think>\n\nParis.", "about France.", "Paris."),
+    # A reasoning closed in the prefill: what follows is content.
+    ("<think>\nShort.\n</think>\n\nThe capital is", " Paris.", "", " Paris."),
+])
+async def test_a_prefill_that_opens_reasoning_is_continued_as_reasoning(qwen3_5_engine, prefill, answer,
+                                                                        reasoning, content):
+    """continue_final_message with a prefill inside its reasoning: only a prompt ending in
+    <think> itself was read as reasoning, so the rest of the reasoning and </think> went to
+    the content."""
+    engine = qwen3_5_engine
+    chat = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": prefill}]
+    ids = engine.tokenizer.encode(answer, add_special_tokens=False)
+    eos = engine.loaded.eos_token_ids[0]
+    out = await engine.chat(chat, SamplingParams(max_tokens=len(ids) + 5, logits_processors=[forcing_processor(ids, eos)]),
+                            template_kwargs={"continue_final_message": True})
+    assert (out.reasoning, out.content) == (reasoning, content)
+    assert (out.usage.reasoning_tokens > 0) == bool(reasoning)

@@ -117,9 +117,12 @@ class ChatOutputParser:
         if self._state == REASONING:
             return [f.think_end]
         if self._state == TOOL_CALL:
-            return [f.tool_call_end]
+            # Mistral's format has no end marker (mlx-lm's parser: ""): the call runs to the
+            # end of the answer, closed by finish(). "" would match at once, an empty call.
+            return [f.tool_call_end] if f.tool_call_end else []
         out = []
-        if f.has_thinking and not self._seen_content and not self.num_tool_calls:
+        # Invalid calls count: after any call <think> is text (as the stop matcher reads it).
+        if f.has_thinking and not self._seen_content and not self._calls_written:
             out.append(f.think_start)
         if self._parse_tools:
             out.append(f.tool_call_start)

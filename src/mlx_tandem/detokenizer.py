@@ -40,7 +40,8 @@ class StopStringMatcher:
 
     def __init__(self, stop: Sequence[str], exempt: Optional[CallMarkers] = None):
         self._stop = tuple(s for s in stop if s)
-        self._m = exempt if exempt and exempt.call_start and exempt.call_end else None
+        # A format without an end marker (Mistral's) has its call run to the end.
+        self._m = exempt if exempt and exempt.call_start else None
         thinks = bool(self._m and self._m.think_start and self._m.think_end)
         self._thinks = thinks
         self._state = _REASONING if thinks and self._m.starts_in_reasoning else _TEXT
@@ -53,7 +54,7 @@ class StopStringMatcher:
         if m is None:
             return ()
         if self._state == _CALL:
-            return (m.call_end,)
+            return (m.call_end,) if m.call_end else ()
         if self._state == _REASONING:
             return (m.think_end,)
         if self._thinks and not self._text_seen:
@@ -76,11 +77,21 @@ class StopStringMatcher:
             marker = min(found, default=None)
             if self._state != _CALL:  # stop strings: in text and reasoning, never in a call
                 hit = min(((i, s) for s in self._stop if (i := buf.find(s)) >= 0), default=None)
-                if hit is not None and (marker is None or hit[0] < marker[0]):
-                    # A hit inside a marker still forming (written in several tokens: "<",
-                    # "tool", "_call", ">") waits until the marker completes or is ruled
+                calls = tuple(mk for mk in markers if mk == self._m.call_start)
+                # A call's start wins a stop that does not come before it; reasoning markers
+                # are text to stop strings ("</think>" as a stop ends the reasoning there),
+                # as they are for a request without tools, whose matcher knows no markers.
+                if marker is None:
+                    wins = hit is not None
+                elif marker[1] in calls:
+                    wins = hit is not None and hit[0] < marker[0]
+                else:
+                    wins = hit is not None and hit[0] < marker[0] + len(marker[1])
+                if wins:
+                    # A hit inside a call marker still forming (written in several tokens:
+                    # "<", "tool", "_call", ">") waits until the marker completes or is ruled
                     # out, as it would have come whole from a one-token marker.
-                    forming = len(buf) - partial_marker_length(buf, markers) if marker is None else len(buf)
+                    forming = len(buf) - partial_marker_length(buf, calls) if marker is None else len(buf)
                     if hit[0] < forming:
                         self._buffer = ""
                         return out + buf[:hit[0]], True

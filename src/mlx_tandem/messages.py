@@ -161,15 +161,22 @@ def _copy(obj: Any) -> Any:
 
 
 def _merge_content(a: Any, b: Any) -> Any:
-    if a is None or a == "":
+    if _no_content(a):
         return _copy(b)
-    if b is None or b == "":
+    if _no_content(b):
         return a
     if isinstance(a, str) and isinstance(b, str):
         return a + _SEPARATOR + b
     parts_a = [{"type": "text", "text": a}] if isinstance(a, str) else list(a)
     parts_b = [{"type": "text", "text": b}] if isinstance(b, str) else _copy(b)
     return parts_a + [{"type": "text", "text": _SEPARATOR}] + parts_b
+
+
+def _no_content(c: Any) -> bool:
+    """None, "", [] or only empty text parts: nothing to join (a separator would be all)."""
+    if c is None or c == "":
+        return True
+    return isinstance(c, list) and all(p.get("type") in TEXT_PART_TYPES and not p.get("text") for p in c)
 
 
 def normalize_messages(messages: Iterable[Message]) -> list[Message]:

@@ -129,6 +129,23 @@ class PromptRenderer:
         text = self._apply(msgs, tools, add_generation_prompt, template_kwargs)
         return text, self.encode(text)
 
+    def continued_text(self, messages: Sequence[Message], text: str, *, tools: Optional[Sequence[dict]] = None,
+                       template_kwargs: Optional[dict[str, Any]] = None) -> str:
+        """Under ``continue_final_message``, the part of the prompt ``text`` that renders the
+        final assistant message (what the answer goes on from); "" otherwise. Found as what
+        follows the rest of the chat rendered with its generation prompt."""
+        if not (template_kwargs or {}).get("continue_final_message"):
+            return ""
+        msgs = _template_ready(normalize_messages(messages), short_ids=self._short_ids)
+        kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "continue_final_message"}
+        head = self._apply(msgs[:-1], tools, True, kwargs) if len(msgs) > 1 else ""
+        n = 0
+        for a, b in zip(head, text):  # a template may render history a little differently
+            if a != b:
+                break
+            n += 1
+        return text[n:]
+
     def _apply(self, msgs: list[Message], tools, add_generation_prompt: bool, template_kwargs) -> str:
         kwargs = dict(template_kwargs or {})
         if tools:

@@ -121,21 +121,25 @@ class _StreamBase:
 
     def _cut_after_call(self, item: StreamDelta) -> StreamDelta:
         """``item`` (the last delta, already accumulated) without what follows the end of
-        the call that ended the answer: tokens after the first end marker in its tokens,
-        text after the first end marker in its text."""
+        the call that ended the answer: the first end marker that ends in this delta, in its
+        tokens and in its text. A marker of several tokens may begin in an earlier delta
+        (how tokens group into deltas depends on MTP)."""
         fmt = self._parser.format
         ids, n = list(fmt.tool_call_end_ids), len(item.token_ids)
         start = len(self.token_ids) - n
         keep = n
         if ids:
-            keep = next((i - start + len(ids) for i in range(start, len(self.token_ids) - len(ids) + 1)
+            keep = next((i - start + len(ids) for i in range(max(0, start - len(ids) + 1),
+                                                              len(self.token_ids) - len(ids) + 1)
                          if self.token_ids[i: i + len(ids)] == ids), n)
         del self.token_ids[start + keep:]
-        text = item.text
-        at = text.find(fmt.tool_call_end) if fmt.tool_call_end else -1
-        if at >= 0:
-            text = text[: at + len(fmt.tool_call_end)]
-            self.text_parts[-1] = text
+        text, end = item.text, fmt.tool_call_end
+        if end:
+            before = "".join(self.text_parts[:-1])[-(len(end) - 1):] if len(end) > 1 else ""
+            at = (before + text).find(end)
+            if at >= 0:
+                text = text[: at + len(end) - len(before)]
+                self.text_parts[-1] = text
         return dataclasses.replace(item, text=text, token_ids=tuple(item.token_ids[:keep]))
 
     def _reasoning_tokens(self) -> int:

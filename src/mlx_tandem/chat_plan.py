@@ -56,9 +56,14 @@ class ChatPlan:
     call_start_id: Optional[int] = None
     max_tool_calls: Optional[int] = None  # 1 under parallel_tool_calls=False; None: any number
     reason_first: bool = False  # the constraint holds the answer after the reasoning
-    # A response_format grammar holds the whole answer: its text is the content, not parsed
-    # for markers (a format may spell "<think>" or "<tool_call>" in ordinary tokens).
+    # A JSON or regex response_format holds the whole answer: its text is the content, not
+    # parsed for markers (it may spell "<think>" or "<tool_call>", always in ordinary tokens).
+    # A Lark grammar may write the markers themselves (``<think>``, a token): parsed.
     verbatim: bool = False
+
+
+def _verbatim(constraint: Optional[Constraint], reason_first: bool) -> bool:
+    return constraint is not None and constraint.kind in ("json_schema", "regex") and not reason_first
 
 
 def normalize_tools(tools: Optional[Sequence[Any]]) -> list[dict]:
@@ -154,7 +159,7 @@ def plan_chat(
                 banned = ids
         # Keep the response_format constraint: tool_choice="none" only removes the tools.
         return ChatPlan(tools=None, template_kwargs=kwargs, constraint=constraint, banned_token_ids=banned,
-                        reason_first=reason_first, verbatim=constraint is not None and not reason_first)
+                        reason_first=reason_first, verbatim=_verbatim(constraint, reason_first))
     call_or_answer = (not forced and constraint is not None and constraint.kind == "json_schema"
                       and bool(tools) and bool(fmt.tool_call_start and fmt.tool_call_end))
     if call_or_answer:
@@ -178,5 +183,5 @@ def plan_chat(
         max_tool_calls=1 if parallel_tool_calls is False and tools and not forced and not call_or_answer else None,
         reason_first=reason_first,
         # With tools a grammar may write calls (a Lark format that names <tool_call>): parsed.
-        verbatim=constraint is not None and not tools and not reason_first,
+        verbatim=not tools and _verbatim(constraint, reason_first),
     )

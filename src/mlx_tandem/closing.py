@@ -354,6 +354,7 @@ class GrammarProcessor:
         """Advance the matcher by a token the row emitted."""
         if not self.matcher.consume_token(tok):
             raise ConstraintError(f"grammar rejected token {tok}: {self.matcher.get_error()}")
+        self._consumed += 1
         if self._path and self._path[0] == tok and not self._path_stale:
             self._path = self._path[1:] or None  # the row took the completion's next token: still exact
         elif self._path is not None:
@@ -431,6 +432,39 @@ class GrammarProcessor:
         """The logits for the next token, masked to the grammar (one call per token)."""
         import mlx.core as mx
 
+        allowed = self.next_allowed(logits.shape[-1])
+        return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+    # ------------------------------------------------------------------ speculative steps
+    # A speculative step walks the row's drafts through the grammar (consume, then the next
+    # position's mask, as plain decoding would call it), then goes back to the position the
+    # verification accepted up to (spec/batch.py).
+    _STATE = ("_calls", "_forced", "_estimate", "_path", "_path_stale", "_path_set", "_next_check",
+              "_retry_at", "_failed", "closed_early", "_consumed")
+    _consumed = 0  # tokens the matcher has taken (to roll it back)
+
+    def state(self) -> tuple:
+        """What ``restore`` needs to bring the row back here (lists copied)."""
+        return tuple(list(v) if isinstance(v, list) else v for v in (getattr(self, n) for n in self._STATE))
+
+    def restore(self, state: tuple) -> None:
+        back = self._consumed - state[-1]
+        if back:
+            self.matcher.rollback(back)
+        for name, value in zip(self._STATE, state):
+            setattr(self, name, list(value) if isinstance(value, list) else value)
+
+    @property
+    def eos(self) -> frozenset[int]:
+        return self._eos
+
+    def takes(self, tok: int) -> bool:
+        """Would the grammar take ``tok`` now (no change to the matcher)?"""
+        return self.matcher.validate_tokens([int(tok)]) == 1
+
+    def next_allowed(self, vocab: int) -> np.ndarray:
+        """The tokens the next position allows, as a (vocab,) bool array (one call per
+        token: this is what ``mask`` applies)."""
         self._calls += 1
         remaining = self._max_tokens - self._calls + 1  # tokens left, this one included
         # Simulate at the start (the smallest answer's length) and whenever the budget left
@@ -440,7 +474,7 @@ class GrammarProcessor:
         steer = current = None
         if not self._forced and self._calls >= self._retry_at and (
                 self._calls >= self._next_check or remaining <= 2 * self._estimate + _STRUCTURE_SLACK):
-            current = allowed_tokens(self.matcher, logits.shape[-1], self._tiers.respelled)
+            current = allowed_tokens(self.matcher, vocab, self._tiers.respelled)
             path = self._completion(current, remaining)
             current, path = self._fitting_branches(current, remaining, path)
             if path is None:
@@ -459,10 +493,10 @@ class GrammarProcessor:
                 if len(path) >= remaining - _STRUCTURE_SLACK and self._tiers.tier[path[0]] <= 2:
                     steer = path[0]  # a closer, separator or EOS
         if self._forced:
-            allowed = np.zeros(logits.shape[-1], dtype=bool)
+            allowed = np.zeros(vocab, dtype=bool)
             allowed[self._forced.pop(0)] = True
         else:
-            allowed = current if current is not None else allowed_tokens(self.matcher, logits.shape[-1], self._tiers.respelled)
+            allowed = current if current is not None else allowed_tokens(self.matcher, vocab, self._tiers.respelled)
             classes = self._tiers
             n = min(allowed.shape[0], classes.structural.shape[0])  # logits may be wider than the vocab
             if steer is not None and not (allowed[n:].any() or (
@@ -474,4 +508,4 @@ class GrammarProcessor:
                 # value), the choice is the model's.
                 allowed = np.zeros_like(allowed)
                 allowed[steer] = True
-        return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
+        return allowed

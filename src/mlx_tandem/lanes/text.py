@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..closing import GrammarProcessor
 from ..constraints import TokenBan
 from ..errors import EngineStepError, TandemError
 from ..prefix_cache import PrefixCache
@@ -129,12 +130,16 @@ class TextLane:
         others = [p for p in request.processors if not isinstance(p, TokenBan)]
         # ``processors`` also holds the params' own, and the bans unless the sampler took them.
         n_others = len(processors) - (0 if isinstance(sampler, BannedSampler) else len(bans))
-        lazy = others[0] if (n_others == 1 and len(others) == 1
-                             and isinstance(others[0], LazyToolCallGrammar)) else None
-        drafts = (n_others == 0 or lazy is not None) and (
+        alone = others[0] if n_others == 1 and len(others) == 1 else None
+        lazy = alone if isinstance(alone, LazyToolCallGrammar) else None
+        # A grammar over the whole answer drafts too: the step masks each verified position.
+        grammar = alone if isinstance(alone, GrammarProcessor) else None
+        drafts = (n_others == 0 or lazy is not None or grammar is not None) and (
             mode == "on" or (mode == "auto" and not seeded_sampling))
+        rid = request.request_id
         return RowSpec(params=request.params, sampler=sampler, drafts=drafts, forces=mode == "on", lazy=lazy,
-                       banned=_banned_ids(bans))
+                       banned=_banned_ids(bans), grammar=grammar,
+                       on_error=lambda exc, rid=rid: self._errors.append((rid, exc)))
 
     def mtp_stats(self) -> dict | None:
         return self.spec.stats.snapshot() if self.spec is not None else None

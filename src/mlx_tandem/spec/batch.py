@@ -139,6 +139,12 @@ class RowSpec:
     # Token ids the row may never emit (constraints.TokenBan: tool_choice="none", or no
     # tools). History-free, so drafts and verified positions are masked alike.
     banned: tuple[int, ...] = ()
+    # A grammar over the whole answer (closing.GrammarProcessor: a response_format, a forced
+    # call): the step walks the drafts through it to mask each verified position as a plain
+    # step would, then takes it back to where verification stopped. ``on_error`` fails the
+    # request as the processor's guard would in a plain step.
+    grammar: Any = None
+    on_error: Any = None
 
 
 @dataclass
@@ -169,6 +175,99 @@ class SpecConfig:
     rows: dict = field(default_factory=dict)  # uid -> RowSpec
     stats: SpecStats = field(default_factory=SpecStats)
     policy: AutoPolicy = field(default_factory=AutoPolicy)
+
+
+class GrammarWalk:
+    """One speculative step's walk of the drafting rows held to a grammar (``RowSpec.grammar``).
+
+    Position j (the token after x and the first j drafts) is masked as a plain step would
+    mask it: the grammar takes x and those drafts, then makes that position's mask call.
+    The same mask holds the head's draft there (so it drafts what the grammar allows) and
+    the verified logits. A draft the grammar refuses, or an EOS, ends the row's walk: the
+    verification accepts nothing after it. ``settle`` takes each grammar back to the
+    position verification accepted up to. Each position costs a host sync of the drafts
+    (the masks depend on them); the rows' walks run on the host, in turn.
+    """
+
+    def __init__(self, rows: list[RowSpec], idx: list[int], x: mx.array, k: int):
+        self.rows, self.idx, self.k = rows, idx, k
+        self.alive = {i: True for i in idx}
+        self.states: dict[int, list] = {i: [] for i in idx}
+        self.masks: dict[int, list[np.ndarray]] = {i: [] for i in idx}
+        self._xs = x.tolist()
+
+    @classmethod
+    def of(cls, rows: list[RowSpec], drafting: list[bool], x: mx.array, k: int):
+        idx = [i for i, (r, d) in enumerate(zip(rows, drafting)) if d and r.grammar is not None]
+        return cls(rows, idx, x, k) if idx else None
+
+    def advance(self, position: int, last: mx.array | None) -> None:
+        """The mask of ``position`` for every live row (taking the draft before it first)."""
+        ds = last.tolist() if last is not None else None
+        for i in self.idx:
+            if not self.alive[i]:
+                continue
+            g = self.rows[i].grammar
+            try:
+                if position == 0:
+                    if g._calls > 0:  # as __call__: the pending token was sampled at the last call
+                        g.consume(self._xs[i])
+                else:
+                    d = ds[i]
+                    if not self.masks[i][-1][d] or d in g.eos or not g.takes(d):
+                        # Refused (never accepted: p = 0), or the row ends at this EOS if it
+                        # is accepted; a token the mask allowed but the matcher refuses is
+                        # masked after all.
+                        if self.masks[i][-1][d] and d not in g.eos:
+                            self.masks[i][-1][d] = False
+                        self.alive[i] = False
+                        continue
+                    g.consume(d)
+                self.masks[i].append(g.next_allowed(self._vocab))
+                self.states[i].append(g.state())
+            except Exception as exc:  # noqa: BLE001 - this request fails after the step, alone
+                self.rows[i].on_error(exc)
+                self.alive[i] = False
+                self.states[i] = None
+
+    def mask(self, logits: mx.array, position: int, last: mx.array | None) -> mx.array:
+        """(B, V) draft logits at ``position``, the grammar rows masked."""
+        self._vocab = logits.shape[-1]
+        self.advance(position, last)
+        rows = [i for i in self.idx if self.states[i] is not None and len(self.masks[i]) > position]
+        if not rows:
+            return logits
+        sel = mx.array(rows)
+        keep = mx.array(np.stack([self.masks[i][position] for i in rows]))
+        logits[sel] = mx.where(keep, logits[sel], mx.array(-float("inf"), dtype=logits.dtype))
+        return logits
+
+    def mask_all(self, logits: mx.array) -> mx.array:
+        """(B, k+1, V) verify logits, the grammar rows masked at every position walked
+        (positions past a row's walk are never accepted)."""
+        rows = [i for i in self.idx if self.states[i] is not None]
+        if not rows:
+            return logits
+        B, T, V = logits.shape
+        keep = np.ones((len(rows), T, V), dtype=bool)
+        for n, i in enumerate(rows):
+            for j, m in enumerate(self.masks[i]):
+                keep[n, j] = m
+        sel = mx.array(rows)
+        logits[sel] = mx.where(mx.array(keep), logits[sel], mx.array(-float("inf"), dtype=logits.dtype))
+        return logits
+
+    def settle(self, blocks: list[list[int]], acc: list[int], contexts) -> None:
+        """Each grammar back at the position verification accepted up to (its mask call
+        made, the tokens before it taken), and its token context whole, as after that many
+        plain steps."""
+        for i in self.idx:
+            states = self.states[i]
+            if not states:
+                continue
+            # A refused draft is never accepted; past an accepted EOS the row ends there.
+            self.rows[i].grammar.restore(states[min(acc[i], len(states) - 1)])
+            contexts[i].update_and_fetch(mx.array(blocks[i][: acc[i] + 1], dtype=mx.int32))
 
 
 class MTPGenerationBatch(GenerationBatch):
@@ -249,12 +348,18 @@ class MTPGenerationBatch(GenerationBatch):
         if self._keep[0] != bans:
             self._keep = (bans, _keep_mask(bans, lm.args.vocab_size))
         keep = self._keep[1]
+        walk = GrammarWalk.of(rows, drafting, x, k)
         hid, tok, drafts = mtp[0].pending, x[:, None], []
         for depth in range(k):
             m = spec.head(embed(tok), hid, mtp)
-            d = drafter.choose(depth, _ban(_logits(lm, m)[:, -1], keep))
+            lg = _ban(_logits(lm, m)[:, -1], keep)
+            if walk is not None:  # a grammar row drafts what its grammar allows there
+                lg = walk.mask(lg, depth, drafts[-1] if drafts else None)
+            d = drafter.choose(depth, lg)
             drafts.append(d)
             hid, tok = m, d[:, None]
+        if walk is not None:
+            walk.advance(k, drafts[-1])  # the bonus position's mask
         drafts = mx.stack(drafts, axis=1)  # (B, k)
 
         # Verify every row's block in one forward.
@@ -262,6 +367,8 @@ class MTPGenerationBatch(GenerationBatch):
         hidden, records = verify_hidden(lm, inputs, backbone)
         raw = _logits(lm, hidden)
         logits = _ban(raw, keep)
+        if walk is not None:  # each verified position masked as a plain step masks it
+            logits = walk.mask_all(logits)
         accepted, nxt = drafter.accept(logits, drafts)
         # Processors see the logits a plain step gives them: the ban comes after them there
         # (BannedSampler, or TokenBan as the last processor), and a processor that reads the
@@ -270,6 +377,8 @@ class MTPGenerationBatch(GenerationBatch):
         mx.eval(accepted, nxt, inputs)
         acc = accepted.tolist()
         blocks = inputs.tolist()
+        if walk is not None:
+            walk.settle(blocks, acc, self._token_context)
         if any(r.lazy is not None and d for r, d in zip(rows, drafting)):
             nxt = self._stop_at_call_start(rows, drafting, blocks, acc, raw, nxt)
         # Emit before rolling back, so a row that finishes inside its block (max_tokens or

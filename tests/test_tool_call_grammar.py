@@ -209,8 +209,8 @@ needs_demo = pytest.mark.skipif(not is_packaged(), reason="the demo model's weig
 @needs_demo
 def test_mtp_stays_lossless_with_calls():
     """The demo model opens calls by itself (as its first token). With MTP on, rows draft
-    outside calls and decode plainly inside them: the greedy output is exactly the plain
-    output, and sampled rows (which draft under mode "on") make valid calls."""
+    outside calls and inside them (held to the call grammar): the greedy output is exactly
+    the plain output, and sampled rows (which draft under mode "on") make valid calls."""
     requests = _demo_tool_requests(16, turn=0)
     greedy = SamplingParams(max_tokens=48)
     ref, _ = asyncio.run(_demo_run(requests, "off", greedy))
@@ -243,13 +243,13 @@ def test_an_answer_ended_at_its_call_is_the_same_with_mtp_on_and_off():
 
 
 @needs_demo
-def test_a_drafted_call_start_ends_the_accepted_block(monkeypatch):
+def test_a_call_opened_inside_a_speculative_block_is_masked_from_there(monkeypatch):
     """The path where a start token arrives as an accepted draft, in mid-answer.
 
     The demo model only opens calls as its first token, which is never drafted; so here the
-    grammar is armed by a common token of its text answers instead (both runs alike). A
-    speculative step must accept that token, accept nothing after it, and draw the next
-    token through the opened grammar: the greedy output equals plain decoding's.
+    grammar is armed by a common token of its text answers instead (both runs alike). The
+    speculative step must mask every draft and verified position after that token with the
+    opened grammar: the greedy output equals plain decoding's.
     """
     requests = _demo_tool_requests(16, turn=1)
     greedy = SamplingParams(max_tokens=40)
@@ -263,16 +263,14 @@ def test_a_drafted_call_start_ends_the_accepted_block(monkeypatch):
         real_init(self, *args, **{**kwargs, "start_id": armed["trigger"]})
 
     monkeypatch.setattr(LazyToolCallGrammar, "__init__", armed_by_trigger)
-    cut = []
-    real_stop = spec_batch.MTPGenerationBatch._stop_at_call_start
+    opened = []  # a drafted start token accepted, and a draft after it accepted too
+    real_settle = spec_batch.GrammarWalk.settle
 
-    def spy(self, rows, drafting, blocks, acc, logits, nxt):
-        before = list(acc)
-        out = real_stop(self, rows, drafting, blocks, acc, logits, nxt)
-        cut.extend(b != a for b, a in zip(before, acc))
-        return out
+    def spy(self, blocks, acc, contexts):
+        opened.extend(armed["trigger"] in blocks[i][1:acc[i]] for i in self.idx)
+        return real_settle(self, blocks, acc, contexts)
 
-    monkeypatch.setattr(spec_batch.MTPGenerationBatch, "_stop_at_call_start", spy)
+    monkeypatch.setattr(spec_batch.GrammarWalk, "settle", spy)
     # Whether a given token is ever an accepted draft depends on the weights: try the most
     # common ones in turn until one is (every try must be lossless).
     for trigger, _ in counts.most_common(4):
@@ -281,18 +279,18 @@ def test_a_drafted_call_start_ends_the_accepted_block(monkeypatch):
         got, mtp = asyncio.run(_demo_run(requests, "on", greedy))
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
         assert [o.token_ids for o in ref] != [o.token_ids for o in plain]  # the grammar armed
-        if any(cut):
+        if any(opened):
             break
-    assert any(cut), "no drafted trigger was accepted: the path under test did not run"
+    assert any(opened), "no drafted trigger was accepted with a draft after it: the path under test did not run"
 
 
 @needs_demo
 def test_reasoning_that_ends_inside_a_speculative_block_is_followed(monkeypatch):
     """A row's reasoning ends inside a speculative step's accepted block and the next token
-    opens a call: the next step must see the row out of its reasoning, decode that call
-    plainly and mask it. The grammar lagged such blocks, so the row drafted the call
-    unmasked (and the mask then refused tokens already accepted): greedy output parted from
-    plain decoding's on half the requests.
+    opens a call: the grammar must follow the block, so that the call is masked. It lagged
+    such blocks (2026-11-28), so the row drafted the call unmasked (and the mask then
+    refused tokens already accepted): greedy output parted from plain decoding's on half
+    the requests.
 
     The demo model does not reason, so common tokens of its answers stand in for the
     reasoning's end and the call's start (two tokens apart), with every answer starting in
@@ -313,14 +311,15 @@ def test_reasoning_that_ends_inside_a_speculative_block_is_followed(monkeypatch)
 
     monkeypatch.setattr(LazyToolCallGrammar, "__init__", reasoning_first)
     ended_in_block = []
-    real_stop = spec_batch.MTPGenerationBatch._stop_at_call_start
+    real_settle = spec_batch.GrammarWalk.settle
 
-    def spy(self, rows, drafting, blocks, acc, logits, nxt):
-        ended_in_block.extend(r.lazy._reasoning and armed["end"] in blocks[i][: acc[i] + 1]
-                              for i, (r, d) in enumerate(zip(rows, drafting)) if r.lazy is not None and d)
-        return real_stop(self, rows, drafting, blocks, acc, logits, nxt)
+    def spy(self, blocks, acc, contexts):
+        # states[i][0]: the row's grammar after x (LazyToolCallGrammar.state: reasoning third).
+        ended_in_block.extend(bool(self.states[i]) and self.states[i][0][2] and armed["end"] in blocks[i][1:acc[i] + 1]
+                              for i in self.idx)
+        return real_settle(self, blocks, acc, contexts)
 
-    monkeypatch.setattr(spec_batch.MTPGenerationBatch, "_stop_at_call_start", spy)
+    monkeypatch.setattr(spec_batch.GrammarWalk, "settle", spy)
     for (end, start), _ in pairs.most_common(4):
         armed.update(end=end, start=start)
         ref, _ = asyncio.run(_demo_run(requests, "off", greedy))

@@ -462,6 +462,18 @@ class GrammarProcessor:
         """Would the grammar take ``tok`` now (no change to the matcher)?"""
         return self.matcher.validate_tokens([int(tok)]) == 1
 
+    def walk_start(self, context_size: int) -> None:
+        """A speculative step's walk begins (spec/batch.GrammarWalk); nothing to set up."""
+
+    def walk_take(self, tok: int) -> None:
+        """Take ``tok`` as the next plain call would: the token sampled at the last call."""
+        if self._calls > 0:
+            self.consume(tok)
+
+    def walk_allowed(self, vocab: int) -> Optional[np.ndarray]:
+        """The next position's mask call (None would mean: no mask there)."""
+        return self.next_allowed(vocab)
+
     def next_allowed(self, vocab: int) -> np.ndarray:
         """The tokens the next position allows, as a (vocab,) bool array (one call per
         token: this is what ``mask`` applies)."""

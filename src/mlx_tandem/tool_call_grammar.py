@@ -21,18 +21,21 @@ ChatOutputParser reads it, so it arms nothing (``think_ids``: the single-token r
 markers; ``<think>`` opens reasoning only before any other token but whitespace, the
 parser's rule). Before, the call was held to the grammar and then read as reasoning.
 
-Speculative decoding: a row whose call is not open keeps drafting. A speculative step
-follows each drafting row's accepted block through ``observe``, so the row's reasoning state
-is current when the next step decides whether it drafts; it accepts nothing after a token
-that opens a call, and draws the token after it through the mask (spec/batch.py), so every
-token of a call goes through the mask. Before, the state lagged a speculative block: a row
-whose reasoning ended inside one and whose next token opened a call was still taken to be
-reasoning, drafted the call unmasked, and the mask then refused tokens already accepted.
+Speculative decoding: the row drafts inside calls and out. A speculative step walks the
+row's drafts through this processor (``walk_take`` / ``walk_allowed``, spec/batch.py's
+``GrammarWalk``) as plain steps would feed it: free text is unmasked, a start token arms
+the call grammar, whose masks then hold the drafts and the verified positions, and the end
+marker disarms it; ``state`` / ``restore`` take it back to where verification stopped.
+Until 2026-11-29 a row decoded an open call plainly, and a step accepted nothing after a
+drafted start token. Before that (2026-11-28) the reasoning state lagged a speculative
+block: a row whose reasoning ended inside one drafted the call that followed unmasked.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
 
 from .closing import GrammarProcessor
 
@@ -73,27 +76,40 @@ class LazyToolCallGrammar:
         """A call is open: every token goes through the mask."""
         return self._open is not None
 
-    def blocks_drafting(self, next_token: int) -> bool:
-        """Must this row decode plainly this step (``next_token`` is the one it feeds)?"""
-        return self._open is not None or (int(next_token) == self.start_id and not self._reasoning)
+    @property
+    def eos(self) -> frozenset[int]:
+        return frozenset(self._eos)
 
-    def start_at(self, n: int) -> None:
-        """The context holds ``n`` tokens and none of this row's answer went through the
-        processor yet (a speculative step came first): count the budget from here."""
+    # ------------------------------------------------------------------ speculative steps
+    def walk_start(self, context_size: int) -> None:
+        """A speculative step's walk begins; the row's context holds ``context_size``
+        tokens. If none of the answer went through the processor yet (a speculative step
+        came first), the budget counts from here."""
         if self._origin is None:
-            self._origin = self._seen = int(n)
+            self._origin = self._seen = int(context_size)
 
-    def observe(self, tokens: Sequence[int]) -> Optional[int]:
-        """Follow tokens the row's context gains without a processor call (a speculative
-        step's accepted block), up to the one that opens a call; return its index, or None.
-        The caller appends exactly the tokens followed to the row's context, and
-        ``start_at`` came first."""
-        for j, tok in enumerate(tokens):
-            self._seen += 1
-            self._advance(int(tok), self._seen)
-            if self._open is not None:
-                return j
-        return None
+    def walk_take(self, tok: int) -> None:
+        """Follow ``tok`` as the next plain call would find it in the row's context."""
+        self._seen += 1
+        self._advance(int(tok), self._seen)
+
+    def walk_allowed(self, vocab: int) -> Optional[np.ndarray]:
+        """The next position's mask: the call grammar's while a call is open, else None."""
+        return None if self._open is None else self._open.next_allowed(vocab)
+
+    def takes(self, tok: int) -> bool:
+        return self._open is None or self._open.takes(tok)
+
+    def state(self) -> tuple:
+        call = self._open
+        return (self._seen, self._origin, self._reasoning, self._answered, call,
+                call.state() if call is not None else None)
+
+    def restore(self, state: tuple) -> None:
+        self._seen, self._origin, self._reasoning, self._answered, call, call_state = state
+        if call is not None:
+            call.restore(call_state)
+        self._open = call
 
     def __call__(self, tokens, logits):
         n = int(tokens.shape[0])

@@ -123,21 +123,20 @@ class TextLane:
         # Auto keeps a seeded sampled request on plain steps: whether a step speculates
         # depends on timing, and a seeded request's output must depend only on its seed.
         seeded_sampling = isinstance(sampler, SeededSampler)
-        # A lazy tool-call grammar does not stop drafting: the batch drafts while no call is
-        # open (spec/batch.py). Nor does a token ban, which masks every position alike. Any
-        # other processor needs every position's logits in turn.
+        # A grammar (a whole-answer one, or the lazy call grammar under "auto") does not stop
+        # drafting: the step walks the drafts through it (spec/batch.GrammarWalk). Nor does a
+        # token ban, which masks every position alike. Any other processor needs every
+        # position's logits in turn.
         bans = [p for p in request.processors if isinstance(p, TokenBan)]
         others = [p for p in request.processors if not isinstance(p, TokenBan)]
         # ``processors`` also holds the params' own, and the bans unless the sampler took them.
         n_others = len(processors) - (0 if isinstance(sampler, BannedSampler) else len(bans))
         alone = others[0] if n_others == 1 and len(others) == 1 else None
-        lazy = alone if isinstance(alone, LazyToolCallGrammar) else None
-        # A grammar over the whole answer drafts too: the step masks each verified position.
-        grammar = alone if isinstance(alone, GrammarProcessor) else None
-        drafts = (n_others == 0 or lazy is not None or grammar is not None) and (
+        grammar = alone if isinstance(alone, (GrammarProcessor, LazyToolCallGrammar)) else None
+        drafts = (n_others == 0 or grammar is not None) and (
             mode == "on" or (mode == "auto" and not seeded_sampling))
         rid = request.request_id
-        return RowSpec(params=request.params, sampler=sampler, drafts=drafts, forces=mode == "on", lazy=lazy,
+        return RowSpec(params=request.params, sampler=sampler, drafts=drafts, forces=mode == "on",
                        banned=_banned_ids(bans), grammar=grammar,
                        on_error=lambda exc, rid=rid: self._errors.append((rid, exc)))
 

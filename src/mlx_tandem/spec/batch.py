@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -132,17 +132,16 @@ class RowSpec:
 
     params: SamplingParams
     sampler: Any  # the row's own sampler (None: greedy), as given to the generator
-    drafts: bool  # may this row draft? (no logits processors, or only a lazy grammar; mode allows it)
+    drafts: bool  # may this row draft? (no logits processors, or only a grammar; mode allows it)
     forces: bool  # mode "on": speculate even when "auto" would not
-    # A lazy tool-call grammar (tool_call_grammar.py): the row drafts while no call is open.
-    lazy: Any = None
     # Token ids the row may never emit (constraints.TokenBan: tool_choice="none", or no
     # tools). History-free, so drafts and verified positions are masked alike.
     banned: tuple[int, ...] = ()
-    # A grammar over the whole answer (closing.GrammarProcessor: a response_format, a forced
-    # call): the step walks the drafts through it to mask each verified position as a plain
-    # step would, then takes it back to where verification stopped. ``on_error`` fails the
-    # request as the processor's guard would in a plain step.
+    # The row's one processor when it is a grammar (closing.GrammarProcessor: a
+    # response_format, a forced call; tool_call_grammar.LazyToolCallGrammar: calls under
+    # "auto"): the step walks the drafts through it to mask each verified position as a
+    # plain step would, then takes it back to where verification stopped (GrammarWalk).
+    # ``on_error`` fails the request as the processor's guard would in a plain step.
     grammar: Any = None
     on_error: Any = None
 
@@ -189,17 +188,20 @@ class GrammarWalk:
     (the masks depend on them); the rows' walks run on the host, in turn.
     """
 
-    def __init__(self, rows: list[RowSpec], idx: list[int], x: mx.array, k: int):
+    def __init__(self, rows: list[RowSpec], idx: list[int], x: mx.array, k: int, contexts):
         self.rows, self.idx, self.k = rows, idx, k
         self.alive = {i: True for i in idx}
         self.states: dict[int, list] = {i: [] for i in idx}
-        self.masks: dict[int, list[np.ndarray]] = {i: [] for i in idx}
+        # Per position: the mask, or None where the grammar leaves it free (a lazy call
+        # grammar's text between calls).
+        self.masks: dict[int, list[Optional[np.ndarray]]] = {i: [] for i in idx}
         self._xs = x.tolist()
+        self._contexts = contexts
 
     @classmethod
-    def of(cls, rows: list[RowSpec], drafting: list[bool], x: mx.array, k: int):
+    def of(cls, rows: list[RowSpec], drafting: list[bool], x: mx.array, k: int, contexts):
         idx = [i for i, (r, d) in enumerate(zip(rows, drafting)) if d and r.grammar is not None]
-        return cls(rows, idx, x, k) if idx else None
+        return cls(rows, idx, x, k, contexts) if idx else None
 
     def advance(self, position: int, last: mx.array | None) -> None:
         """The mask of ``position`` for every live row (taking the draft before it first)."""
@@ -210,20 +212,23 @@ class GrammarWalk:
             g = self.rows[i].grammar
             try:
                 if position == 0:
-                    if g._calls > 0:  # as __call__: the pending token was sampled at the last call
-                        g.consume(self._xs[i])
+                    g.walk_start(self._contexts[i]._size)  # mlx-lm 0.32 TokenBuffer's length
+                    g.walk_take(self._xs[i])  # the pending token, sampled at the last call
                 else:
-                    d = ds[i]
-                    if not self.masks[i][-1][d] or d in g.eos or not g.takes(d):
+                    d, last = ds[i], self.masks[i][-1]
+                    allowed = last is None or last[d]
+                    if not allowed or d in g.eos or not g.takes(d):
                         # Refused (never accepted: p = 0), or the row ends at this EOS if it
                         # is accepted; a token the mask allowed but the matcher refuses is
                         # masked after all.
-                        if self.masks[i][-1][d] and d not in g.eos:
-                            self.masks[i][-1][d] = False
+                        if allowed and d not in g.eos:
+                            if last is None:
+                                last = self.masks[i][-1] = np.ones(self._vocab, dtype=bool)
+                            last[d] = False
                         self.alive[i] = False
                         continue
-                    g.consume(d)
-                self.masks[i].append(g.next_allowed(self._vocab))
+                    g.walk_take(d)
+                self.masks[i].append(g.walk_allowed(self._vocab))
                 self.states[i].append(g.state())
             except Exception as exc:  # noqa: BLE001 - this request fails after the step, alone
                 self.rows[i].on_error(exc)
@@ -234,7 +239,8 @@ class GrammarWalk:
         """(B, V) draft logits at ``position``, the grammar rows masked."""
         self._vocab = logits.shape[-1]
         self.advance(position, last)
-        rows = [i for i in self.idx if self.states[i] is not None and len(self.masks[i]) > position]
+        rows = [i for i in self.idx if self.states[i] is not None and len(self.masks[i]) > position
+                and self.masks[i][position] is not None]
         if not rows:
             return logits
         sel = mx.array(rows)
@@ -252,7 +258,8 @@ class GrammarWalk:
         keep = np.ones((len(rows), T, V), dtype=bool)
         for n, i in enumerate(rows):
             for j, m in enumerate(self.masks[i]):
-                keep[n, j] = m
+                if m is not None:
+                    keep[n, j] = m
         sel = mx.array(rows)
         logits[sel] = mx.where(mx.array(keep), logits[sel], mx.array(-float("inf"), dtype=logits.dtype))
         return logits
@@ -287,24 +294,12 @@ class MTPGenerationBatch(GenerationBatch):
             return True
         return self.spec.policy.speculate(len(rows))
 
-    def _drafting_now(self, rows: list[RowSpec]) -> list[bool]:
-        """Which rows draft this step: a row with a lazy grammar decodes plainly while its
-        call is open, or when the token it feeds now opens one."""
-        out = [r.drafts for r in rows]
-        lazy = [i for i, r in enumerate(rows) if r.drafts and r.lazy is not None]
-        if lazy:
-            pending = self._next_tokens.tolist()
-            for i in lazy:
-                out[i] = not rows[i].lazy.blocks_drafting(pending[i])
-        return out
-
     def next(self):
         if not self.uids:
             return []
         rows = [self.spec.rows[uid] for uid in self.uids]
         spec = self._wants_spec(rows)
-        drafting = self._drafting_now(rows) if spec else None
-        spec = spec and any(drafting)
+        drafting = [r.drafts for r in rows]
         tic = time.perf_counter()
         if not spec:
             # A plain step evaluates the previous step's pipelined forward: right after a
@@ -348,7 +343,7 @@ class MTPGenerationBatch(GenerationBatch):
         if self._keep[0] != bans:
             self._keep = (bans, _keep_mask(bans, lm.args.vocab_size))
         keep = self._keep[1]
-        walk = GrammarWalk.of(rows, drafting, x, k)
+        walk = GrammarWalk.of(rows, drafting, x, k, self._token_context)
         hid, tok, drafts = mtp[0].pending, x[:, None], []
         for depth in range(k):
             m = spec.head(embed(tok), hid, mtp)
@@ -379,8 +374,6 @@ class MTPGenerationBatch(GenerationBatch):
         blocks = inputs.tolist()
         if walk is not None:
             walk.settle(blocks, acc, self._token_context)
-        if any(r.lazy is not None and d for r, d in zip(rows, drafting)):
-            nxt = self._stop_at_call_start(rows, drafting, blocks, acc, raw, nxt)
         # Emit before rolling back, so a row that finishes inside its block (max_tokens or
         # a stop token before its last accepted draft) is cut back to its finish: its cache
         # then holds exactly its tokens and can be handed back for the prefix cache.
@@ -435,36 +428,6 @@ class MTPGenerationBatch(GenerationBatch):
         lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
         sampler = self.samplers[i] if self.samplers and self.samplers[i] is not None else self.fallback_sampler
         return sampler(lp).reshape(1)
-
-    def _stop_at_call_start(self, rows, drafting, blocks, acc: list[int], logits: mx.array, nxt: mx.array):
-        """Drafting rows with a lazy tool-call grammar: keep their token context whole, keep
-        the grammar's reasoning state in step with it, and accept nothing after a token that
-        opens a call (``acc`` is cut in place).
-
-        The opening token itself is accepted as speculative sampling decided (lossless); the
-        token after it is drawn from the verify logits at that position through the row's
-        processors, which mask it, as a plain step would. A start token inside reasoning
-        opens nothing and cuts nothing.
-        """
-        changed = False
-        nxt = mx.array(nxt)
-        for i, (r, d) in enumerate(zip(rows, drafting)):
-            if r.lazy is None or not d:
-                continue
-            context = self._token_context[i]
-            r.lazy.start_at(context._size)  # mlx-lm 0.32 TokenBuffer's length
-            kept = blocks[i][: acc[i] + 1]  # x and the accepted drafts
-            opened = r.lazy.observe(kept)  # never at x: a row whose x opens a call does not draft
-            if opened is None:
-                context.update_and_fetch(mx.array(kept, dtype=mx.int32))
-                continue
-            acc[i] = opened  # drafts 1..opened; the last of them opened the call
-            fed = mx.array(kept[: opened + 1], dtype=mx.int32)
-            nxt[i] = self._sample_processed(i, logits[i: i + 1, opened], fed).astype(nxt.dtype)[0]
-            changed = True
-        if changed:
-            mx.eval(nxt)
-        return nxt
 
     def _emit_tokens(self, blocks: list[list[int]], accepted: list[int]) -> tuple[list[int], list]:
         """Append each row's kept tokens (x and its accepted drafts) up to its finish; return

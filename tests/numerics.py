@@ -215,3 +215,17 @@ class AnswerLog:
             same.append(same_greedy(pair[0].token_ids, pair[1].token_ids, judge=judge,
                                     prompt_ids=list(pair[1].prompt_token_ids), what=f"{what} {i}"))
         return same
+
+
+def same_distribution(plain: Sequence[tuple], spec: Sequence[tuple], widths: Sequence[int] = (2, 3)) -> None:
+    """Assert two sets of sampled prefixes come from one distribution: a chi-square test of
+    homogeneity on their first ``width`` tokens (cells with fewer than 10 samples dropped),
+    rejecting only at p < 0.001. Seeds are fixed, so the verdict is deterministic."""
+    from scipy.stats import chi2_contingency
+
+    for width in widths:
+        keys = sorted({s[:width] for s in [*plain, *spec]})
+        table = np.array([[sum(s[:width] == k for s in plain) for k in keys],
+                          [sum(s[:width] == k for s in spec) for k in keys]])
+        table = table[:, table.sum(axis=0) >= 10]  # chi-square needs populated cells
+        assert chi2_contingency(table)[1] > 1e-3, (width, table)

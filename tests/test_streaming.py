@@ -367,3 +367,44 @@ async def test_a_prefill_that_opens_reasoning_is_continued_as_reasoning(qwen3_5_
                             template_kwargs={"continue_final_message": True})
     assert (out.reasoning, out.content) == (reasoning, content)
     assert (out.usage.reasoning_tokens > 0) == bool(reasoning)
+
+
+def test_reasoning_tokens_of_a_spelled_marker_do_not_depend_on_grouping():
+    """</think> written in ordinary tokens: the reasoning counts through the token that
+    completes its text. It counted to the end of the delta that closed it, so a speculative
+    step that brought the answer's first token in the same delta counted it as reasoning."""
+    from mlx_tandem.chat_format import ChatFormat
+    from mlx_tandem.chat_output import ChatOutputParser
+    from mlx_tandem.outputs import StreamDelta
+    from mlx_tandem.request import Request, SyncSink
+    from mlx_tandem.streams import SyncStream
+
+    fmt = ChatFormat(think_start="<think>", think_end="</think>", think_end_ids=(99,))
+    pieces = [(1, "<think>"), (2, "hm"), (3, "</"), (4, "think"), (5, ">"), (6, "\n\nYes"), (7, ".")]
+
+    class Core:
+        def finish_early(self, req):
+            pass
+
+        def abort(self, req):
+            pass
+
+    def run(groups):
+        req = Request("r", [1, 2, 3], SamplingParams(), None)
+        stream = SyncStream(Core(), req, SyncSink(), ChatOutputParser(fmt))
+        for k, group in enumerate(groups):
+            text, ends = "", []
+            for _, t in group:
+                text += t
+                ends.append(len(text))
+            stream._accept(StreamDelta("r", text, tuple(i for i, _ in group), text_ends=tuple(ends),
+                                       finish_reason="stop" if k == len(groups) - 1 else None))
+        return stream._output()
+
+    one_by_one = run([[p] for p in pieces])
+    assert one_by_one.usage.reasoning_tokens == 5 and one_by_one.reasoning == "hm"
+    for cut in range(1, len(pieces)):
+        for size in (2, 3, 4):
+            groups = [pieces[:cut]] + [pieces[i:i + size] for i in range(cut, len(pieces), size)]
+            assert run(groups).usage.reasoning_tokens == 5, groups
+

@@ -494,7 +494,7 @@ class EngineCore:
             req.first_token_time = now
             self.stats.record_ttft(now - req.arrival)
         eos = self._eos
-        text, new_ids, finish = "", [], None
+        text, new_ids, ends, finish = "", [], [], None
         for i, tok in enumerate(ev.tokens):
             req.num_generated += 1
             if tok in eos:
@@ -502,6 +502,7 @@ class EngineCore:
                 break
             new_ids.append(tok)
             text += req.detokenizer.add(tok)
+            ends.append(len(text))
             if req.detokenizer.stopped:
                 finish = "stop"
                 lane.remove([req.request_id])
@@ -510,7 +511,7 @@ class EngineCore:
         finish = finish or ev.finish_reason
         if finish is None:
             if text or new_ids:
-                self._emit(req, StreamDelta(req.request_id, text, tuple(new_ids)))
+                self._emit(req, StreamDelta(req.request_id, text, tuple(new_ids), text_ends=tuple(ends)))
             return
         text += req.detokenizer.finish()
         if req.detokenizer.stopped:  # a stop string completed by the last text held back
@@ -518,7 +519,7 @@ class EngineCore:
         req.finish_time = now
         self._emit(req, StreamDelta(
             req.request_id, text, tuple(new_ids), finish_reason=finish,
-            usage=Usage(req.num_prompt_tokens, req.num_generated, req.cached_tokens)))
+            usage=Usage(req.num_prompt_tokens, req.num_generated, req.cached_tokens), text_ends=tuple(ends)))
         self._retire(req)
         self.stats.count("requests_finished")
 

@@ -74,6 +74,9 @@ class StreamDelta:
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     invalid_tool_calls: tuple[InvalidToolCall, ...] = ()
+    #: Per token of ``token_ids``: how much of ``text`` had come out once it was decoded. The
+    #: text a token ends is then known however the tokens were grouped into deltas (MTP).
+    text_ends: tuple[int, ...] = field(default=(), repr=False)
 
 
 @dataclass

@@ -36,6 +36,9 @@ class _StreamBase:
         self.tool_calls: list = []
         self.invalid_tool_calls: list = []
         self.token_ids: list[int] = []
+        # Per token: how much of the text had come out once it was decoded (StreamDelta.text_ends).
+        self._text_ends: list[int] = []
+        self._text_len = 0
         # len(token_ids) after the delta in which reasoning ended (the parser is text-based).
         self._reasoning_left_at: Optional[int] = None
 
@@ -59,6 +62,9 @@ class _StreamBase:
             raise item
         self.text_parts.append(item.text)
         self.token_ids.extend(item.token_ids)
+        ends = item.text_ends if len(item.text_ends) == len(item.token_ids) else [len(item.text)] * len(item.token_ids)
+        self._text_ends.extend(self._text_len + e for e in ends)
+        self._text_len += len(item.text)
         finish = item.finish_reason
         if self._parser is None:
             item = dataclasses.replace(item, content=item.text)
@@ -133,6 +139,7 @@ class _StreamBase:
                                                               len(self.token_ids) - len(ids) + 1)
                          if self.token_ids[i: i + len(ids)] == ids), n)
         del self.token_ids[start + keep:]
+        del self._text_ends[start + keep:]
         text, end = item.text, fmt.tool_call_end
         if end:
             before = "".join(self.text_parts[:-1])[-(len(end) - 1):] if len(end) > 1 else ""
@@ -144,8 +151,9 @@ class _StreamBase:
 
     def _reasoning_tokens(self) -> int:
         """Completion tokens up to the end of the reasoning: through the first ``think_end``
-        token sequence, or to the end of the delta that closed it when the model spelled the
-        marker in other tokens; all of them while it still reasons."""
+        token sequence, or, where the model spelled the marker in other tokens, through the
+        token that completed its text; all of them while it still reasons. Either way the
+        count does not depend on how the tokens were grouped into deltas (MTP)."""
         p = self._parser
         if p is None or not p.reasoned:
             return 0
@@ -156,6 +164,15 @@ class _StreamBase:
             for i in range(end - len(ids) + 1):
                 if self.token_ids[i: i + len(ids)] == ids:
                     return i + len(ids)
+        # The first </think> in the text closes the reasoning: one before it would be content,
+        # after which nothing opens a reasoning.
+        marker = p.format.think_end
+        at = "".join(self.text_parts).find(marker) if marker else -1
+        if at >= 0:
+            done = at + len(marker)
+            j = next((j for j, e in enumerate(self._text_ends[:end]) if e >= done), None)
+            if j is not None:
+                return j + 1
         return end
 
     def cancel(self) -> None:

@@ -505,3 +505,10 @@ def test_leaving_a_stream_early_frees_the_slot():
     assert llm.engine.stats()["running"] == 1
     gen.close()
     assert _wait_idle(llm.engine) == 0
+
+
+@pytest.mark.parametrize("value", [1, 0, 2.0])
+def test_mtp_takes_no_coerced_values(value):
+    """The field took 1 as True (pydantic's lax mode) where a call's ``mtp=1`` is refused."""
+    with pytest.raises(ValueError):
+        MLXTandemLLM(mtp=value)

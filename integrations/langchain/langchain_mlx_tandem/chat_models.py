@@ -20,7 +20,7 @@ from langchain_core.runnables.utils import AddableDict
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from mlx_tandem import Engine
 from mlx_tandem.call_options import merge_stops, model_name_alias, resolve_call
@@ -61,7 +61,7 @@ class ChatMLX(BaseChatModel):
     """How many of the latest tokens ``repetition_penalty`` looks back on."""
     stop: Optional[list[str]] = Field(default=None, alias="stop_sequences")
     seed: Optional[int] = None
-    mtp: Optional[Union[str, bool]] = None
+    mtp: Optional[Union[StrictStr, StrictBool]] = None  # strict: 1 is not True (per call it is refused too)
     """Speculative decoding with the model's MTP head: "auto", "on", "off"; None = engine option."""
     specprefill: Optional[bool] = None
     """SpecPrefill for long prompts: True forces it, False turns it off; None = engine threshold."""
@@ -288,9 +288,10 @@ class ChatMLX(BaseChatModel):
         if method == "function_calling":
             if schema is None:
                 raise ValueError("method='function_calling' needs a schema")
-            tool = _openai_tool(schema, strict)
+            tool = _structured_tool(schema, strict)
             name = tool["function"]["name"]
-            llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, strict=strict,
+            llm = self.bind_tools([tool if isinstance(schema, dict) else schema], tool_choice=name,
+                                  parallel_tool_calls=False, strict=strict,
                                   ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
                                                                "schema": tool})
             parser: Runnable = (WholePydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
@@ -367,6 +368,29 @@ def _response_format(schema: Any, strict: Optional[bool]) -> dict:
                            "description": json_schema.get("description", "")}
     return {"type": "json_schema", "json_schema": {
         "name": json_schema.get("title", "response"), "schema": json_schema, "strict": strict}}
+
+
+def _structured_tool(schema: Any, strict: Optional[bool]) -> dict:
+    """The tool ``method="function_calling"`` forces: built from ``schema`` as
+    ``_response_format`` reads it where it is a response-format dict (whole, or its
+    ``{"name", "schema"}`` part) or an untitled JSON schema, which langchain-core's
+    ``convert_to_openai_tool`` turned into a tool without parameters (its call then held to
+    ``{}``) or refused; otherwise as ``bind_tools`` builds it."""
+    is_tool = isinstance(schema, dict) and (schema.get("type") == "function" or "function" in schema
+                                            or "parameters" in schema)
+    if isinstance(schema, dict) and not is_tool and (
+            schema.get("type") == "json_schema" or ("name" in schema and isinstance(schema.get("schema"), dict))
+            or ("title" not in schema and ("type" in schema or "properties" in schema))):
+        rf = _response_format(schema, strict)["json_schema"]
+        params = rf.get("schema") or {}
+        if not isinstance(params, dict):
+            raise ValueError("the response format's schema must be a JSON schema object")
+        function = {"name": rf.get("name") or "response", "description": rf.get("description") or params.get(
+            "description", ""), "parameters": params}
+        if strict is not None:
+            function["strict"] = strict
+        return {"type": "function", "function": function}
+    return _openai_tool(schema, strict)
 
 
 def _openai_tool(tool: Any, strict: Optional[bool]) -> dict:

@@ -23,6 +23,7 @@ from llama_index.core.base.llms.types import (
     ToolCallBlock,
 )
 from llama_index.core.bridge.pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import StrictBool, StrictStr
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.llm import (
     LLMStructuredPredictEndEvent,
@@ -84,7 +85,7 @@ class MLXTandemLLM(FunctionCallingLLM):
         default=20, description="How many of the latest tokens repetition_penalty looks back on.")
     stop: Optional[list[str]] = Field(default=None, description="Stop strings (never emitted).")
     seed: Optional[int] = None
-    mtp: Optional[Union[str, bool]] = Field(
+    mtp: Optional[Union[StrictStr, StrictBool]] = Field(
         default=None, description='Speculative decoding with the MTP head: "auto", "on", "off"; None = engine option.')
     specprefill: Optional[bool] = Field(
         default=None, description="SpecPrefill for long prompts: True forces it, False turns it off; None = engine threshold.")

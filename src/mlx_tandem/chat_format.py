@@ -32,6 +32,15 @@ class ChatFormat:
     def has_thinking(self) -> bool:
         return bool(self.think_start and self.think_end)
 
+    def opens_in_reasoning(self, prompt: str, continued: str = "") -> bool:
+        """Does the answer to ``prompt`` start inside a reasoning: the prompt ends with
+        ``<think>``, or ``continued`` (the final assistant message it goes on from, a
+        prefill) has a ``<think>`` with no ``</think>`` after it?"""
+        if not self.has_thinking:
+            return False
+        i = continued.rfind(self.think_start)
+        return prompt.rstrip().endswith(self.think_start) or (i >= 0 and self.think_end not in continued[i:])
+
     @property
     def has_tool_calling(self) -> bool:
         return self.tool_parser is not None and bool(self.tool_call_start)

@@ -291,8 +291,8 @@ class Engine:
                 cache_points = renderer.cache_points(
                     messages, prompt_ids, tools=plan.tools, template_kwargs=plan.template_kwargs)
             fmt = self._format
-            starts_in_reasoning = fmt.has_thinking and (text.rstrip().endswith(fmt.think_start) or _open_reasoning(
-                fmt, renderer.continued_text(messages, text, tools=plan.tools, template_kwargs=plan.template_kwargs)))
+            starts_in_reasoning = fmt.opens_in_reasoning(text, renderer.continued_text(
+                messages, text, tools=plan.tools, template_kwargs=plan.template_kwargs))
             parser = ChatOutputParser(
                 fmt, tools=plan.tools, parse_tool_calls=plan.parse_tool_calls,
                 forced_json_calls=plan.forced_json_calls, max_tool_calls=plan.max_tool_calls,
@@ -579,13 +579,6 @@ class _Spec:
         if messages is None:
             raise InvalidRequestError("messages are required")
         return cls(messages=messages, params=params, **options)
-
-
-def _open_reasoning(fmt, continued: str) -> bool:
-    """Does the final assistant message the answer continues (a prefill) leave a reasoning
-    open: a ``<think>`` with no ``</think>`` after it?"""
-    i = continued.rfind(fmt.think_start) if fmt.think_start else -1
-    return i >= 0 and fmt.think_end not in continued[i:]
 
 
 def _deadline(timeout: Optional[float]) -> Optional[float]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 
+import time
+
 import pytest
 
 from mlx_tandem import Engine, InvalidRequestError, RequestTooLargeError, SamplingParams
@@ -391,12 +393,23 @@ def test_an_image_request_is_measured_with_its_expanded_prompt(qwen3_5_vl_path):
         engine.close_sync()
 
 
-def test_an_image_request_waits_when_its_expanded_prompt_does_not_fit_beside_others(qwen3_5_vl_path):
-    """Measured again after its images expand, an image request that fits alone but not
-    beside a running text request goes back to its place and runs when the text request
-    is done, with the answer it gives alone; the reservation never passes the budget."""
+def test_an_image_request_waits_when_its_expanded_prompt_does_not_fit_beside_others(qwen3_5_vl_path, monkeypatch):
+    """Measured with its images expanded, an image request that fits alone but not beside a
+    running text request waits at its place and runs when the text request is done, with the
+    answer it gives alone; the reservation never passes the budget, and the vision encoder
+    runs once for it (not once when measured and again when it finally starts)."""
     import numpy as np
+    from mlx_vlm.models.qwen3_5 import Model
     from PIL import Image
+
+    encoded = []
+    original = Model.get_input_embeddings
+
+    def counting(self, input_ids=None, pixel_values=None, **kwargs):
+        encoded.append(input_ids.shape[-1])
+        return original(self, input_ids, pixel_values, **kwargs)
+
+    monkeypatch.setattr(Model, "get_input_embeddings", counting)
 
     img = Image.fromarray((np.random.default_rng(1).random((128, 128, 3)) * 255).astype("uint8"))
     msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what?"}]}]
@@ -408,7 +421,8 @@ def test_an_image_request_waits_when_its_expanded_prompt_does_not_fit_beside_oth
         unexpanded = _unexpanded(engine, msgs)
     finally:
         engine.close_sync()
-    assert alone.usage.prompt_tokens > unexpanded
+    assert alone.usage.prompt_tokens > unexpanded and len(encoded) == 1
+    encoded.clear()
     budget = ledger.alone_bytes("text", text_tokens) + ledger.alone_bytes("vision", ledger.row_tokens("vision", unexpanded, 8))
 
     engine = Engine(str(qwen3_5_vl_path), show_progress=False, request_memory_bytes=budget).start_sync()
@@ -422,8 +436,44 @@ def test_an_image_request_waits_when_its_expanded_prompt_does_not_fit_beside_oth
         assert not any({"T", "V"} <= ids for rec in recs for ids, _, _ in rec.steps)
         assert all(real <= reserved for rec in recs for _, real, reserved in rec.steps)
         assert engine.stats()["memory"]["waits"] == 1
+        assert encoded == [alone.usage.prompt_tokens]
     finally:
         engine.close_sync()
+
+
+def test_an_image_request_cancelled_while_waiting_for_memory_counts_its_expanded_prompt(qwen3_5_vl_path):
+    """The request that waits for memory was measured with its images expanded, so a cancel
+    before it starts reports the prompt it would have run, not one token per image."""
+    import numpy as np
+    from PIL import Image
+
+    img = Image.fromarray((np.random.default_rng(2).random((128, 128, 3)) * 255).astype("uint8"))
+    msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what?"}]}]
+    ledger = _ledger(qwen3_5_vl_path)
+    engine = Engine(str(qwen3_5_vl_path), show_progress=False).start_sync()
+    try:
+        alone = engine.chat_sync(msgs, SamplingParams(max_tokens=8))
+        unexpanded = _unexpanded(engine, msgs)
+    finally:
+        engine.close_sync()
+    budget = (ledger.alone_bytes("text", ledger.row_tokens("text", 10, 200))
+              + ledger.alone_bytes("vision", ledger.row_tokens("vision", unexpanded, 8)))
+    engine = Engine(str(qwen3_5_vl_path), show_progress=False, request_memory_bytes=budget).start_sync()
+    try:
+        text = engine.open_complete_stream_sync(_prompt(10), SamplingParams(max_tokens=200))
+        next(iter(text))
+        image = engine.open_chat_stream_sync(msgs, SamplingParams(max_tokens=8))
+        deadline = time.monotonic() + 60
+        while engine.stats()["memory"]["waits"] == 0:  # until the loop has measured it and holds it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        image.cancel()
+        out = image.collect()
+        text.cancel()
+    finally:
+        engine.close_sync()
+    assert out.finish_reason == "abort" and out.token_ids == []
+    assert out.usage.prompt_tokens == alone.usage.prompt_tokens > unexpanded
 
 
 def test_image_rows_reserve_no_speculation(qwen3_5_vl_path):

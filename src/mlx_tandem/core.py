@@ -21,17 +21,16 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from .detokenizer import RequestDetokenizer
-from .errors import (EngineClosedError, EngineStepError, InvalidRequestError, ModelLoadError, QueueFullError,
+from .errors import (EngineClosedError, EngineStepError, InvalidRequestError, QueueFullError,
                      RequestTimeoutError, RequestTooLargeError, TandemError)
-from .lanes import Lane, TextLane, TokenEvent
-from .memory import CacheFootprint, MemoryLedger, derive_budget, device_memory_bytes, probe_footprint
-from .model_loader import LoadedModel, load_mtp_head, load_text_model, resolve_model_path
+from .lanes import Lane, TokenEvent
+from .memory import CacheFootprint, MemoryLedger
+from .model_loader import LoadedModel, load_text_model, resolve_model_path
 from .options import EngineOptions
 from .outputs import StreamDelta, Usage
-from .prefix_cache import PrefixCache
-from .specprefill import SpecPrefillConfig
 from .teardown import clear_frames, drain_device, release_arrays
 from .request import Request, RequestState, dispatch
+from .startup import build_lanes, make_ledger
 from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -176,33 +175,8 @@ class EngineCore:
         # Resolved here, not by the caller: building the default model uses mlx.
         self.model_path = resolve_model_path(self.model)
         self.loaded = load_text_model(self.model_path, show_progress=self.options.show_progress)
-        mtp_head = load_mtp_head(self.loaded, self.options.mtp)
-        self._lanes["text"] = TextLane(
-            self.loaded.model,
-            eos_token_ids=self.loaded.eos_token_ids,
-            max_batch_size=self.options.max_batch_size,
-            prefill_batch_size=self.options.prefill_batch_size,
-            prefill_step_size=self.options.prefill_step_size,
-            mtp_head=mtp_head,
-            mtp_mode=self.options.mtp,
-            mtp_depth=self.options.mtp_depth,
-            prefix_cache=(PrefixCache(self.options.prefix_cache_bytes,
-                                      min_tokens=self.options.prefix_cache_min_tokens)
-                          if self.options.prefix_cache_bytes else None),
-            specprefill=self._load_specprefill(),
-        )
-        if self.loaded.vlm is not None:
-            from .lanes.vision import VisionLane
-
-            self._lanes["vision"] = VisionLane(
-                self.loaded.vlm, self.loaded.processor,
-                eos_token_ids=self.loaded.eos_token_ids,
-                max_batch_size=self.options.max_batch_size,
-                prefill_batch_size=self.options.prefill_batch_size,
-                prefill_step_size=self.options.prefill_step_size,
-                context_length=self.options.max_model_len or self.loaded.context_length,
-            )
-        self._memory = self._make_ledger(mtp_head)
+        mtp_head = build_lanes(self.loaded, self.options, self._lanes)
+        self._memory = make_ledger(self.loaded, self.options, self._lanes, mtp_head)
         self._update_queue_stats()
         for lane in self._lanes.values():  # the configured budgets show before the first step
             self._publish_lane_stats(lane)
@@ -216,53 +190,6 @@ class EngineCore:
                 self._lanes[name].close()
             except BaseException:  # noqa: BLE001 - the other lanes still close
                 logger.exception("closing the %s lane failed", name)
-
-    def _load_specprefill(self) -> Optional[SpecPrefillConfig]:
-        opts = self.options
-        if opts.specprefill_draft is None:
-            return None
-        draft = load_text_model(resolve_model_path(opts.specprefill_draft), show_progress=opts.show_progress)
-        # Scores index prompt positions, so both models must cut text into the same tokens.
-        if draft.tokenizer._tokenizer.get_vocab() != self.loaded.tokenizer._tokenizer.get_vocab():
-            raise ModelLoadError(
-                f"SpecPrefill draft {draft.path.name} has a different tokenizer from {self.loaded.path.name}")
-        return SpecPrefillConfig(draft=draft.model, threshold=opts.specprefill_threshold,
-                                 keep_pct=opts.specprefill_keep_pct, chunk_size=opts.specprefill_chunk_size,
-                                 lookahead=opts.specprefill_lookahead)
-
-    def _make_ledger(self, mtp_head) -> MemoryLedger:
-        """Probe one row's cache and set the running requests' budget (after every model,
-        head and draft is loaded, so that they count as memory in use)."""
-        opts = self.options
-        try:
-            base = probe_footprint(self.loaded.model)
-        except Exception:  # noqa: BLE001 - an exotic model: serve it, bounded by batch slots alone
-            logger.warning("could not probe %s's cache size; memory-aware admission is off",
-                           self.loaded.path.name, exc_info=True)
-            base = CacheFootprint(0)
-        # Text rows may speculate; vision rows (the same backbone, no head) never do.
-        footprint = base.speculating(head_layers=len(mtp_head.layers), depth=opts.mtp_depth) if mtp_head else base
-        footprints = {"text": footprint, **({"vision": base} if "vision" in self._lanes else {})}
-        specprefill = getattr(self._lanes["text"], "specprefill", None)
-        if specprefill is not None:
-            try:
-                footprints["draft"] = probe_footprint(specprefill.draft)
-            except Exception:  # noqa: BLE001 - as for the target: its draft cache goes uncounted
-                logger.warning("could not probe the SpecPrefill draft's cache size", exc_info=True)
-        prefix_bytes = opts.prefix_cache_bytes
-        if opts.specprefill_draft is not None:
-            prefix_bytes += prefix_bytes // 8  # the draft's own snapshots (lanes/text.py)
-        budget = derive_budget(opts.request_memory_bytes, opts.memory_fraction, in_use=mx.get_active_memory(),
-                               prefix_cache_bytes=prefix_bytes, device_bytes=device_memory_bytes())
-        ledger = MemoryLedger(footprints, budget)
-        full_context = ledger.alone_bytes("text", opts.max_model_len or self.loaded.context_length)
-        logger.info("request memory budget %.1f MiB: a row costs %d B/token + %d B of state; "
-                    "%d full-context rows fit", budget / 2**20, footprint.kv_bytes_per_token,
-                    footprint.state_bytes_per_row, budget // max(full_context, 1))
-        if budget < ledger.alone_bytes("text", 1):
-            logger.warning("the request memory budget (%d B) cannot hold one row's cache: every request will "
-                           "fail; lower prefix_cache_bytes or set request_memory_bytes", budget)
-        return ledger
 
     def _release_arrays(self) -> None:
         release_arrays(self._lanes, self.loaded)
@@ -387,6 +314,8 @@ class EngineCore:
                 full.add(req.lane)
                 kept.append(req)
                 continue
+            if lane is not None and not held and not self._prepared(lane, req):
+                continue
             if lane is not None and (held or not memory.fits(req.lane, self._row_tokens(req))):
                 held += 1
                 self._hold_for_memory(req)
@@ -397,15 +326,15 @@ class EngineCore:
                     raise InvalidRequestError(f"this model has no {req.lane} lane")
                 req.detokenizer = RequestDetokenizer(self._decode, req.params.stop, req.stop_exempt)
                 lane.add(req)
-                # The vision lane expands a prompt's images in add: measure it again. A
-                # request the text lane gives SpecPrefill also holds its draft's cache.
+                # A request the text lane gives SpecPrefill also holds its draft's cache:
+                # known only once the lane took it, so measured again.
                 tokens = self._row_tokens(req)
                 side = memory.scoring_bytes(req.lane, tokens, *lane.scoring_tokens(req.request_id))
                 if not memory.fits(req.lane, tokens, side):
                     lane.remove([req.request_id])
                     if memory.alone_bytes(req.lane, tokens) + side > memory.budget:
                         raise self._too_large(req, memory.alone_bytes(req.lane, tokens) + side)
-                    # It waits at its place, now with its real size (the lane expands it again).
+                    # It waits at its place, now with its real size.
                     held += 1
                     self._hold_for_memory(req)
                     kept.append(req)
@@ -427,6 +356,22 @@ class EngineCore:
         self._waiting = kept
         self._held_for_memory = held
         self._update_queue_stats()
+
+    def _prepared(self, lane: Lane, req: Request) -> bool:
+        """The lane learns the request's real prompt (images expanded) before its memory is
+        checked; False when that failed the request (or showed it can never fit)."""
+        try:
+            lane.prepare(req)
+            need = self._memory.alone_bytes(req.lane, self._row_tokens(req))
+            if need > self._memory.budget:
+                raise self._too_large(req, need)
+            return True
+        except TandemError as exc:
+            self._fail(req, exc)
+        except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop
+            logger.exception("could not prepare %s", req.request_id)
+            self._fail(req, InvalidRequestError(f"could not start the request: {exc}"))
+        return False
 
     def _row_tokens(self, req: Request) -> int:
         return self._memory.row_tokens(req.lane, req.num_prompt_tokens, req.max_tokens)

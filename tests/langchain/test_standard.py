@@ -73,7 +73,8 @@ class TestChatMLXIntegration(_Common, ChatModelIntegrationTests):
         return {**super().chat_model_params, "max_tokens": 100}
 
     # The forced call itself is valid (grammar-constrained); the argument must be the number
-    # the user asked for. tests/langchain/test_tools.py checks the rest of this behaviour.
+    # the user asked for. tests/langchain/test_chat_mlx.py checks the rest of this behaviour
+    # (test_forced_tool_call_is_valid_and_streams_as_chunks).
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     @pytest.mark.xfail(reason=NEEDS_INSTRUCTIONS + ": the argument must be the user's number (3)")
     def test_tool_calling(self, model):

@@ -91,6 +91,11 @@ def _processor_error(exc: BaseException) -> TandemError:
 class Lane(Protocol):
     name: str
 
+    def prepare(self, request: Request) -> None:
+        """Learn the request's real prompt before the memory check (the vision lane expands
+        its images here); raises the request's own typed error. Runs again for a request
+        that waited, so it must be cheap the second time."""
+
     def add(self, request: Request) -> None: ...
 
     def remove(self, request_ids: Sequence[str]) -> None: ...

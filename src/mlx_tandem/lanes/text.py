@@ -150,6 +150,9 @@ class TextLane:
     def has_work(self) -> bool:
         return bool(self._rows or self._sparse)
 
+    def prepare(self, request: Request) -> None:  # a text prompt is known from the start
+        pass
+
     def add(self, request: Request) -> None:
         rid = request.request_id
         sampler = make_request_sampler(request.params)

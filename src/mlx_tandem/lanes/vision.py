@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -73,6 +73,7 @@ class VisionLane:
         self._rows = RowIds()
         self._errors: list[tuple[str, BaseException]] = []
         self._counters = (0, 0.0, 0)
+        self._staged: Optional[tuple[str, dict]] = None  # prepare's processor outputs, for add
 
     def _new_generator(self):
         from mlx_vlm.generate.ar import BatchGenerator
@@ -86,9 +87,24 @@ class VisionLane:
     def has_work(self) -> bool:
         return bool(self._rows)
 
-    def _inputs(self, request: Request):
+    def prepare(self, request: Request) -> None:
+        """Expand the images so admission measures the real prompt. The processor's outputs
+        wait here for ``add``, which comes next unless the request does not fit and waits;
+        only the encoder is expensive, and it runs once, in ``add``."""
         media = request.extra["media"]
-        return expand_images(self.vlm, self.processor, media["images"], media["text"])
+        if media.get("expanded"):
+            return
+        ids, inputs = expand_images(self.vlm, self.processor, media["images"], media["text"])
+        # Refused before the encoder runs: an oversized image costs no encoder pass that
+        # every other row of the lane would wait for.
+        if len(ids) >= self._context_length:
+            raise ContextLengthError(
+                f"with its images the prompt has {len(ids)} tokens; the context window is "
+                f"{self._context_length}", prompt_tokens=len(ids), max_context=self._context_length)
+        request.prompt_ids = ids  # usage and admission count the expanded image tokens
+        request.max_tokens = min(request.max_tokens, self._context_length - len(ids))
+        media["expanded"] = True
+        self._staged = (request.request_id, inputs)
 
     def _embed(self, inputs) -> dict:
         """The vision encoder's pass: the prompt's embeddings and the model's extra inputs."""
@@ -99,16 +115,15 @@ class VisionLane:
         return {**data, **{k: v for k, v in emb.to_dict().items() if v is not None}}
 
     def add(self, request: Request) -> None:
-        ids, inputs = self._inputs(request)
-        # Checked before the encoder runs: an oversized image is refused without an encoder
-        # pass that every other row of the lane would wait for.
-        if len(ids) >= self._context_length:
-            raise ContextLengthError(
-                f"with its images the prompt has {len(ids)} tokens; the context window is "
-                f"{self._context_length}", prompt_tokens=len(ids), max_context=self._context_length)
+        self.prepare(request)
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == request.request_id:
+            inputs = staged[1]
+        else:  # it waited for memory: the processor again (cheap), never the encoder twice
+            media = request.extra["media"]
+            _, inputs = expand_images(self.vlm, self.processor, media["images"], media["text"])
+        ids = request.prompt_ids
         kwargs = self._embed(inputs)
-        request.prompt_ids = ids  # usage counts the expanded image tokens
-        request.max_tokens = min(request.max_tokens, self._context_length - len(ids))
         for p in request.processors:  # grammars plan their closing within the real budget
             if hasattr(p, "cap_budget"):
                 p.cap_budget(request.max_tokens)
@@ -163,6 +178,7 @@ class VisionLane:
     def reset(self) -> list[str]:
         dropped = self._rows.clear()
         self._errors.clear()
+        self._staged = None
         self._gen.close()
         self._gen = self._new_generator()
         self._counters = (0, 0.0, 0)

@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import logging
 import math
-import operator
 import os
 import threading
 import time
@@ -40,7 +39,7 @@ from .model_loader import LoadedModel
 from .options import EngineOptions
 from .outputs import RequestOutput, StreamDelta
 from .params import SamplingParams
-from .prompt import PromptRenderer
+from .prompt import PromptRenderer, raw_prompt_ids
 from .stats import EngineStats
 from .streams import AsyncStream, SyncStream
 from .request import AsyncSink, Request, SyncSink, new_request_id
@@ -317,20 +316,9 @@ class Engine:
             constraint = open_call = None
             if spec.response_format is not None:
                 constraint = response_format_constraint(spec.response_format)
-            if isinstance(prompt, str):
-                prompt_ids = renderer.encode(prompt)
-            elif prompt is not None:
-                try:
-                    if isinstance(prompt, (bytes, bytearray)) or any(isinstance(t, bool) for t in prompt):
-                        raise TypeError  # bytes are not token ids, nor are booleans
-                    prompt_ids = [operator.index(t) for t in prompt]  # ints only: no floats or strings
-                except TypeError:
-                    raise InvalidRequestError("a prompt is a string or a sequence of token ids (ints)") from None
-                vocab = self.loaded.vocab_size
-                if any(t < 0 or t >= vocab for t in prompt_ids):
-                    raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-            else:
+            if prompt is None:
                 raise InvalidRequestError("give messages or a prompt")
+            prompt_ids = raw_prompt_ids(prompt, renderer.encode, self.loaded.vocab_size)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         if params.specprefill:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import re
 import threading
 from collections import OrderedDict
@@ -77,6 +78,21 @@ def _template_ready(messages: list[Message], *, short_ids: bool = False) -> list
 
 # Two user messages that differ from their first character on.
 _PROBES = ("A", "Z")
+
+
+def raw_prompt_ids(prompt: Any, encode, vocab_size: int) -> list[int]:
+    """A raw prompt's token ids: a string is encoded (no template), a sequence is taken as ids."""
+    if isinstance(prompt, str):
+        return encode(prompt)
+    try:
+        if isinstance(prompt, (bytes, bytearray)) or any(isinstance(t, bool) for t in prompt):
+            raise TypeError  # bytes are not token ids, nor are booleans
+        ids = [operator.index(t) for t in prompt]  # ints only: no floats or strings
+    except TypeError:
+        raise InvalidRequestError("a prompt is a string or a sequence of token ids (ints)") from None
+    if any(t < 0 or t >= vocab_size for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+    return ids
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -495,6 +495,38 @@ def _reasoning_grammar(engine: Engine) -> dict:
     return {"type": "lark", "grammar": f'start: {m("<think>")} "\\nweighing it\\n" {m("</think>")} "\\n\\nthe answer"'}
 
 
+@pytest.mark.parametrize("lead", ["reasoning", "text"])
+def test_v1_stream_keeps_the_call_block_after_reasoning_or_text(lead):
+    """output_version="v1": langchain-core numbers a stream's blocks in order, and a tool
+    call chunk's own index (the call's place, 0) collided with the first block's 0, so the
+    two merged and the call's block was lost from the streamed message's content."""
+    def grammar(engine):
+        m = engine._grammar.marker
+        call = json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}})
+        first = (f'{m("<think>")} "\\nweighing it\\n" {m("</think>")} "\\n\\n"' if lead == "reasoning"
+                 else f'{m("<think>")} "\\n\\n" {m("</think>")} "\\n\\nweighing it\\n"')
+        return {"type": "lark", "grammar": f'start: {first} '
+                f'{m("<tool_call>")} {json.dumps(chr(10) + call + chr(10))} {m("</tool_call>")}'}
+
+    llm = make_llm(max_tokens=60, output_version="v1")
+    llm.engine.start_sync()
+    bound = llm.bind_tools([add]).bind(response_format=grammar(llm.engine))
+    whole = bound.invoke("think, then add")
+    assert [b["type"] for b in whole.content] == [lead, "tool_call"]
+    added = None
+    for chunk in bound.stream("think, then add"):
+        added = chunk if added is None else added + chunk
+    # invoke with streaming=True merges the chunks as LangGraph's "messages" mode does
+    merged = (make_llm(max_tokens=60, output_version="v1", streaming=True).bind_tools([add])
+              .bind(response_format=grammar(llm.engine)).invoke("think, then add"))
+    for msg in (added, merged):
+        assert [b["type"] for b in msg.content] == [lead, "tool_call"]
+        assert msg.content[0] == {**whole.content[0], "index": msg.content[0]["index"]}
+        call = msg.content[1]
+        assert (call["name"], call["args"], call["id"]) == ("add", {"a": 1, "b": 2}, msg.tool_calls[0]["id"])
+        assert msg.tool_calls[0]["args"] == {"a": 1, "b": 2}
+
+
 def test_reasoning_goes_to_reasoning_content_not_text():
     llm = make_llm(max_tokens=40)
     llm.engine.start_sync()

@@ -202,6 +202,38 @@ def to_ai_message(out, model_name: str) -> AIMessage:
     )
 
 
+def _v1_chunk_blocks(chunk: AIMessageChunk) -> list:
+    """A streamed chunk's v1 content blocks (langchain-core's block translator for this
+    provider). langchain-core 1.x numbers a stream's blocks in order when they have no index,
+    and keeps a tool call chunk's own index, the call's place (0, 1, ...): a call after
+    reasoning or text then shares index 0 with that block and the two merge into one. The
+    call blocks get their own index space here, as core's OpenAI Responses translator does
+    ("lc_" indices); ``tool_call_chunks`` keep their integer index for plain merging."""
+    if not isinstance(chunk.content, str):
+        raise NotImplementedError  # not one of ours: core's best-effort parsing
+    blocks: list = []
+    if reasoning := chunk.additional_kwargs.get("reasoning_content"):
+        blocks.append({"type": "reasoning", "reasoning": reasoning})
+    if chunk.content:
+        blocks.append({"type": "text", "text": chunk.content})
+    for c in chunk.tool_call_chunks:
+        block = {"type": "tool_call_chunk", "id": c.get("id"), "name": c.get("name"), "args": c.get("args")}
+        if c.get("index") is not None:
+            block["index"] = f"lc_tc_{c['index']}"
+        blocks.append(block)
+    return blocks
+
+
+def _v1_message_blocks(message: AIMessage) -> list:
+    raise NotImplementedError  # a whole message: core's best-effort parsing is right
+
+
+def register_block_translator() -> None:
+    from langchain_core.messages.block_translators import register_translator
+
+    register_translator(PROVIDER, _v1_message_blocks, _v1_chunk_blocks)
+
+
 class ChunkBuilder:
     """StreamDeltas -> AIMessageChunks; a tool call chunk's index is the call's place in the
     answer (the engine's, valid and invalid calls in the order written)."""
@@ -217,7 +249,8 @@ class ChunkBuilder:
         last = delta.finish_reason is not None
         if not (delta.content or delta.reasoning or chunks or last):
             return None
-        kwargs: dict[str, Any] = {}
+        # The provider on every chunk, so langchain-core finds its block translator.
+        kwargs: dict[str, Any] = {"response_metadata": {"model_provider": PROVIDER}}
         if last:
             kwargs.update(
                 usage_metadata=usage_metadata(delta.usage) if delta.usage and self._usage else None,
@@ -230,3 +263,6 @@ class ChunkBuilder:
             tool_call_chunks=chunks,
             **kwargs,
         )
+
+
+register_block_translator()

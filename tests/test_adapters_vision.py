@@ -56,6 +56,15 @@ def test_chatmlx_image_blocks(qwen3_5_vl_path):
     llm.invoke([HumanMessage(content=[{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}},
                                       {"type": "text", "text": "again"}])])
     assert llm.engine.stats()["lane_requests"]["vision"] == before + 1
+    # The profile says images may come in tool results too, and they do go the vision path.
+    assert llm.profile["image_inputs"] is llm.profile["image_tool_message"] is True
+    assert llm.profile["image_url_inputs"] is False  # remote images are off unless the engine allows them
+    from langchain_core.messages import AIMessage, ToolMessage
+
+    llm.invoke([HumanMessage("take a picture"),
+                AIMessage("", tool_calls=[{"name": "camera", "args": {}, "id": "c1"}]),
+                ToolMessage(content=[{"type": "image", "base64": b64, "mime_type": "image/png"}], tool_call_id="c1")])
+    assert llm.engine.stats()["lane_requests"]["vision"] == before + 2
 
 
 def test_llama_index_image_blocks(qwen3_5_vl_path, tmp_path):

@@ -47,6 +47,8 @@ def resolve_call(defaults: Any, kwargs: dict, *, owner: str, stop: Optional[Sequ
     """
     kwargs = dict(kwargs)
     params: dict[str, Any] = {k: kwargs.pop(k, getattr(defaults, k)) for k in SAMPLING_FIELDS}
+    # None is the default (SamplingParams'), as LangChain's and LlamaIndex's providers read it.
+    params = {k: v for k, v in params.items() if v is not None}
     params["stop"] = merge_stops(defaults.stop, stop, kwargs.pop("stop", None))
     max_tokens = kwargs.pop("max_tokens", defaults.max_tokens)
     if max_tokens is not None:

@@ -64,6 +64,9 @@ def test_message_conversion_roundtrip():
         AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1"}]),
         ToolMessage("3", tool_call_id="c1"),
         ToolMessage([{"type": "text", "text": "boom"}], tool_call_id="c2", status="error"),
+        ToolMessage([{"type": "text", "text": "shot failed"}, {"type": "image", "base64": png, "mime_type": "image/png"}],
+                    tool_call_id="c3", status="error"),
+        ToolMessage([{"type": "image", "base64": png, "mime_type": "image/png"}], tool_call_id="c4", status="error"),
         HumanMessage(content=[{"type": "text", "text": "look"},
                               {"type": "image", "base64": png, "mime_type": "image/png"},
                               {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}},
@@ -76,7 +79,10 @@ def test_message_conversion_roundtrip():
                                      "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
     assert out[3] == {"role": "tool", "content": "3", "tool_call_id": "c1"}
     assert out[4] == {"role": "tool", "content": "Error: boom", "tool_call_id": "c2"}
-    parts = out[5]["content"]
+    # A failed tool's list content says so too: in its text, or in a text part put first.
+    assert out[5]["content"][0] == {"type": "text", "text": "Error: shot failed"}
+    assert [p["type"] for p in out[6]["content"]] == ["text", "image"] and out[6]["content"][0]["text"] == "Error:"
+    parts = out[7]["content"]
     assert parts[0] == {"type": "text", "text": "look"}
     assert [p["type"] for p in parts[1:]] == ["image"] * 3
     assert parts[1]["image"] == parts[2]["image"] == "data:image/png;base64," + png
@@ -173,6 +179,9 @@ def test_invoke_and_stream_equal_engine_output():
         assert "".join(c.content for c in quiet) == ref.content
         assert not any(c.usage_metadata for c in quiet) and quiet[-1].chunk_position == "last"
     assert llm.invoke("Hello", stream_usage=False).usage_metadata == msg.usage_metadata
+    # None per call is the model's setting, as ChatOpenAI reads it.
+    assert list(llm.stream("Hello", stream_usage=None))[-1].usage_metadata == chunks[-1].usage_metadata
+    assert not any(c.usage_metadata for c in make_llm(stream_usage=False).stream("Hello", stream_usage=None))
 
 
 def test_generate_fills_llm_output_with_summed_usage():
@@ -238,6 +247,7 @@ def test_stop_sequences_from_constructor_and_call():
     cut = full[: full.index(stop)]
     assert make_llm(max_tokens=24, stop=[stop]).invoke("Hello").content == cut
     assert llm.invoke("Hello", stop=[stop]).content == cut
+    assert make_llm(max_tokens=24, stop=stop).invoke("Hello").content == cut  # one string, as per call
     # A lone string is one stop sequence (as OpenAI takes it), never a set of characters.
     assert resolve_call(llm, {"stop": "END"}, owner="ChatMLX", stop="STOP").params.stop == ("STOP", "END")
     assert llm.invoke("Hello", stop=stop).content == cut
@@ -398,7 +408,9 @@ def test_structured_output_takes_the_schema_forms_chatopenai_takes(method):
     reference = llm.with_structured_output({"title": "thing", **body}, method=method).invoke("give a")
     jsonschema.validate(reference, body)
     named = {"name": "thing", "schema": body}
-    for form in (named, {"type": "json_schema", "json_schema": named}, body):
+    function = {"name": "thing", "parameters": body}  # and the tool forms with_structured_output takes
+    tools = ({"type": "function", "function": function}, function, {"name": "thing", "input_schema": body})
+    for form in (named, {"type": "json_schema", "json_schema": named}, body, *tools):
         got = llm.with_structured_output(form, method=method).invoke("give a")
         jsonschema.validate(got, body)
         if method != "function_calling":  # a tool's own dict renders a little otherwise in the prompt
@@ -559,6 +571,9 @@ def test_reasoning_flag_reaches_the_template():
     assert p_off.endswith("<think>\n\n</think>\n\n")
     assert off.invoke("hi").content == eng.chat_sync(msgs, {"max_tokens": 24}, reasoning=False).content
     assert on.invoke("hi").content == eng.chat_sync(msgs, {"max_tokens": 24}, reasoning=True).content
+    # Token counts render the template as the call does.
+    for llm in (off, on, make_llm(chat_template_kwargs={"enable_thinking": False})):
+        assert llm.get_num_tokens_from_messages([HumanMessage("hi")]) == llm.invoke("hi").usage_metadata["input_tokens"]
 
 
 # ---------------------------------------------------------------------- timeouts, params, profile
@@ -576,6 +591,13 @@ def test_timeout_cancels_and_frees_the_slot():
         import time
         time.sleep(0.05)
     assert llm.engine.stats()["running"] == 0
+
+
+def test_none_sampling_values_are_the_defaults():
+    """None is the default, as ChatOpenAI reads it: in the constructor and per call."""
+    ref = make_llm().invoke("Hello").content
+    assert make_llm(temperature=None, top_p=None, top_k=None, min_p=None).invoke("Hello").content == ref
+    assert make_llm().invoke("Hello", temperature=None, repetition_penalty=None).content == ref
 
 
 def test_the_repetition_window_reaches_the_engine():
@@ -599,6 +621,7 @@ def test_identity_params_and_profile():
     ctx = cfg.get("text_config", cfg)["max_position_embeddings"]
     assert llm.profile["max_input_tokens"] == ctx
     assert llm.profile["tool_calling"] is True
+    assert llm.profile["image_inputs"] is llm.profile["image_tool_message"] is False  # a text model
     assert ChatMLX().model_name == DEFAULT_MODEL_NAME
 
 

@@ -154,9 +154,8 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
                 d["reasoning_content"] = reasoning
         elif isinstance(m, ToolMessage):
             content = _content(m)
-            if m.status == "error" and isinstance(content, str) and not content.lower().startswith("error"):
-                # Templates have no error flag for tool results; say it in the text.
-                content = f"Error: {content}"
+            if m.status == "error":  # templates have no error flag for tool results: say it in the text
+                content = _marked_error(content)
             d = {"role": "tool", "content": content, "tool_call_id": m.tool_call_id}
         elif isinstance(m, FunctionMessage):
             d = {"role": "tool", "content": _content(m), "name": m.name, "tool_call_id": m.name}
@@ -170,6 +169,19 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
             d["name"] = m.name
         out.append(d)
     return out
+
+
+def _marked_error(content: Any) -> Any:
+    """A failed tool's result, its text starting with "Error:" (a list's first text part, or
+    a text part put first when it has none)."""
+    if isinstance(content, str):
+        return content if content.lower().startswith("error") else f"Error: {content}"
+    parts = list(content)
+    for i, part in enumerate(parts):
+        if isinstance(part, dict) and part.get("type") == "text":
+            parts[i] = {**part, "text": _marked_error(part.get("text") or "")}
+            return parts
+    return [{"type": "text", "text": "Error:"}, *parts]
 
 
 def usage_metadata(usage) -> dict:
@@ -209,8 +221,10 @@ def _v1_chunk_blocks(chunk: AIMessageChunk) -> list:
     reasoning or text then shares index 0 with that block and the two merge into one. The
     call blocks get their own index space here, as core's OpenAI Responses translator does
     ("lc_" indices); ``tool_call_chunks`` keep their integer index for plain merging."""
-    if not isinstance(chunk.content, str):
-        raise NotImplementedError  # not one of ours: core's best-effort parsing
+    if chunk.chunk_position == "last" or not isinstance(chunk.content, str):
+        # A stream's last chunk, or all of them added up (whole calls, as tool_call blocks),
+        # or not one of ours: core's best-effort parsing is right.
+        raise NotImplementedError
     blocks: list = []
     if reasoning := chunk.additional_kwargs.get("reasoning_content"):
         blocks.append({"type": "reasoning", "reasoning": reasoning})

@@ -20,7 +20,7 @@ from langchain_core.runnables.utils import AddableDict
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic import ConfigDict, Field, StrictBool, StrictStr, field_validator, model_validator
 
 from mlx_tandem import Engine
 from mlx_tandem.call_options import merge_stops, model_name_alias, resolve_call
@@ -51,13 +51,15 @@ class ChatMLX(BaseChatModel):
     """
 
     model: Optional[str] = None
-    temperature: float = 0.0
+    # None in a sampling field is the engine's default (SamplingParams'), as ChatOpenAI
+    # reads it; the defaults shown are the same values.
+    temperature: Optional[float] = 0.0
     max_tokens: Optional[int] = None
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    repetition_context_size: int = 20
+    top_p: Optional[float] = 1.0
+    top_k: Optional[int] = 0
+    min_p: Optional[float] = 0.0
+    repetition_penalty: Optional[float] = 1.0
+    repetition_context_size: Optional[int] = 20
     """How many of the latest tokens ``repetition_penalty`` looks back on."""
     stop: Optional[list[str]] = Field(default=None, alias="stop_sequences")
     seed: Optional[int] = None
@@ -87,6 +89,11 @@ class ChatMLX(BaseChatModel):
     @classmethod
     def _model_name_alias(cls, data: Any) -> Any:
         return model_name_alias(data)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # as per call, and as ChatOpenAI takes it
 
     # ------------------------------------------------------------------ identity
     @property
@@ -175,7 +182,9 @@ class ChatMLX(BaseChatModel):
             return 0
         formatted = [_openai_tool(t, None) for t in tools] if tools else None
         try:
-            return len(self.engine.apply_chat_template(to_engine_messages(messages), tools=formatted))
+            return len(self.engine.apply_chat_template(
+                to_engine_messages(messages), tools=formatted, reasoning=self.reasoning,
+                template_kwargs=self.chat_template_kwargs or None))
         except TemplateError:
             return super().get_num_tokens_from_messages(messages, tools)
 
@@ -215,7 +224,7 @@ class ChatMLX(BaseChatModel):
 
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        usage = kwargs.pop("stream_usage", self.stream_usage)
+        usage = _stream_usage(kwargs.pop("stream_usage", None), self.stream_usage)
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
         builder = ChunkBuilder(model_name, usage=usage)
         with engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options) as stream:
@@ -231,7 +240,7 @@ class ChatMLX(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        usage = kwargs.pop("stream_usage", self.stream_usage)
+        usage = _stream_usage(kwargs.pop("stream_usage", None), self.stream_usage)
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
         builder = ChunkBuilder(model_name, usage=usage)
         async with await engine.open_chat_stream(msgs, params, timeout=timeout, **options) as stream:
@@ -352,13 +361,14 @@ def _raw_then_parsed(parser: Runnable) -> Runnable:
 def _response_format(schema: Any, strict: Optional[bool]) -> dict:
     """A ``json_schema`` response format for ``schema``, in the forms ChatOpenAI takes: the
     OpenAI response-format dict (whole, or its ``{"name", "schema"}`` part), a Pydantic model,
-    a TypedDict, or a JSON schema (one without a title too: a name is OpenAI's API's need,
-    not this engine's)."""
+    a TypedDict, an OpenAI or Anthropic tool dict, or a JSON schema (one without a title
+    too: a name is OpenAI's API's need, not this engine's)."""
     if isinstance(schema, dict) and schema.get("type") == "json_schema" and isinstance(schema.get("json_schema"), dict):
         return schema
     if isinstance(schema, dict) and "name" in schema and isinstance(schema.get("schema"), dict):
         return {"type": "json_schema", "json_schema": schema}
-    if isinstance(schema, dict) and "title" not in schema and ("type" in schema or "properties" in schema):
+    if isinstance(schema, dict) and "title" not in schema and not _is_tool_dict(schema) and (
+            "type" in schema or "properties" in schema):
         json_schema = schema
     else:
         json_schema = convert_to_json_schema(schema)
@@ -376,9 +386,7 @@ def _structured_tool(schema: Any, strict: Optional[bool]) -> dict:
     ``{"name", "schema"}`` part) or an untitled JSON schema, which langchain-core's
     ``convert_to_openai_tool`` turned into a tool without parameters (its call then held to
     ``{}``) or refused; otherwise as ``bind_tools`` builds it."""
-    is_tool = isinstance(schema, dict) and (schema.get("type") == "function" or "function" in schema
-                                            or "parameters" in schema)
-    if isinstance(schema, dict) and not is_tool and (
+    if isinstance(schema, dict) and not _is_tool_dict(schema) and (
             schema.get("type") == "json_schema" or ("name" in schema and isinstance(schema.get("schema"), dict))
             or ("title" not in schema and ("type" in schema or "properties" in schema))):
         rf = _response_format(schema, strict)["json_schema"]
@@ -393,6 +401,13 @@ def _structured_tool(schema: Any, strict: Optional[bool]) -> dict:
     return _openai_tool(schema, strict)
 
 
+def _is_tool_dict(schema: dict) -> bool:
+    """An OpenAI tool or function dict, or an Anthropic tool (``input_schema``): not a JSON
+    schema itself, though OpenAI's carries a ``type``."""
+    return (schema.get("type") == "function" or "function" in schema or "parameters" in schema
+            or "input_schema" in schema)
+
+
 def _openai_tool(tool: Any, strict: Optional[bool]) -> dict:
     formatted = convert_to_openai_tool(tool, strict=strict)
     # A tool's arguments are a Pydantic model too (``tool_call_schema``: the args the model
@@ -401,6 +416,11 @@ def _openai_tool(tool: Any, strict: Optional[bool]) -> dict:
     if full is not None:
         formatted["function"]["parameters"] = full
     return formatted
+
+
+def _stream_usage(per_call: Optional[bool], default: bool) -> bool:
+    """``stream_usage`` per call; None is the model's setting (ChatOpenAI's reading)."""
+    return default if per_call is None else per_call
 
 
 def _collect(chunks: Iterator[ChatGenerationChunk]) -> ChatResult:
@@ -438,5 +458,8 @@ def _profile(engine: Engine) -> dict:
         return profile
     profile.update(max_input_tokens=info.context_length, tool_calling=info.supports_tools,
                    tool_choice=info.supports_tools, reasoning_output=info.supports_reasoning,
-                   image_inputs=info.supports_images)
+                   image_inputs=info.supports_images,
+                   # a tool's result may carry images too (they go the vision path as a user's do)
+                   image_tool_message=info.supports_images,
+                   image_url_inputs=info.supports_images and engine.options.allow_remote_images)
     return profile

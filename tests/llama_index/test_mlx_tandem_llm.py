@@ -90,6 +90,19 @@ def test_plain_text_documents_are_read_as_text(tmp_path):
                        (DocumentBlock(data=b"\xff\xfe\x00bad", document_mimetype="text/plain"), InvalidRequestError)):
         with pytest.raises(error):
             to_engine_messages([ChatMessage(role="user", blocks=[bad])])
+    # JSON and YAML are text whether their MIME type is given or not.
+    data = tmp_path / "data.json"
+    data.write_text('{"a": 1}', encoding="utf-8")
+    for block in (DocumentBlock(path=data), DocumentBlock(path=data, document_mimetype="application/json"),
+                  DocumentBlock(data=b'{"a": 1}', document_mimetype="application/json; charset=utf-8"),
+                  DocumentBlock(data=b'{"a": 1}', document_mimetype="application/ld+json"),
+                  DocumentBlock(data=b'{"a": 1}', document_mimetype="application/octet-stream", title="a.json")):
+        assert to_engine_messages([ChatMessage(role="user", blocks=[block])])[0]["content"] == '{"a": 1}'
+    assert to_engine_messages([ChatMessage(role="user", blocks=[
+        DocumentBlock(data=b"a: 1", document_mimetype="application/yaml")])])[0]["content"] == "a: 1"
+    with pytest.raises(UnsupportedContentError):
+        to_engine_messages([ChatMessage(role="user", blocks=[
+            DocumentBlock(data=b"%PDF", document_mimetype="application/pdf", title="a.json")])])
 
 
 def test_tool_outputs_files_and_invalid_calls_convert():
@@ -118,6 +131,15 @@ def test_tool_outputs_files_and_invalid_calls_convert():
     # template iterates them), the result says what was wrong.
     assert out[1]["tool_calls"] == [{"id": "c9", "type": "function", "function": {"name": "add", "arguments": "{}"}}]
     assert out[2] == {"role": "tool", "content": "Sunny in Oslo\nRain in Bergen", "tool_call_id": "c9"}
+    # An answer's valid and invalid calls go back in the order written (its kwargs number them).
+    answer = ChatMessage(role="assistant", blocks=[TextBlock(text=""), ToolCallBlock(
+        tool_call_id="c2", tool_name="add", tool_kwargs={"a": 1, "b": 2})], additional_kwargs={
+        "tool_calls": [{"id": "c2", "type": "function", "index": 1,
+                        "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}],
+        "invalid_tool_calls": [{"id": "c1", "name": "add", "arguments": '{"a": 1,', "error": "cut", "index": 0}]})
+    results = [ChatMessage(role="tool", content=r, additional_kwargs={"tool_call_id": i}) for i, r in
+               (("c1", "Error: bad JSON"), ("c2", "3"))]
+    assert [c["id"] for c in to_engine_messages([answer, *results])[0]["tool_calls"]] == ["c1", "c2"]
 
 
 def test_images_on_text_model_are_a_typed_error_and_the_engine_keeps_serving():
@@ -407,6 +429,69 @@ def test_structured_predict_in_function_mode_uses_a_forced_call():
     p = llm.structured_predict(Person, PromptTemplate("Describe {who}."), who="a pirate")
     assert isinstance(p, Person)
     assert llm.engine.stats()["constrained_requests"] == before + 1
+
+
+def test_structured_predict_shows_the_model_the_schema(monkeypatch):
+    """The grammar holds the answer to the class; the model is shown the class too, its
+    docstring and fields' descriptions, in core's words and place (after the last user text,
+    or in the system prompt), as core's programs show it. It was shown nothing."""
+    from llama_index.core.output_parsers.pydantic import PydanticOutputParser
+
+    seen = []
+    original = Engine.open_chat_stream_sync
+
+    def spy(self, messages, params=None, **options):
+        seen.append(messages)
+        return original(self, messages, params, **options)
+
+    monkeypatch.setattr(Engine, "open_chat_stream_sync", spy)
+    schema = PydanticOutputParser(Person).get_format_string(escape_json=False)
+    assert "{{" not in schema and json.dumps(Person.model_json_schema(), ensure_ascii=False) in schema
+    make_llm(max_tokens=60).structured_predict(Person, PromptTemplate("Describe {who}."), who="a pirate")
+    assert seen[-1] == [{"role": "user", "content": "Describe a pirate.\n\n" + schema}]
+    make_llm(max_tokens=60, system_prompt="Be brief.").structured_predict(
+        Person, PromptTemplate("Describe {who}."), who="a pirate")
+    assert seen[-1] == [{"role": "system", "content": "Be brief.\n\n" + schema},
+                        {"role": "user", "content": "Describe a pirate."}]
+
+
+def test_completions_carry_their_tool_calls():
+    """A completion with tools has its calls in ``additional_kwargs``, as core's
+    chat-to-completion conversion carries them; they were dropped (text '' and nothing else)."""
+    llm = make_llm(max_tokens=80)
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"]}}}]
+    chat = llm.chat(user("add 2 and 3"), tools=tools, tool_choice="required")
+    expected = chat.message.additional_kwargs["tool_calls"]
+    done = llm.complete("add 2 and 3", tools=tools, tool_choice="required")
+    last = list(llm.stream_complete("add 2 and 3", tools=tools, tool_choice="required"))[-1]
+    adone = asyncio.run(llm.acomplete("add 2 and 3", tools=tools, tool_choice="required"))
+    for got in (done, last, adone):
+        calls = got.additional_kwargs["tool_calls"]
+        assert [(c["function"], c["index"]) for c in calls] == [(c["function"], c["index"]) for c in expected]
+        assert got.raw["finish_reason"] == "tool_calls"
+
+
+def test_an_async_stream_opens_on_the_loop_that_reads_it():
+    """astream_chat/astream_complete return generators that open their request when first
+    read, as the sync twins and core's providers do: one obtained on a loop can be read on
+    another (it was opened at the await, on the first loop, and then refused)."""
+    llm = make_llm(max_tokens=8)
+    ref = llm.chat(user("hi")).message.content
+    for make in (lambda: llm.astream_chat(user("hi")), lambda: llm.astream_complete("hi")):
+        gen = asyncio.run(make())
+
+        async def read(gen=gen):
+            last = None
+            async for r in gen:
+                last = r
+            return last
+
+        last = asyncio.run(read())
+        assert (last.message.content if hasattr(last, "message") else last.text) == (
+            ref if hasattr(last, "message") else llm.complete("hi").text)
+    assert llm.engine.stats()["running"] == 0
 
 
 def test_stream_structured_predict_yields_growing_partials():

@@ -102,7 +102,14 @@ def _parts(blocks: Sequence[Any]) -> tuple[list[dict], list[dict], list[str]]:
     return parts, calls, reasoning
 
 
-_TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown", ".rst", ".csv", ".tsv", ".json", ".log"})
+_TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown", ".rst", ".csv", ".tsv", ".json", ".log", ".yaml", ".yml",
+                            ".xml"})
+_TEXT_MIMES = frozenset({"application/json", "application/xml", "application/yaml", "application/x-yaml"})
+
+
+def _is_text_mime(mime: str) -> bool:
+    mime = mime.split(";")[0].strip().lower()
+    return mime.startswith("text/") or mime in _TEXT_MIMES or mime.endswith(("+json", "+xml"))
 
 
 def _document_text(block: DocumentBlock) -> str:
@@ -111,7 +118,7 @@ def _document_text(block: DocumentBlock) -> str:
     remote documents are not fetched (a prompt must not make the engine fetch URLs)."""
     mime = block.document_mimetype or ""
     suffix = Path(str(block.path or block.title or "")).suffix.lower()
-    if not (mime.startswith("text/") or (not mime and suffix in _TEXT_SUFFIXES)):
+    if not (_is_text_mime(mime) or (mime in ("", "application/octet-stream") and suffix in _TEXT_SUFFIXES)):
         raise UnsupportedContentError(
             f"document blocks of type {mime or suffix or 'unknown'} are not supported; plain-text ones "
             "are (parse a PDF into text first, e.g. with a LlamaIndex reader)")
@@ -157,6 +164,16 @@ def _invalid_calls(raw: Any, answered: set) -> list[dict]:
     return out
 
 
+def _in_written_order(calls: list[dict], kw: dict) -> list[dict]:
+    """Valid and invalid calls back in the order the model wrote them (the answer's
+    ``additional_kwargs`` number them), so the history renders as it was written."""
+    written = {c.get("id"): c.get("index") for key in ("tool_calls", "invalid_tool_calls")
+               for c in (kw.get(key) or []) if isinstance(c, dict) and isinstance(c.get("index"), int)}
+    if len(calls) < 2 or not all(c["id"] in written for c in calls):
+        return calls
+    return sorted(calls, key=lambda c: written[c["id"]])
+
+
 def _newline_between_texts(parts: list[dict]) -> list[dict]:
     out: list[dict] = []
     for p in parts:
@@ -184,6 +201,7 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
         kw = m.additional_kwargs
         if role == "assistant":
             calls = (calls or _legacy_tool_calls(kw.get("tool_calls"))) + _invalid_calls(kw.get("invalid_tool_calls"), answered)
+            calls = _in_written_order(calls, kw)
             if calls:
                 d["tool_calls"] = calls
             if reasoning:
@@ -232,7 +250,8 @@ def _blocks(content: str, reasoning: str, calls: Sequence[Any], usage=None) -> l
     return blocks
 
 
-def _message(content: str, reasoning: str, calls: Sequence[Any], invalid: Sequence[Any], usage=None) -> ChatMessage:
+def _call_kwargs(calls: Sequence[Any], invalid: Sequence[Any]) -> dict:
+    """An answer's calls as ``additional_kwargs`` hold them (OpenAI's shape)."""
     kwargs: dict[str, Any] = {}
     if calls:
         # Kept beside the ToolCallBlocks for core helpers that still read additional_kwargs.
@@ -241,8 +260,12 @@ def _message(content: str, reasoning: str, calls: Sequence[Any], invalid: Sequen
     if invalid:
         kwargs["invalid_tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error,
                                          "index": c.index} for c in invalid]
+    return kwargs
+
+
+def _message(content: str, reasoning: str, calls: Sequence[Any], invalid: Sequence[Any], usage=None) -> ChatMessage:
     return ChatMessage(role=MessageRole.ASSISTANT, blocks=_blocks(content, reasoning, calls, usage),
-                       additional_kwargs=kwargs)
+                       additional_kwargs=_call_kwargs(calls, invalid))
 
 
 def to_chat_response(out, model_name: str) -> ChatResponse:
@@ -252,7 +275,8 @@ def to_chat_response(out, model_name: str) -> ChatResponse:
 
 
 def to_completion_response(out, model_name: str) -> CompletionResponse:
-    extra = token_counts(out.usage)
+    # A completion carries its calls as core's chat_response_to_completion_response does.
+    extra = {**_call_kwargs(out.tool_calls, out.invalid_tool_calls), **token_counts(out.usage)}
     if out.reasoning:
         extra["thinking"] = out.reasoning
     return CompletionResponse(text=out.content, raw=raw_response(model_name, out.request_id, out.finish_reason, out.usage),
@@ -304,6 +328,7 @@ class StreamAccumulator:
             return None
         if self.reasoning:  # cumulative, as ``text`` is, and as complete() reports it
             extra["thinking"] = self.reasoning
+        extra.update(_call_kwargs(self.calls, self.invalid))  # the calls so far, as the chat stream's message
         return CompletionResponse(
             text=self.content, delta=delta.content or "",
             raw=raw_response(self._model_name, self._request_id, delta.finish_reason, delta.usage),

@@ -35,6 +35,7 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 from llama_index.core.llms.utils import parse_partial_json
+from llama_index.core.output_parsers.pydantic import PydanticOutputParser
 from llama_index.core.program.utils import create_flexible_model
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import PydanticProgramMode
@@ -53,6 +54,15 @@ dispatcher = get_dispatcher(__name__)
 # calls only), and those that only mean something on a call that carries tools.
 _TEMPLATE_OPTIONS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "reasoning", "chat_template_kwargs"})
 _TOOL_TURN_OPTIONS = frozenset({"tool_choice", "parallel_tool_calls"})
+
+class _SchemaInstructions(PydanticOutputParser):
+    """Core's schema instructions, appended to a message's text as core appends them, with
+    the schema's braces as they are: core's own escape for its templates (``{{``) would reach
+    the model doubled, since nothing formats these messages again."""
+
+    def format(self, query: str) -> str:
+        return query + "\n\n" + self.get_format_string(escape_json=False)
+
 
 class MLXTandemLLM(FunctionCallingLLM):
     """LlamaIndex LLM running local MLX models in-process, with continuous batching.
@@ -229,10 +239,11 @@ class MLXTandemLLM(FunctionCallingLLM):
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         one_call = kwargs.get("parallel_tool_calls") is False
         request = self._chat_request(messages, kwargs)
-        stream = await self._open_async(*request)
 
         async def gen() -> ChatResponseAsyncGen:
-            async with stream:
+            # Opened on the first read, as the sync twin and core's providers open theirs:
+            # the stream belongs to the loop that reads it.
+            async with await self._open_async(*request) as stream:
                 acc = StreamAccumulator(self.model_name, stream.request_id)
                 async for delta in stream:
                     response = acc.chat(delta)
@@ -281,10 +292,9 @@ class MLXTandemLLM(FunctionCallingLLM):
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
         request = self._completion_request(prompt, formatted, kwargs)
-        stream = await self._open_async(*request)
 
         async def gen() -> CompletionResponseAsyncGen:
-            async with stream:
+            async with await self._open_async(*request) as stream:
                 acc = StreamAccumulator(self.model_name, stream.request_id)
                 async for delta in stream:
                     response = acc.completion(delta)
@@ -358,6 +368,10 @@ class MLXTandemLLM(FunctionCallingLLM):
     def _structured_kwargs(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
                            llm_kwargs: Optional[dict], prompt_args: dict) -> tuple[list[ChatMessage], dict]:
         messages = self._extend_messages(prompt.format_messages(llm=self, **prompt_args))
+        # The grammar holds the answer to the schema; the model is shown it too (its fields'
+        # descriptions say what to put there), in core's words and place, as core's
+        # programs show it (LLMTextCompletionProgram's parser; FunctionCallingProgram's tool).
+        messages = _SchemaInstructions(output_cls).format_messages([m.model_copy(deep=True) for m in messages])
         kwargs = dict(llm_kwargs or {})
         for k in ("tool_choice", "tool_required", "allow_parallel_tool_calls"):
             kwargs.pop(k, None)

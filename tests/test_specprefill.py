@@ -224,6 +224,20 @@ async def test_only_the_uncached_suffix_is_scored_and_filled_sparsely(kind, requ
     assert plain.token_ids == reference_greedy(path, short_ids, 10)
 
 
+async def test_the_system_prompt_is_prefilled_densely_without_the_prefix_cache(llama_path, draft_path):
+    """SpecPrefill keeps the system prompt whole (its instructions are not the draft's to
+    drop) with the prefix cache off too: the boundary was only found for the cache, so
+    without it the draft scored the system prompt and it could be cut."""
+    chat = _gauge_reports()[0]
+    async with _engine(llama_path, draft_path, specprefill_keep_pct=0.5, prefix_cache_bytes=0) as engine:
+        ids = engine.apply_chat_template(chat)
+        boundary = {k: n for n, k in engine._renderer.cache_points(chat, ids)}["system"]
+        await engine.chat(chat, {"max_tokens": 4})
+        stats = engine.stats()["specprefill"]
+    assert boundary > 100 and stats["sparse_tokens"] == len(ids) - 1 - boundary
+    assert stats["draft_tokens"] == len(ids)  # the draft reads it all (no snapshot to start from)
+
+
 async def test_the_draft_scores_only_what_its_own_cache_does_not_hold(qwen3_5_path, draft_path):
     chats = _gauge_reports()
     async with _engine(qwen3_5_path, draft_path, specprefill_keep_pct=0.3) as engine:

@@ -286,7 +286,8 @@ class Engine:
                 messages, tools=plan.tools, template_kwargs=plan.template_kwargs)
             if media is not None:
                 media["text"] = text
-            elif self.options.prefix_cache_bytes:
+            elif self.options.prefix_cache_bytes or self.options.specprefill_draft is not None:
+                # The prefix cache's snapshot points; SpecPrefill keeps the system prompt dense.
                 cache_points = renderer.cache_points(
                     messages, prompt_ids, tools=plan.tools, template_kwargs=plan.template_kwargs)
             fmt = self._format

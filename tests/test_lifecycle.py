@@ -289,3 +289,31 @@ def test_a_request_ended_by_close_before_the_engine_took_it_is_counted(llama_pat
     assert late == ["EngineClosedError"] and _collect(busy) == "EngineClosedError"
     stats = engine.stats()
     assert stats["requests"] == 2 and _counted(stats), stats
+
+
+def test_a_caller_giving_up_during_the_load_leaves_it_to_the_others(llama_path):
+    """A caller that stops waiting for the load (``wait_for(engine.start(), ...)`` timing
+    out, a cancelled task) only stops waiting: the load goes on and the other callers, async
+    and sync, get their answers. Its cancel reached the load's shared future, which every
+    caller then read as cancelled, and the owner thread died setting its result."""
+    ref = reference_greedy(llama_path, [5, 6, 7], 3)
+
+    async def run():
+        engine = Engine(str(llama_path), show_progress=False)
+        other = asyncio.create_task(engine.complete([5, 6, 7], SamplingParams(max_tokens=3)))
+        sync_box = []
+        caller = threading.Thread(target=lambda: sync_box.append(
+            engine.complete_sync([5, 6, 7], SamplingParams(max_tokens=3)).token_ids))
+        caller.start()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.start(), 0.001)
+        try:
+            outs = [(await asyncio.wait_for(other, 60)).token_ids,
+                    (await engine.complete([5, 6, 7], SamplingParams(max_tokens=3))).token_ids]
+            await asyncio.to_thread(caller.join, 60)
+            assert engine.stats()["failed"] == 0 and engine.owner_thread.is_alive()
+        finally:
+            await engine.close()
+        return outs + sync_box
+
+    assert asyncio.run(run()) == [ref] * 3

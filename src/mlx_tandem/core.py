@@ -47,6 +47,10 @@ class EngineCore:
         self.options = options
         self.stats = EngineStats()
         self.ready: concurrent.futures.Future[LoadedModel] = concurrent.futures.Future()
+        # Running from the start, so no caller can cancel it: one that gives up waiting for
+        # the load (a cancelled task awaiting it, wrap_future passes the cancel on) would
+        # otherwise cancel the load for every caller, and the owner thread's set_result fail.
+        self.ready.set_running_or_notify_cancel()
         self.loaded: Optional[LoadedModel] = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=OWNER_THREAD_NAME, daemon=True)

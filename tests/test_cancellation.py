@@ -56,6 +56,30 @@ async def test_cancelling_the_awaiting_task(engine):
     assert engine.stats()["running"] == 0
 
 
+async def test_cancelling_a_reader_of_a_stream_with_a_timeout_is_never_lost(engine):
+    """A stream opened with ``timeout=`` waited with asyncio.wait_for, which before Python
+    3.12 swallows a cancel that lands as its get completes: task.cancel() returned True and
+    the task read on to the end. Items already queued make that landing deterministic."""
+    async def read_all(stream):
+        return [d async for d in stream]
+
+    for ticks in range(1, 5):  # (at 0 the task never starts reading: the stream is the caller's)
+        stream = await engine.open_chat_stream(chat_prompts(1)[0], SamplingParams(max_tokens=2000), timeout=60)
+        await stream.__anext__()
+        for _ in range(100):  # let deltas queue up in the sink
+            await asyncio.sleep(0.005)
+        task = asyncio.create_task(read_all(stream))
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        assert task.cancel()
+        try:
+            await task
+            raise AssertionError(f"the cancel after {ticks} ticks was lost")
+        except asyncio.CancelledError:
+            pass
+        assert stream.request_id not in _running_ids(engine)
+
+
 async def test_breaking_out_of_a_stream_aborts(engine):
     params = SamplingParams(max_tokens=2000)
     async for _ in engine.stream_chat(chat_prompts(1)[0], params):

@@ -221,10 +221,16 @@ class AsyncStream(_StreamBase):
             return await self._sink.get()
         left = self.deadline - time.monotonic()
         if left > 0:
+            # Not asyncio.wait_for: before Python 3.12 it swallows a cancel that arrives as
+            # its get completes, and the caller's task.cancel() was lost (the request ran on).
+            getter = asyncio.ensure_future(self._sink.get())
             try:
-                return await asyncio.wait_for(self._sink.get(), left)
-            except asyncio.TimeoutError:
-                pass
+                done, _ = await asyncio.wait({getter}, timeout=left)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            if done:
+                return getter.result()
         # Past the deadline, what arrived in time is still the caller's (asyncio.wait_for with
         # no time left cancels even a get that has an item ready); a wait only times out.
         await asyncio.sleep(0)  # deliveries already scheduled on this loop land first

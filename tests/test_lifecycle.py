@@ -317,3 +317,45 @@ def test_a_caller_giving_up_during_the_load_leaves_it_to_the_others(llama_path):
         return outs + sync_box
 
     assert asyncio.run(run()) == [ref] * 3
+
+
+def test_requests_failed_together_each_get_their_own_error(llama_path):
+    """Close (like a failed step, or a failed load) fails several requests with one error.
+    Each caller gets its own copy: one object raised by several callers gathered all their
+    frames in its traceback, each caller's locals reachable from every other's error."""
+    from mlx_tandem.errors import ContextLengthError, own_copy
+
+    engine = Engine(str(llama_path), show_progress=False)
+    streams = [engine.open_complete_stream_sync([5, 6, 7], SamplingParams(max_tokens=4000)) for _ in range(2)]
+    for s in streams:
+        next(iter(s))
+    engine.close_sync()
+
+    def reader_a():
+        secret_of_a = object()  # noqa: F841 - what must not be reachable from b's error
+        for _ in streams[0]:
+            pass
+
+    def reader_b():
+        for _ in streams[1]:
+            pass
+
+    errors = []
+    for read in (reader_a, reader_b):
+        with pytest.raises(EngineClosedError) as err:
+            read()
+        errors.append(err.value)
+    assert errors[0] is not errors[1] and str(errors[0]) == str(errors[1])
+    frames = []
+    tb = errors[1].__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert "reader_b" in frames and "reader_a" not in frames
+    # Errors whose __init__ takes keywords only are copied too.
+    original = ContextLengthError("too long", prompt_tokens=9, max_context=8)
+    original.__cause__ = ValueError("why")
+    copied = own_copy(original)
+    assert type(copied) is ContextLengthError and copied is not original
+    assert (str(copied), copied.prompt_tokens, copied.max_context, copied.__cause__) == (
+        "too long", 9, 8, original.__cause__)

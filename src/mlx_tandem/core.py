@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from .detokenizer import RequestDetokenizer
-from .errors import (EngineClosedError, EngineStepError, InvalidRequestError, QueueFullError,
+from .errors import (EngineClosedError, EngineStepError, InvalidRequestError, QueueFullError, own_copy,
                      RequestTimeoutError, RequestTooLargeError, TandemError)
 from .lanes import Lane, TokenEvent
 from .memory import CacheFootprint, MemoryLedger
@@ -405,7 +405,7 @@ class EngineCore:
             for rid in ids:
                 req = self._running.get(rid)
                 if req is not None:
-                    self._fail(req, error)
+                    self._fail(req, own_copy(error))
             return
         self.stats.record_step(
             batch_size=st.batch_size,
@@ -508,7 +508,7 @@ class EngineCore:
 
     def _fail_everything(self, exc: BaseException) -> None:
         for req in list(self._waiting) + list(self._running.values()):
-            self._fail(req, exc)
+            self._fail(req, own_copy(exc))
         self._waiting.clear()
         self._update_queue_stats()
         self._fail_inbox(exc)
@@ -521,7 +521,7 @@ class EngineCore:
             except queue.Empty:
                 break
             if kind == "add":
-                self._emit(arg, exc)
+                self._emit(arg, own_copy(exc))
                 self.stats.count("requests_failed")
             elif kind == "call" and arg[1].set_running_or_notify_cancel():  # not if cancelled
                 arg[1].set_exception(EngineClosedError("the engine is closed"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 
 class TandemError(Exception):
     """Base class of every error raised by mlx-tandem."""
@@ -59,3 +61,20 @@ class RequestTimeoutError(TandemError, TimeoutError):
 class EngineStepError(TandemError):
     """A forward step failed unexpectedly; the requests in it were failed, the engine recovered."""
 
+
+
+def own_copy(exc: BaseException) -> BaseException:
+    """One caller's own copy of an error that fails several requests at once (a failed step,
+    a closed engine, a failed load). Raised as one object in several callers, it gathered
+    each caller's frames in one traceback: every caller's locals stayed reachable from
+    every other's error. The copy keeps the type, message, attributes and cause."""
+    try:
+        new = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an __init__ that takes keywords only
+        new = BaseException.__new__(type(exc))
+        new.args = exc.args
+        new.__dict__.update(vars(exc))
+    new.__cause__, new.__context__ = exc.__cause__, exc.__context__
+    new.__suppress_context__ = exc.__suppress_context__
+    new.__traceback__ = None
+    return new

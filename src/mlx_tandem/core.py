@@ -81,8 +81,10 @@ class EngineCore:
         with self._inbox_lock:
             if self._closed.is_set():
                 raise EngineClosedError("the engine is closed")
+            # Counted before the put: once it is in, the owner thread may finish it at once,
+            # and stats() must never show more finished than submitted.
+            self.stats.count("requests_submitted")
             self._inbox.put(("add", request))
-        self.stats.count("requests_submitted")
 
     def abort(self, request: Request) -> None:
         """Abort ``request`` (the object, not its id: a refused duplicate id aborts nothing).

@@ -15,6 +15,7 @@ from mlx_tandem.memory import CACHE_STEP, MemoryLedger, derive_budget, device_me
 
 from .numerics import same_greedy_rows
 from .reference import reference_greedy
+from .spies import encoder_passes
 
 
 def _prompt(n: int, start: int = 100) -> list[int]:
@@ -365,15 +366,28 @@ def _unexpanded(engine, msgs) -> int:
     return len(engine._renderer.render(msgs))
 
 
+def _image_chat(seed: int) -> list[dict]:
+    import numpy as np
+    from PIL import Image
+
+    img = Image.fromarray((np.random.default_rng(seed).random((128, 128, 3)) * 255).astype("uint8"))
+    return [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what?"}]}]
+
+
+def _alone_and_unexpanded(path, msgs):
+    """The chat's answer alone (8 tokens) and its prompt's length before image expansion."""
+    engine = Engine(str(path), show_progress=False).start_sync()
+    try:
+        return engine.chat_sync(msgs, SamplingParams(max_tokens=8)), _unexpanded(engine, msgs)
+    finally:
+        engine.close_sync()
+
+
 def test_an_image_request_is_measured_with_its_expanded_prompt(qwen3_5_vl_path):
     """The vision lane learns a prompt's image tokens only when it takes the request: one
     that fits before the images are expanded and not after fails typed, leaves nothing
     behind in the lane, and the engine keeps serving both lanes."""
-    import numpy as np
-    from PIL import Image
-
-    img = Image.fromarray((np.random.default_rng(0).random((128, 128, 3)) * 255).astype("uint8"))
-    msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what?"}]}]
+    msgs = _image_chat(seed=0)
     ledger = _ledger(qwen3_5_vl_path)
     engine = Engine(str(qwen3_5_vl_path), show_progress=False,
                     request_memory_bytes=ledger.alone_bytes("vision", CACHE_STEP)).start_sync()
@@ -398,29 +412,11 @@ def test_an_image_request_waits_when_its_expanded_prompt_does_not_fit_beside_oth
     running text request waits at its place and runs when the text request is done, with the
     answer it gives alone; the reservation never passes the budget, and the vision encoder
     runs once for it (not once when measured and again when it finally starts)."""
-    import numpy as np
-    from mlx_vlm.models.qwen3_5 import Model
-    from PIL import Image
-
-    encoded = []
-    original = Model.get_input_embeddings
-
-    def counting(self, input_ids=None, pixel_values=None, **kwargs):
-        encoded.append(input_ids.shape[-1])
-        return original(self, input_ids, pixel_values, **kwargs)
-
-    monkeypatch.setattr(Model, "get_input_embeddings", counting)
-
-    img = Image.fromarray((np.random.default_rng(1).random((128, 128, 3)) * 255).astype("uint8"))
-    msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what?"}]}]
+    encoded = encoder_passes(monkeypatch)
+    msgs = _image_chat(seed=1)
     ledger = _ledger(qwen3_5_vl_path)
     text_tokens = ledger.row_tokens("text", 10, 200)
-    engine = Engine(str(qwen3_5_vl_path), show_progress=False).start_sync()
-    try:
-        alone = engine.chat_sync(msgs, SamplingParams(max_tokens=8))
-        unexpanded = _unexpanded(engine, msgs)
-    finally:
-        engine.close_sync()
+    alone, unexpanded = _alone_and_unexpanded(qwen3_5_vl_path, msgs)
     assert alone.usage.prompt_tokens > unexpanded and len(encoded) == 1
     encoded.clear()
     budget = ledger.alone_bytes("text", text_tokens) + ledger.alone_bytes("vision", ledger.row_tokens("vision", unexpanded, 8))
@@ -444,18 +440,9 @@ def test_an_image_request_waits_when_its_expanded_prompt_does_not_fit_beside_oth
 def test_an_image_request_cancelled_while_waiting_for_memory_counts_its_expanded_prompt(qwen3_5_vl_path):
     """The request that waits for memory was measured with its images expanded, so a cancel
     before it starts reports the prompt it would have run, not one token per image."""
-    import numpy as np
-    from PIL import Image
-
-    img = Image.fromarray((np.random.default_rng(2).random((128, 128, 3)) * 255).astype("uint8"))
-    msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what?"}]}]
+    msgs = _image_chat(seed=2)
     ledger = _ledger(qwen3_5_vl_path)
-    engine = Engine(str(qwen3_5_vl_path), show_progress=False).start_sync()
-    try:
-        alone = engine.chat_sync(msgs, SamplingParams(max_tokens=8))
-        unexpanded = _unexpanded(engine, msgs)
-    finally:
-        engine.close_sync()
+    alone, unexpanded = _alone_and_unexpanded(qwen3_5_vl_path, msgs)
     budget = (ledger.alone_bytes("text", ledger.row_tokens("text", 10, 200))
               + ledger.alone_bytes("vision", ledger.row_tokens("vision", unexpanded, 8)))
     engine = Engine(str(qwen3_5_vl_path), show_progress=False, request_memory_bytes=budget).start_sync()

@@ -263,18 +263,11 @@ def test_structured_output_on_an_image_closes_within_the_expanded_prompts_room(q
 def test_an_image_too_long_for_the_context_is_refused_before_the_encoder_runs(qwen3_5_vl_path, monkeypatch):
     """The expanded prompt's length is known from the processor: an image that cannot fit is
     refused without a vision-encoder pass that the lane's other rows would wait for."""
-    from mlx_vlm.models.qwen3_5 import Model
-
     from mlx_tandem.errors import ContextLengthError
 
-    encoded = []
-    original = Model.get_input_embeddings
+    from .spies import encoder_passes
 
-    def counting(self, input_ids=None, pixel_values=None, **kwargs):
-        encoded.append(input_ids.shape[-1])
-        return original(self, input_ids, pixel_values, **kwargs)
-
-    monkeypatch.setattr(Model, "get_input_embeddings", counting)
+    encoded = encoder_passes(monkeypatch)
     small = [_user(_img_part(_data_uri(_image(6, 32))), _text("?"))]
     large = [_user(_img_part(_data_uri(_image(7, 256))), _text("?"))]
     engine = Engine(qwen3_5_vl_path, show_progress=False)

@@ -289,13 +289,52 @@ async def test_usage_counts_the_tokens_spent_reasoning(qwen3_5_engine, prompt, a
     assert (whole.reasoning != "") == (expected > 0), whole
 
 
+async def test_calls_of_a_format_without_an_end_marker(llama_path):
+    """Mistral's calls (mlx-lm's parser: no end marker) run to the end of the answer, and
+    stop strings must not cut them either: the exemption was only built for formats with
+    an end marker, so stop="," cut the call at its first comma into an invalid one. Nor
+    could such a call be forced ("no tool-call markers")."""
+    from mlx_lm.tool_parsers import mistral
+
+    from mlx_tandem import Engine
+
+    engine = Engine(llama_path, show_progress=False)
+    await engine.start()
+    try:
+        engine._format = dataclasses.replace(
+            engine._format, tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
+            tool_parser=mistral.parse_tool_call, tool_format="mistral", template_has_tools=True)
+        for stop in ([","], ["}"], ["NEVER"]):
+            _, params = _forced(engine, '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', stop=stop)
+            out = await engine.chat(USER, params, tools=[ADD])
+            assert [(c.name, c.arguments) for c in out.tool_calls] == [("add", {"a": 1, "b": 2})], stop
+            assert out.finish_reason == "tool_calls" and out.content == ""
+        # Calls can be forced in this format too (a JSON list after the marker, which
+        # mlx-lm's parser reads), and a JSON response_format still lets the model call.
+        for choice in ("required", "add"):
+            out = await engine.chat(USER, {"max_tokens": 80}, tools=[ADD], tool_choice=choice)
+            assert out.text.startswith("[TOOL_CALLS][{") and len(out.tool_calls) == 1 and not out.invalid_tool_calls
+            assert out.tool_calls[0].name == "add" and set(out.tool_calls[0].arguments) == {"a", "b"}
+        call = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]'
+        schema = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}
+        _, params = _forced(engine, call)
+        out = await engine.chat(USER, params, tools=[ADD],
+                                response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+        # (the forced text's spacing differs from the grammar's JSON, which then picks the values)
+        assert [(c.name, set(c.arguments)) for c in out.tool_calls] == [("add", {"a", "b"})]
+    finally:
+        await engine.close()
+
+
 # ---------------------------------------------------------------------------- grouping
-@pytest.mark.parametrize("end_tokens", [1, 3])
+@pytest.mark.parametrize("end_tokens", [1, 3, "merged"])
 def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped(end_tokens):
     """parallel_tool_calls=False ends the answer at its call. A speculative step can bring
     the call's end and what follows (EOS, more text) in one delta; a plain step brings them
     one by one. The output (tokens, text, usage, call) must not depend on it, also where the
-    end marker is several tokens that begin in an earlier delta."""
+    end marker is several tokens that begin in an earlier delta, or where its last token
+    carries what follows ("call>\\n\\n"): the tokens through it are kept, the text to the
+    marker's end (the marker's own ids never appear there, and whole deltas were kept)."""
     from mlx_lm.tool_parsers.json_tools import parse_tool_call
 
     from mlx_tandem.chat_format import ChatFormat
@@ -304,9 +343,10 @@ def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped(
     from mlx_tandem.request import Request, SyncSink
     from mlx_tandem.streams import SyncStream
 
-    end = [(9, "</tool_call>")] if end_tokens == 1 else [(9, "</"), (10, "tool_"), (11, "call>")]
+    end = {1: [(9, "</tool_call>")], 3: [(9, "</"), (10, "tool_"), (11, "call>")],
+           "merged": [(9, "</"), (10, "tool_"), (12, "call>\n\n")]}[end_tokens]
     fmt = ChatFormat(tool_call_start="<tool_call>", tool_call_end="</tool_call>",
-                     tool_call_end_ids=tuple(i for i, _ in end),
+                     tool_call_end_ids=(9,) if end_tokens == 1 else (9, 10, 11),  # how the marker encodes alone
                      tool_format="json_tools", tool_parser=parse_tool_call, template_has_tools=True)
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     pieces = [(7, "<tool_call>"), (5, '\n{"name": "add", "arguments": {"a": 1}}\n'), *end,
@@ -329,8 +369,9 @@ def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped(
             fmt, tools=tools, parse_tool_calls=True, max_tool_calls=1))
         for k, group in enumerate(groups):
             last = k == len(groups) - 1
+            ends = [len("".join(t for _, t in group[: j + 1])) for j in range(len(group))]
             delta = StreamDelta("r", "".join(t for _, t in group), tuple(i for i, _ in group),
-                                finish_reason="stop" if last and finish_last else None)
+                                finish_reason="stop" if last and finish_last else None, text_ends=tuple(ends))
             stream._accept(delta)
             if stream._done:
                 break
@@ -339,7 +380,8 @@ def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped(
 
     plain, early = run([[p] for p in pieces], finish_last=False)
     assert early == 1 and plain.finish_reason == "tool_calls"
-    assert plain.token_ids == [i for i, _ in pieces[:n]] and plain.text == "".join(t for _, t in pieces[:n])
+    assert plain.token_ids == [i for i, _ in pieces[:n]]
+    assert plain.text == "".join(t for _, t in pieces[:n]).removesuffix("\n\n")
     for groups in ([pieces[:2], pieces[2:n + 1]], [pieces[:1], pieces[1:]], [pieces],
                    [pieces[:n - 1], pieces[n - 1:]], [pieces[:3], pieces[3:]]):
         grouped, _ = run(groups, finish_last=True)

@@ -161,7 +161,7 @@ def plan_chat(
         return ChatPlan(tools=None, template_kwargs=kwargs, constraint=constraint, banned_token_ids=banned,
                         reason_first=reason_first, verbatim=_verbatim(constraint, reason_first))
     call_or_answer = (not forced and constraint is not None and constraint.kind == "json_schema"
-                      and bool(tools) and bool(fmt.tool_call_start and fmt.tool_call_end))
+                      and bool(tools) and bool(fmt.tool_call_start))
     if call_or_answer:
         constraint = call_or_answer_constraint(fmt, tools, constraint, parallel=parallel_tool_calls is not False,
                                                marker=marker)

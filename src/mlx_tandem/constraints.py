@@ -279,14 +279,24 @@ def tool_call_constraint(fmt: ChatFormat, tools: Sequence[dict], names: Sequence
     syntaxes with markers (e.g. Qwen3.5's XML-like ``qwen3_coder``) the same JSON body is
     forced and the output parser reads forced bodies as JSON (see docs/design.md).
     """
-    if not (fmt.tool_call_start and fmt.tool_call_end):
+    if not fmt.tool_call_start:
         raise ConstraintError(
             "this model's chat template has no tool-call markers, so a tool call cannot be forced")
-    call = f'{marker(fmt.tool_call_start)} "\\n" body "\\n" {marker(fmt.tool_call_end)}'
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
     body = _schema_text(lambda: _call_body_schema(tools, names))
-    grammar = f"{start}\ncall: {call}\nbody: %json {body}\n"
+    grammar = f"start: calls\n{_calls_rules(fmt, parallel, marker)}\nbody: %json {body}\n"
     return Constraint("lark", grammar, f"tool_call({', '.join(names)})", _string_hints(body))
+
+
+def _calls_rules(fmt: ChatFormat, parallel: bool, marker: Callable[[str], str]) -> str:
+    """The Lark rule ``calls``: one call (or several) of JSON ``body`` rules in the format's
+    markup. A format without an end marker (Mistral's, ``[TOOL_CALLS]``) writes its calls as
+    one JSON list after the start marker, which mlx-lm's parser for it reads; the answer ends
+    with them."""
+    if not fmt.tool_call_end:
+        more = '(", " body)*' if parallel else ""
+        return f'calls: {marker(fmt.tool_call_start)} "[" body {more} "]"'
+    call = f'{marker(fmt.tool_call_start)} "\\n" body "\\n" {marker(fmt.tool_call_end)}'
+    return f'calls: call ("\\n" call)*\ncall: {call}' if parallel else f"calls: call\ncall: {call}"
 
 
 def call_or_answer_constraint(fmt: ChatFormat, tools: Sequence[dict], answer: Constraint, *,
@@ -299,10 +309,9 @@ def call_or_answer_constraint(fmt: ChatFormat, tools: Sequence[dict], answer: Co
     forced to JSON bodies between the format's markers, as forced calls are.
     """
     names = tool_names(tools)
-    call = f'{marker(fmt.tool_call_start)} "\\n" body "\\n" {marker(fmt.tool_call_end)}'
-    calls = 'calls: call ("\\n" call)*' if parallel else "calls: call"
     body = _schema_text(lambda: _call_body_schema(tools, names))
-    grammar = f"start: calls | answer\n{calls}\ncall: {call}\nbody: %json {body}\nanswer: {_as_rule(answer)}\n"
+    grammar = (f"start: calls | answer\n{_calls_rules(fmt, parallel, marker)}\nbody: %json {body}\n"
+               f"answer: {_as_rule(answer)}\n")
     return Constraint("lark", grammar, f"tool_call({', '.join(names)}) or {answer.description}",
                       answer.hints + _string_hints(body))
 

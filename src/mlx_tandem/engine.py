@@ -307,7 +307,7 @@ class Engine:
                         f"that are one token each; {fmt.think_start!r} and {fmt.think_end!r} are not")
                 constraint = after_reasoning(constraint, self._think_ids, opened=starts_in_reasoning)
             open_call = plan.open_call
-            if plan.parse_tool_calls and fmt.tool_call_start and fmt.tool_call_end:
+            if plan.parse_tool_calls and fmt.tool_call_start:  # Mistral's calls have no end marker
                 thinks = fmt.has_thinking
                 stop_exempt = CallMarkers(fmt.tool_call_start, fmt.tool_call_end,
                                           fmt.think_start if thinks else "", fmt.think_end if thinks else "",

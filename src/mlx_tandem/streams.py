@@ -128,26 +128,34 @@ class _StreamBase:
     def _cut_after_call(self, item: StreamDelta) -> StreamDelta:
         """``item`` (the last delta, already accumulated) without what follows the end of
         the call that ended the answer: the first end marker that ends in this delta, in its
-        tokens and in its text. A marker of several tokens may begin in an earlier delta
-        (how tokens group into deltas depends on MTP)."""
-        fmt = self._parser.format
-        ids, n = list(fmt.tool_call_end_ids), len(item.token_ids)
-        start = len(self.token_ids) - n
-        keep = n
-        if ids:
-            keep = next((i - start + len(ids) for i in range(max(0, start - len(ids) + 1),
+        text and in its tokens, through the token that completed the marker. The marker may
+        begin in an earlier delta (how tokens group into deltas depends on MTP), and its last
+        token may carry what follows (a tokenizer's ``>\n\n``): the cut is found in the text
+        and mapped to tokens by their text ends, not by the marker's own token ids."""
+        end = self._parser.format.tool_call_end
+        n = len(item.token_ids)
+        if not end:  # Mistral's calls run to the end of the answer
+            return item
+        whole = "".join(self.text_parts)
+        delta_at = len(whole) - len(item.text)
+        at = whole.find(end, max(0, delta_at - len(end) + 1))
+        if at < 0:
+            return item
+        cut = at + len(end)
+        first = len(self.token_ids) - n
+        if len(item.text_ends) == n:
+            keep = next((k + 1 for k in range(n) if self._text_ends[first + k] >= cut), n)
+        else:  # no per-token text: the marker's own ids, where they appear
+            ids = list(self._parser.format.tool_call_end_ids)
+            keep = next((i - first + len(ids) for i in range(max(0, first - len(ids) + 1),
                                                               len(self.token_ids) - len(ids) + 1)
-                         if self.token_ids[i: i + len(ids)] == ids), n)
-        del self.token_ids[start + keep:]
-        del self._text_ends[start + keep:]
-        text, end = item.text, fmt.tool_call_end
-        if end:
-            before = "".join(self.text_parts[:-1])[-(len(end) - 1):] if len(end) > 1 else ""
-            at = (before + text).find(end)
-            if at >= 0:
-                text = text[: at + len(end) - len(before)]
-                self.text_parts[-1] = text
-        return dataclasses.replace(item, text=text, token_ids=tuple(item.token_ids[:keep]))
+                         if ids and self.token_ids[i: i + len(ids)] == ids), n)
+        del self.token_ids[first + keep:]
+        del self._text_ends[first + keep:]
+        text = item.text[: max(0, cut - delta_at)]
+        self.text_parts[-1] = text
+        return dataclasses.replace(item, text=text, token_ids=tuple(item.token_ids[:keep]),
+                                   text_ends=tuple(min(e, len(text)) for e in item.text_ends[:keep]))
 
     def _reasoning_tokens(self) -> int:
         """Completion tokens up to the end of the reasoning: through the first ``think_end``

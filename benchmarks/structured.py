@@ -21,7 +21,7 @@ for a completion and what those searches took (``closing_path``), and how many (
 are complete documents that validate.
 
     python benchmarks/structured.py results/structured.json           # full
-    python benchmarks/structured.py results/structured.json --quick   # about a minute
+    python benchmarks/structured.py results/structured.json --quick   # about two minutes
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def plot(results: dict, plt):
 
 
 def main(argv=None) -> int:
-    args, results = report.measure(__doc__, "fewer, shorter requests (about a minute)", bench, argv)
+    args, results = report.measure(__doc__, "fewer, shorter requests (about two minutes)", bench, argv)
     print(f"\n{'batch':>5} {'free tok/s':>11} {'schema tok/s':>13} {'+MTP tok/s':>11} {'(b)/(a)':>8} {'(c)/(b)':>8} "
           f"{'accept':>7} {'grammar µs/tok':>15} {'searches':>9} {'search s':>9} {'valid':>6}")
     n = results["requests"]

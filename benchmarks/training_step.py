@@ -82,7 +82,7 @@ def torch_step_fn(init_dir: Path, bf16: bool = False):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("output", nargs="?", default="benchmarks/results/training_step.json")
     p.add_argument("--steps", type=int, default=6, help="timed steps per framework (after one warm-up)")
     p.add_argument("--batch", type=int, default=8)

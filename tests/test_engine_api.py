@@ -19,6 +19,8 @@ def test_shared_engine_per_model_and_options(llama_path, qwen3_5_path):
     try:
         assert a is b
         assert a is not c and a is not d
+        # A display option makes no second engine (and no second copy of the weights).
+        assert Engine.shared(llama_path) is a
         a.close_sync()
         assert Engine.shared(llama_path, show_progress=False) is not a
     finally:
@@ -123,6 +125,42 @@ def test_model_info_reads_the_checkpoint_without_loading(qwen3_5_path, qwen3_5_e
     assert loaded.context_length == qwen3_5_engine.context_length
     assert Engine("/no/such/model").model_info(load=False) is None
     engine.close_sync()
+
+
+def test_model_info_without_loading_never_raises_a_failed_loads_error():
+    """load=False answers None for a model not on disk, also after its load failed (it
+    re-raised the load's error, a long chained traceback)."""
+    from mlx_tandem.errors import ModelLoadError
+
+    engine = Engine("/no/such/model", show_progress=False)
+    with pytest.raises(ModelLoadError):
+        engine.chat_sync([{"role": "user", "content": "hi"}])
+    assert engine.model_info(load=False) is None
+    with pytest.raises(ModelLoadError):
+        engine.model_info()
+    engine.close_sync()
+
+
+def test_operator_warnings_say_what_to_do(llama_path, caplog):
+    """A budget set too small says to raise it (not to set it); a long prompt's only
+    message is the engine's ContextLengthError, not transformers' warning of indexing
+    errors that never come."""
+    import logging
+
+    from mlx_tandem import ContextLengthError
+
+    with caplog.at_level(logging.WARNING):
+        engine = Engine(llama_path, show_progress=False, request_memory_bytes=1000).start_sync()
+        engine.close_sync()
+        engine = Engine(llama_path, show_progress=False).start_sync()
+        try:
+            with pytest.raises(ContextLengthError):
+                engine.complete_sync("word " * (engine.context_length + 10))
+        finally:
+            engine.close_sync()
+    text = caplog.text
+    assert "cannot hold one row's cache" in text and "raise request_memory_bytes" in text
+    assert "indexing errors" not in text and "sequence length is longer" not in text
 
 
 def _keys(tree: dict, prefix: str = "") -> set[str]:

@@ -224,3 +224,21 @@ async def test_answers_compared_as_text_are_judged_on_their_tokens(gpu_rules, qw
     monkeypatch.setattr(numerics, "NEAR_TIE", 0.0)  # the bundled BLAS: text must be equal
     with pytest.raises(AssertionError, match="diverged"):
         log.same_answers([got.content], [want.content], judge=engine)
+
+
+def test_mlx_imported_first_is_a_warning_with_its_remedy():
+    """On Linux, OpenBLAS must be loaded before mlx. When the caller imported mlx first the
+    engine runs on the wheel's reference BLAS (about 20x slower matmuls): that was a debug
+    line only; it is a warning that says what to do."""
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("OpenBLAS is loaded on Linux only")
+    code = "import logging; logging.basicConfig(); import mlx.core; import mlx_tandem"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING" in proc.stderr and "import mlx_tandem first" in proc.stderr
+    fine = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(); import mlx_tandem, mlx.core"],
+                          capture_output=True, text=True, timeout=120)
+    assert "import mlx_tandem first" not in fine.stderr

@@ -63,7 +63,9 @@ def setup() -> None:
         logger.debug("BLAS: mlx's bundled BLAS (%s is set)", DISABLE_ENV)
         return
     if "mlx.core" in sys.modules:
-        logger.debug("BLAS: mlx was imported before mlx_tandem; OpenBLAS not loaded")
+        # Loud: matmuls then run on the wheel's reference BLAS, about 20x slower on CPU.
+        logger.warning("BLAS: mlx was imported before mlx_tandem, so OpenBLAS could not be loaded "
+                       "under it; import mlx_tandem first for fast CPU matmuls")
         return
     _blas = _load_openblas()
     if _blas:

@@ -47,7 +47,10 @@ async def run(model: str | None, concurrency: int, max_tokens: int) -> None:
     print("\nWith a get_weather tool (the model decides to call it; the engine holds each call to the "
           "tool's schema):")
     for request, out in zip(requests, outs):
-        print(f"  {request!r} -> tool calls: {[(c.name, c.arguments) for c in out.tool_calls] or out.text!r}")
+        if out.tool_calls:
+            print(f"  {request!r} -> tool calls: {[(c.name, c.arguments) for c in out.tool_calls]}")
+        else:
+            print(f"  {request!r} -> no call, text: {out.text!r}")
 
     print(f"\nNow {concurrency} concurrent requests share each forward step...", flush=True)
     topics = ["json.loads", "functools.lru_cache", "textwrap.dedent", "math.gcd", "os.path.join",
@@ -68,18 +71,28 @@ async def run(model: str | None, concurrency: int, max_tokens: int) -> None:
         value = stats[key]
         print(f"  {key:24s} {value:.2f}" if isinstance(value, float) else f"  {key:24s} {value}")
     mtp = stats["mtp"]
-    print(f"  {'mtp_acceptance_rate':24s} {mtp['acceptance_rate']:.2f} "
-          f"({mtp['accepted']}/{mtp['drafted']} drafts, {mtp['spec_steps']} speculative steps)")
+    if mtp["drafted"]:
+        print(f"  {'mtp_acceptance_rate':24s} {mtp['acceptance_rate']:.2f} "
+              f"({mtp['accepted']}/{mtp['drafted']} drafts, {mtp['spec_steps']} speculative steps)")
+    else:
+        print(f"  {'mtp_acceptance_rate':24s} n/a (nothing drafted: no MTP head, or MTP off)")
     for q, o in list(zip(questions, outs))[:3]:
         print(f"  {q} -> {o.text.strip()[:80]!r}")
     await engine.close()
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--concurrency", type=_positive, default=16)
+    parser.add_argument("--max-tokens", type=_positive, default=48)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     asyncio.run(run(args.model, args.concurrency, args.max_tokens))

@@ -92,7 +92,9 @@ class Engine:
     def shared(cls, model: Optional[str | Path] = None, **options: Any) -> "Engine":
         """The process-wide engine for (model, options): adapters share weights through this."""
         opts = EngineOptions.from_kwargs(**options)
-        key = (_model_key(model), opts)
+        # A display option does not make another engine (the weights loaded twice): the
+        # first caller's progress bar setting holds.
+        key = (_model_key(model), dataclasses.replace(opts, show_progress=True))
         with cls._shared_lock:
             engine = cls._shared.get(key)
             if engine is None or engine.closed:
@@ -221,12 +223,13 @@ class Engine:
         """
         name = DEFAULT_MODEL_NAME if self._model_arg is None else str(self._model_arg)
         core = self._core
-        if core is None or not core.ready.done():
+        failed = core is not None and core.ready.done() and core.ready.exception() is not None
+        if core is None or not core.ready.done() or failed:
             path = local_checkpoint(self._model_arg)
             if path is not None:
                 return read_model_info(path, name=name, max_model_len=self.options.max_model_len)
             if not load:
-                return None
+                return None  # not on disk (a failed load too: load=False never raises its error)
         loaded = self.loaded  # not on disk yet: load (builds/downloads on the owner thread)
         fmt = self.chat_format
         info = read_model_info(loaded.path, name=name, max_model_len=self.options.max_model_len)

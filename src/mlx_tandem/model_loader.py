@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -155,6 +156,9 @@ def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
         bar.update()
         bar.set_postfix_str("tokenizer")
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        # The engine checks prompts against the context window itself (ContextLengthError);
+        # transformers' own check only printed a warning of "indexing errors" that never come.
+        tokenizer._tokenizer.model_max_length = sys.maxsize
         bar.update()
         bar.set_postfix_str("dtype")
         dtype = _platform.compute_dtype()

@@ -94,6 +94,8 @@ def make_ledger(loaded: LoadedModel, opts: EngineOptions, lanes: dict[str, Lane]
                 "%d full-context rows fit", budget / 2**20, footprint.kv_bytes_per_token,
                 footprint.state_bytes_per_row, budget // max(full_context, 1))
     if budget < ledger.alone_bytes("text", 1):
+        remedy = ("raise request_memory_bytes" if opts.request_memory_bytes is not None
+                  else "lower prefix_cache_bytes or set request_memory_bytes")
         logger.warning("the request memory budget (%d B) cannot hold one row's cache: every request will "
-                       "fail; lower prefix_cache_bytes or set request_memory_bytes", budget)
+                       "fail; %s", budget, remedy)
     return ledger

@@ -254,9 +254,9 @@ class EngineCore:
             self._emit(req, InvalidRequestError(f"request_id {rid!r} is already in use by a live request"))
             self.stats.count("requests_failed")
             return
-        need = self._memory.alone_bytes(req.lane, self._row_tokens(req))
-        if need > self._memory.budget:
-            self._fail(req, self._too_large(req, need))
+        too_large = self._never_fits(req)
+        if too_large is not None:
+            self._fail(req, too_large)
             return
         if len(self._waiting) >= self.options.max_waiting:
             self._admit()  # a burst drained in one go: start what free slots can take first
@@ -297,6 +297,11 @@ class EngineCore:
         for req in late:
             self._take_out(req)
             self._fail(req, RequestTimeoutError(f"request {req.request_id} exceeded its timeout"))
+
+    def _never_fits(self, req: Request) -> Optional[RequestTooLargeError]:
+        """The error for a request whose cache alone passes the memory budget, else None."""
+        need = self._memory.alone_bytes(req.lane, self._row_tokens(req))
+        return self._too_large(req, need) if need > self._memory.budget else None
 
     def _too_large(self, req: Request, need: int) -> RequestTooLargeError:
         return RequestTooLargeError(
@@ -368,9 +373,9 @@ class EngineCore:
         checked; False when that failed the request (or showed it can never fit)."""
         try:
             lane.prepare(req)
-            need = self._memory.alone_bytes(req.lane, self._row_tokens(req))
-            if need > self._memory.budget:
-                raise self._too_large(req, need)
+            too_large = self._never_fits(req)
+            if too_large is not None:
+                raise too_large
             return True
         except TandemError as exc:
             self._fail(req, exc)

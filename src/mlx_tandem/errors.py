@@ -62,7 +62,6 @@ class EngineStepError(TandemError):
     """A forward step failed unexpectedly; the requests in it were failed, the engine recovered."""
 
 
-
 def own_copy(exc: BaseException) -> BaseException:
     """One caller's own copy of an error that fails several requests at once (a failed step,
     a closed engine, a failed load). Raised as one object in several callers, it gathered

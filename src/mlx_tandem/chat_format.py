@@ -1,18 +1,17 @@
 """What a model's chat format looks like: reasoning markers and the tool-call syntax.
 
 Inferred by mlx-lm's TokenizerWrapper from the chat template and vocabulary (the same
-inference ``mlx_lm.server`` uses), so every format mlx-lm can parse, we can parse. A
-``tool_parser_type`` in tokenizer_config.json overrides the inference (mlx-lm reads it).
+inference ``mlx_lm.server`` uses), so every tool-call syntax mlx-lm has a parser for, we
+can parse; a call can be forced in any syntax with a start marker (a JSON body between the
+markers, or a JSON list after a lone start marker: constraints.py). A ``tool_parser_type``
+in tokenizer_config.json overrides the inference (mlx-lm reads it). Not read yet: mlx-lm's
+``structural_markers`` and ``response_transitions`` (Kimi K3's wrappers, header channels).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
-
-# Tool-call syntaxes the engine can *force* with a grammar (tool_choice="required" or a
-# tool name). Parsing works for every syntax mlx-lm has a parser for.
-FORCEABLE_TOOL_FORMATS = ("json_tools", "qwen3_coder")
 
 
 @dataclass(frozen=True)
@@ -44,10 +43,6 @@ class ChatFormat:
     @property
     def has_tool_calling(self) -> bool:
         return self.tool_parser is not None and bool(self.tool_call_start)
-
-    @property
-    def can_force_tool_calls(self) -> bool:
-        return self.has_tool_calling and self.tool_format in FORCEABLE_TOOL_FORMATS
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "ChatFormat":

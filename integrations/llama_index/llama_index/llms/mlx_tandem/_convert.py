@@ -164,14 +164,15 @@ def _invalid_calls(raw: Any, answered: set) -> list[dict]:
     return out
 
 
-def _in_written_order(calls: list[dict], kw: dict) -> list[dict]:
-    """Valid and invalid calls back in the order the model wrote them (the answer's
-    ``additional_kwargs`` number them), so the history renders as it was written."""
+def in_written_order(calls: list, kw: dict, call_id) -> list:
+    """``calls`` in the order the model wrote them, valid and invalid ones together: the
+    answer's ``additional_kwargs`` number them. Unchanged where any call is not numbered.
+    ``call_id`` reads a call's id."""
     written = {c.get("id"): c.get("index") for key in ("tool_calls", "invalid_tool_calls")
                for c in (kw.get(key) or []) if isinstance(c, dict) and isinstance(c.get("index"), int)}
-    if len(calls) < 2 or not all(c["id"] in written for c in calls):
+    if not all(call_id(c) in written for c in calls):
         return calls
-    return sorted(calls, key=lambda c: written[c["id"]])
+    return sorted(calls, key=lambda c: written[call_id(c)])
 
 
 def _newline_between_texts(parts: list[dict]) -> list[dict]:
@@ -201,7 +202,7 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
         kw = m.additional_kwargs
         if role == "assistant":
             calls = (calls or _legacy_tool_calls(kw.get("tool_calls"))) + _invalid_calls(kw.get("invalid_tool_calls"), answered)
-            calls = _in_written_order(calls, kw)
+            calls = in_written_order(calls, kw, lambda c: c["id"])  # the history as it was written
             if calls:
                 d["tool_calls"] = calls
             if reasoning:

@@ -44,7 +44,8 @@ from mlx_tandem import Engine, SamplingParams
 from mlx_tandem.call_options import model_name_alias, resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 
-from ._convert import StreamAccumulator, to_chat_response, to_completion_response, to_engine_messages
+from ._convert import (StreamAccumulator, in_written_order, to_chat_response, to_completion_response,
+                       to_engine_messages)
 
 dispatcher = get_dispatcher(__name__)
 
@@ -356,13 +357,7 @@ class MLXTandemLLM(FunctionCallingLLM):
         if not calls and error_on_no_tool_call:
             raise ValueError(f"Expected at least one tool call, but got {len(calls)} tool calls.")
         # In the order the model wrote them (an agent runs them in this order).
-        extra = response.message.additional_kwargs
-        written = {c.get("id"): c.get("index") for c in [*(extra.get("tool_calls") or []),
-                                                          *(extra.get("invalid_tool_calls") or [])]
-                   if isinstance(c, dict) and isinstance(c.get("index"), int)}
-        if all(c.tool_id in written for c in calls):
-            calls.sort(key=lambda c: written[c.tool_id])
-        return calls
+        return in_written_order(calls, response.message.additional_kwargs, lambda c: c.tool_id)
 
     # ------------------------------------------------------------------ structured output
     def _structured_kwargs(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,

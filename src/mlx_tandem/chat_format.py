@@ -2,8 +2,9 @@
 
 Inferred by mlx-lm's TokenizerWrapper from the chat template and vocabulary (the same
 inference ``mlx_lm.server`` uses), so every tool-call syntax mlx-lm has a parser for, we
-can parse; a call can be forced in any syntax with a start marker (a JSON body between the
-markers, or a JSON list after a lone start marker: constraints.py). A ``tool_parser_type``
+can parse; a call can be forced in any syntax with a start marker (the native body for
+``json_tools`` and ``qwen3_coder``, else a JSON body between the markers, or a JSON list
+after a lone start marker: constraints.py). A ``tool_parser_type``
 in tokenizer_config.json overrides the inference (mlx-lm reads it). Not read yet: mlx-lm's
 ``structural_markers`` and ``response_transitions`` (Kimi K3's wrappers, header channels).
 """

@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 from .chat_format import ChatFormat
 from .detokenizer import partial_marker_length
 from .outputs import InvalidToolCall, ToolCall
+from .xml_calls import typed_arguments
 
 CONTENT, REASONING, TOOL_CALL = "content", "reasoning", "tool_call"
 
@@ -224,6 +225,10 @@ class ChatOutputParser:
         self._call_ids.add(cid)
         return cid
 
+    def _parameters(self, name: str) -> Optional[dict]:
+        return next((t["function"].get("parameters") for t in self._tools
+                     if t.get("function", {}).get("name") == name), None)
+
     def _parse_call(self, body: str) -> list:
         try:
             if self._forced_json or self._fmt.tool_parser is None:
@@ -239,6 +244,8 @@ class ChatOutputParser:
                     args = json.loads(args) if args.strip() else {}
                 if not isinstance(name, str) or not isinstance(args, dict):
                     raise ValueError("a tool call needs a string name and object arguments")
+                if self._fmt.tool_format == "qwen3_coder" and not self._forced_json:
+                    args = typed_arguments(args, self._parameters(name))
                 calls.append(ToolCall(id=self._call_id(item.get("id")), name=name, arguments=args))
             return calls
         except Exception as exc:  # noqa: BLE001 - any parser failure is an invalid call

@@ -24,8 +24,9 @@ Decisions (see docs/design.md, "Tools and structured output"):
   unless ``parallel_tool_calls=False``: then the answer ends at its first valid call
   (finish_reason "tool_calls", the row freed at once), as OpenAI's API does.
 - Under "auto", a call the model opens is held to the listed tools and their schemas by a
-  lazy grammar (tool_call_grammar.py), where the format's call body is JSON and the engine
-  option ``constrain_tool_calls`` is on (the default).
+  lazy grammar (tool_call_grammar.py), where the grammar can write the format's own call
+  body (JSON for ``json_tools``, XML for ``qwen3_coder``: ``constraints.native_body``) and
+  the engine option ``constrain_tool_calls`` is on (the default).
 - Under "auto" with a JSON response_format (``json_object``, ``json_schema``), the answer is
   either calls of the listed tools or JSON that matches the format, as in OpenAI's API: the
   format holds the text answer, not the tools. A Lark or regex response_format is the whole
@@ -38,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .chat_format import ChatFormat
-from .constraints import (Constraint, call_or_answer_constraint, open_call_constraint, response_format_constraint,
-                          tool_call_constraint)
+from .constraints import (Constraint, call_or_answer_constraint, native_body, open_call_constraint,
+                          response_format_constraint, tool_call_constraint)
 from .errors import ConstraintError, InvalidRequestError
 
 
@@ -166,7 +167,7 @@ def plan_chat(
         constraint = call_or_answer_constraint(fmt, tools, constraint, parallel=parallel_tool_calls is not False,
                                                marker=marker)
     open_call, start_id = None, None
-    if constrain_calls and tools and constraint is None and fmt.tool_format == "json_tools" \
+    if constrain_calls and tools and constraint is None and native_body(fmt, tools, names) \
             and fmt.tool_call_start and fmt.tool_call_end:
         ids = encode(fmt.tool_call_start)
         if len(ids) == 1:
@@ -176,7 +177,7 @@ def plan_chat(
         template_kwargs=kwargs,
         constraint=constraint,
         parse_tool_calls=bool(tools),
-        forced_json_calls=(bool(forced) or call_or_answer) and fmt.tool_format != "json_tools",
+        forced_json_calls=(bool(forced) or call_or_answer) and not native_body(fmt, tools, forced or names),
         open_call=open_call,
         call_start_id=start_id,
         # A forced call's grammar (and call_or_answer's) already ends the answer after one call.

@@ -47,6 +47,10 @@ _MAX_FAILED_SEARCHES = 3
 # A choice of at most this many tokens, one of them markup (a special token such as
 # <tool_call>), is judged branch by branch near the end of the budget (GrammarProcessor).
 _BRANCH_CHOICES = 4
+# Where the structure is text (``text_markup``), any choice of at most this many tokens: the
+# name of the next parameter of an XML call is spelled in as many first tokens as the tool
+# has parameters ("n", "no", "c", "code", ...), one of them an optional one that no longer fits.
+_TEXT_BRANCH_CHOICES = 24
 
 
 class TokenClasses(NamedTuple):
@@ -133,7 +137,8 @@ def allowed_tokens(matcher, vocab_size: int, respelled: Optional[dict[int, int]]
 
 
 def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
-                 hints: Sequence[Sequence[int]] = (), long_words: bool = False) -> Optional[list[int]]:
+                 hints: Sequence[Sequence[int]] = (), long_words: bool = False,
+                 text_markup: bool = False) -> Optional[list[int]]:
     """A short completion from the matcher's state (on a copy), or None if over ``limit``.
 
     ``long_words``: outside free text, content (an enum value, a key, ``true``) goes longest
@@ -174,6 +179,10 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
     string close (a quote, or EOS, allowed after it and not before). In a string held to
     "foo" no single token shows progress, and turning through candidates never spells it.
     Ending the grammar counts as progress.
+    ``text_markup`` (``Constraint.text_markup``: an XML call, whose values are raw text):
+    in free text a quote is content, not a way out, and following it wandered (a raw
+    value closed 15 tokens later than it could); the hints that end the free text
+    (``</parameter>``) are tried first.
     Judging a candidate costs a consume, a mask and, when it is refused, a rollback, on the
     engine thread: ``_TRY_BUDGET`` bounds the refusals per simulation, then only the best
     closer is judged and step 4 goes on in turn. Tested on fuzzed schemas, formats, patterns and grammars, on the factory and
@@ -211,16 +220,18 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
         budget -= 1
         return None
 
-    def spell(ids: Sequence[int]) -> Optional[np.ndarray]:
+    def spell(ids: Sequence[int], leave: bool = False) -> Optional[np.ndarray]:
         """Take all of ``ids`` if the grammar does and they let the string (or the grammar)
-        end where it could not before; else undo. A witness of one string's pattern also
-        fits in other strings (a code's "AA-0000" in an email address) and would lengthen
-        them for nothing."""
+        end where it could not before, or they end the free text themselves (a raw XML
+        value and its ``</parameter>``, xml_calls.py); else undo. A witness of one string's
+        pattern also fits in other strings (a code's "AA-0000" in an email address) and
+        would lengthen them for nothing. ``leave``: only if they end the free text."""
         nonlocal budget
         n = m.try_consume_tokens(list(ids))
         if n == len(ids):
             after = allowed_tokens(m, vocab, tiers.respelled)
-            if m.is_stopped() or (after & ends & ~allowed).any():
+            left = m.is_stopped() or 2 * int(after.sum()) <= vocab
+            if left or (not leave and (after & ends & ~allowed).any()):
                 return after
         m.rollback(n)
         budget -= 1
@@ -261,7 +272,13 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
             others = [i for i in tries if not (t[i] == 1 or lone_quote[i])] if budget > 0 else []
             structure = 8 * n_allowed < vocab
             tok = after = None
-            for i in closing:  # 1
+            spelled: Sequence[int] = ()
+            if text_markup and free_text and budget > 0:  # 0: what ends a raw value
+                for ids in hints:
+                    if len(path) + len(ids) < limit and (after := spell(ids, leave=True)) is not None:
+                        *spelled, tok = ids
+                        break
+            for i in closing if tok is None else ():  # 1
                 if (after := progress(i, strict=not structure)) is not None:
                     tok = i
                     break
@@ -280,7 +297,6 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
             # left off; after such a step only the next few are tried (tries are the cost).
             k = turned % len(best)
             turn = best[k:] + best[:k]
-            spelled: Sequence[int] = ()
             if tok is None and free_text and budget > 0:  # 3, first: a pattern's witness
                 for ids in hints:
                     if len(path) + len(ids) < limit and (after := spell(ids)) is not None:  # room to close
@@ -320,10 +336,11 @@ class GrammarProcessor:
     """
 
     def __init__(self, matcher, *, tiers, eos_token_ids: Sequence[int], max_tokens: int,
-                 vocab_size: int, hints: Sequence[Sequence[int]] = ()):
+                 vocab_size: int, hints: Sequence[Sequence[int]] = (), text_markup: bool = False):
         self.matcher = matcher
         self._tiers = tiers
         self._hints = hints
+        self._text_markup = text_markup  # Constraint.text_markup
         self._eos = frozenset(int(t) for t in eos_token_ids)
         self._max_tokens = int(max_tokens)
         self._vocab = int(vocab_size)
@@ -388,9 +405,11 @@ class GrammarProcessor:
         """``closing_path`` from ``matcher``'s state; where it is tight (the completion will
         be forced, or none fits), also spelled in longer tokens, which can be several
         shorter (an enum value in one token, not three): the shorter of the two."""
-        path = closing_path(matcher, self._tiers, self._eos, limit=limit, hints=self._hints)
+        path = closing_path(matcher, self._tiers, self._eos, limit=limit, hints=self._hints,
+                            text_markup=self._text_markup)
         if path is None or len(path) >= limit - _SLACK:
-            short = closing_path(matcher, self._tiers, self._eos, limit=limit, hints=self._hints, long_words=True)
+            short = closing_path(matcher, self._tiers, self._eos, limit=limit, hints=self._hints, long_words=True,
+                                 text_markup=self._text_markup)
             if short is not None and (path is None or len(short) < len(path)):
                 path = short
         return path
@@ -398,7 +417,9 @@ class GrammarProcessor:
     def _fitting_branches(self, allowed: np.ndarray, remaining: int,
                           path: Optional[list[int]]) -> tuple[np.ndarray, Optional[list[int]]]:
         """At a choice that a special token opens (a tool call or a document, another call
-        or the end), keep the branches a completion still fits after.
+        or the end), or at any small choice where the structure is text (``text_markup``:
+        an XML call's next ``<parameter=`` or its ``</function>``), keep the branches a
+        completion still fits after.
 
         The greedy search picks one branch without looking ahead, and a call is twice as
         long as a small document: with tools and a JSON response_format, a budget that
@@ -406,7 +427,9 @@ class GrammarProcessor:
         search took). Judged near the end only, at such choices only (a search each)."""
         n = min(allowed.shape[0], self._tiers.special.shape[0])
         choices = np.flatnonzero(allowed[:n])
-        if not (1 < len(choices) <= _BRANCH_CHOICES and self._tiers.special[choices].any()):
+        judged = (1 < len(choices) <= _TEXT_BRANCH_CHOICES if self._text_markup
+                  else 1 < len(choices) <= _BRANCH_CHOICES and self._tiers.special[choices].any())
+        if not judged:
             return allowed, path
         fits: dict[int, list[int]] = {}
         for tok in (int(t) for t in choices):

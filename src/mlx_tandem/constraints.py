@@ -34,6 +34,7 @@ from .chat_format import ChatFormat
 from .closing import TokenClasses, token_classes
 from .errors import ConstraintError
 from .pattern_witness import schema_patterns, shortest_match, witnesses
+from .xml_calls import xml_body_rules, xml_expressible
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ class Constraint:
     # Texts, as the output spells them, that get a string past its pattern: closing mode
     # writes one out where no single token shows progress (pattern_witness.py).
     hints: tuple[str, ...] = field(default=(), compare=False)
+    # The grammar's structure is ordinary text (an XML call's ``</parameter>``,
+    # ``</function>``; xml_calls.py), not JSON punctuation, so no closer token shows closing
+    # mode the way out: it judges every small choice near the end of the budget, and in free
+    # text tries the hints that end it before anything else (closing.py).
+    text_markup: bool = field(default=False, compare=False)
 
     @classmethod
     def json_schema(cls, schema: dict | str, *, name: str = "") -> "Constraint":
@@ -274,17 +280,40 @@ def tool_call_constraint(fmt: ChatFormat, tools: Sequence[dict], names: Sequence
                          parallel: bool, marker: Callable[[str], str]) -> Constraint:
     """Force one call (or several, if ``parallel``) of the named tools.
 
-    The body is ``{"name": ..., "arguments": {...}}`` between the format's tool-call
-    markers: the native syntax of Hermes/Qwen2.5/Qwen3 (``json_tools``). For other
-    syntaxes with markers (e.g. Qwen3.5's XML-like ``qwen3_coder``) the same JSON body is
-    forced and the output parser reads forced bodies as JSON (see docs/design.md).
+    The body is the format's own where this module can write it (``native_body``):
+    ``{"name": ..., "arguments": {...}}`` for Hermes/Qwen2.5/Qwen3 (``json_tools``), the
+    XML ``<function=...>`` body for Qwen3.5 and Qwen3-Coder (``qwen3_coder``, xml_calls.py).
+    For other syntaxes with markers the JSON body is forced and the output parser reads
+    forced bodies as JSON (see docs/design.md).
     """
     if not fmt.tool_call_start:
         raise ConstraintError(
             "this model's chat template has no tool-call markers, so a tool call cannot be forced")
+    body, hints, xml = _body_rules(fmt, tools, names)
+    grammar = f"start: calls\n{_calls_rules(fmt, parallel, marker)}\n{body}\n"
+    return Constraint("lark", grammar, f"tool_call({', '.join(names)})", hints, text_markup=xml)
+
+
+def native_body(fmt: ChatFormat, tools: Sequence[dict], names: Sequence[str]) -> bool:
+    """Is a call of ``names`` written in the format's own body (else a JSON body that the
+    output parser reads as JSON)? JSON for ``json_tools``; XML for ``qwen3_coder`` where
+    the tools' schemas can be written in it (xml_calls.py)."""
+    if fmt.tool_format == "json_tools":
+        return True
+    return fmt.tool_format == "qwen3_coder" and bool(fmt.tool_call_end) and xml_expressible(tools, names)
+
+
+def _body_rules(fmt: ChatFormat, tools: Sequence[dict],
+                names: Sequence[str]) -> tuple[str, tuple[str, ...], bool]:
+    """The Lark rule ``body`` (one call of any of ``names``), its closing-mode hints, and
+    whether it is XML."""
+    if fmt.tool_format == "qwen3_coder" and native_body(fmt, tools, names):
+        try:
+            return (*xml_body_rules(tools, names, json_style=JSON_STYLE, prepare=_prepared_schema), True)
+        except RecursionError:
+            raise ConstraintError("the JSON schema is nested too deeply") from None
     body = _schema_text(lambda: _call_body_schema(tools, names))
-    grammar = f"start: calls\n{_calls_rules(fmt, parallel, marker)}\nbody: %json {body}\n"
-    return Constraint("lark", grammar, f"tool_call({', '.join(names)})", _string_hints(body))
+    return f"body: %json {body}", _string_hints(body), False
 
 
 def _calls_rules(fmt: ChatFormat, parallel: bool, marker: Callable[[str], str]) -> str:
@@ -306,14 +335,14 @@ def call_or_answer_constraint(fmt: ChatFormat, tools: Sequence[dict], answer: Co
     OpenAI's API lets a model call its tools under ``tool_choice="auto"`` and holds only its
     text answer to the ``response_format``; agents bind both (LangChain's ``create_agent``
     with a ``response_format``, through ``bind_tools(..., response_format=...)``). Calls are
-    forced to JSON bodies between the format's markers, as forced calls are.
+    written as forced calls are (``tool_call_constraint``).
     """
     names = tool_names(tools)
-    body = _schema_text(lambda: _call_body_schema(tools, names))
-    grammar = (f"start: calls | answer\n{_calls_rules(fmt, parallel, marker)}\nbody: %json {body}\n"
+    body, hints, xml = _body_rules(fmt, tools, names)
+    grammar = (f"start: calls | answer\n{_calls_rules(fmt, parallel, marker)}\n{body}\n"
                f"answer: {_as_rule(answer)}\n")
     return Constraint("lark", grammar, f"tool_call({', '.join(names)}) or {answer.description}",
-                      answer.hints + _string_hints(body))
+                      answer.hints + hints, text_markup=xml or answer.text_markup)
 
 
 def after_reasoning(constraint: Constraint, think_ids: tuple[int, int], *, opened: bool) -> Constraint:
@@ -333,7 +362,8 @@ def after_reasoning(constraint: Constraint, think_ids: tuple[int, int], *, opene
     thought = f"THOUGHT <[{end}]> /\\n{{0,2}}/"
     head = thought if opened else f"(<[{start}]> {thought})?"
     grammar = f"start: {head} answer\nTHOUGHT: /(.|\\n)*/\nanswer: {_as_rule(constraint)}\n"
-    return Constraint("lark", grammar, f"reasoning, then {constraint.description}", constraint.hints)
+    return Constraint("lark", grammar, f"reasoning, then {constraint.description}", constraint.hints,
+                      text_markup=constraint.text_markup)
 
 
 def _as_rule(c: Constraint) -> str:
@@ -356,9 +386,9 @@ def open_call_constraint(fmt: ChatFormat, tools: Sequence[dict], *, marker: Call
     What a lazy grammar (tool_call_grammar.py) applies after the model opens a call itself.
     """
     names = tool_names(tools)
-    body = _schema_text(lambda: _call_body_schema(tools, names))
-    grammar = f'start: "\\n" body "\\n" {marker(fmt.tool_call_end)}\nbody: %json {body}\n'
-    return Constraint("lark", grammar, f"open_tool_call({', '.join(names)})", _string_hints(body))
+    body, hints, xml = _body_rules(fmt, tools, names)
+    grammar = f'start: "\\n" body "\\n" {marker(fmt.tool_call_end)}\n{body}\n'
+    return Constraint("lark", grammar, f"open_tool_call({', '.join(names)})", hints, text_markup=xml)
 
 
 def _call_body_schema(tools: Sequence[dict], names: Sequence[str]) -> dict:

@@ -354,7 +354,8 @@ class Engine:
             grammar = self._grammar
             processors.append(GrammarProcessor(
                 grammar.compile(constraint), tiers=grammar.tiers(), eos_token_ids=grammar.eos_token_ids,
-                max_tokens=req.max_tokens, vocab_size=grammar.vocab_size, hints=grammar.hint_ids(constraint)))
+                max_tokens=req.max_tokens, vocab_size=grammar.vocab_size, hints=grammar.hint_ids(constraint),
+                text_markup=constraint.text_markup))
             req.extra["constrained"] = constraint.description
         if open_call is not None:
             grammar = self._grammar
@@ -364,7 +365,8 @@ class Engine:
                 pristine.deep_copy, start_id=plan.call_start_id, tiers=grammar.tiers(),
                 eos_token_ids=grammar.eos_token_ids, max_tokens=req.max_tokens,
                 vocab_size=grammar.vocab_size, hints=grammar.hint_ids(open_call),
-                think_ids=self._think_ids, starts_in_reasoning=starts_in_reasoning))
+                think_ids=self._think_ids, starts_in_reasoning=starts_in_reasoning,
+                text_markup=open_call.text_markup))
         req.processors = processors
         return req, parser
 

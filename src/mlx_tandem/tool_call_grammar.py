@@ -12,9 +12,9 @@ always names a real tool with arguments its schema accepts, so an agent loop nev
 call it cannot run; a strong model's calls were valid already and are unchanged. Whether to
 call, and which listed tool, stays the model's choice.
 
-Applied where the template's native call body is JSON (``json_tools``: Hermes, Qwen2.5,
-Qwen3) and the start marker is one token. Other syntaxes stay unconstrained under "auto"
-(their calls are parsed and validated as before).
+Applied where the grammar writes the template's native call body (``json_tools``: Hermes,
+Qwen2.5, Qwen3; ``qwen3_coder``: Qwen3.5's XML, xml_calls.py) and the start marker is one
+token. Other syntaxes stay unconstrained under "auto" (their calls are parsed as before).
 
 Reasoning: a start token the model writes inside its reasoning is reasoning text, as
 ChatOutputParser reads it, so it arms nothing (``think_ids``: the single-token reasoning
@@ -51,8 +51,9 @@ class LazyToolCallGrammar:
     def __init__(self, compile_call: Callable[[], Any], *, start_id: int, tiers,
                  eos_token_ids: Sequence[int], max_tokens: int, vocab_size: int,
                  hints: Sequence[Sequence[int]] = (), think_ids: Optional[tuple[int, int]] = None,
-                 starts_in_reasoning: bool = False):
+                 starts_in_reasoning: bool = False, text_markup: bool = False):
         self._compile = compile_call  # a fresh matcher for the rest of one call
+        self._text_markup = text_markup
         self._think = think_ids
         self._reasoning = think_ids is not None and starts_in_reasoning
         self._answered = False  # a token but whitespace came: <think> opens nothing any more
@@ -137,7 +138,8 @@ class LazyToolCallGrammar:
                 # mask's closing logic finishes the call within max_tokens.
                 left = max(1, self._max_tokens - (n - self._origin))
                 self._open = GrammarProcessor(self._compile(), tiers=self._tiers, eos_token_ids=self._eos,
-                                              max_tokens=left, vocab_size=self._vocab, hints=self._hints)
+                                              max_tokens=left, vocab_size=self._vocab, hints=self._hints,
+                                              text_markup=self._text_markup)
             return
         self._open.consume(tok)
         if self._open.matcher.is_accepting():  # the end marker closed the call

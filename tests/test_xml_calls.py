@@ -1,0 +1,252 @@
+"""Qwen3.5's native XML tool calls (``qwen3_coder``; src/mlx_tandem/xml_calls.py).
+
+Forced calls, and calls the model opens under tool_choice="auto", are written in the
+model's own syntax and held to the tools' schemas; mlx-lm's parser reads every one back as
+arguments the tool's pydantic model accepts strictly. The grammar takes exactly the calls
+Qwen3.5's template writes for valid arguments, and refuses what the parser would misread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from typing import Any, Literal, Optional
+
+import pytest
+from pydantic import Field
+
+from mlx_tandem import Engine, SamplingParams
+from mlx_tandem.chat_format import ChatFormat
+from mlx_tandem.constraints import GrammarCompiler, open_call_constraint, tool_call_constraint
+from mlx_tandem.xml_calls import typed_arguments, xml_expressible
+
+from .test_constraints import TOOL_MODELS, TOOLS, USER, _Strict
+from .test_tool_call_grammar import _opens_a_call, _plan
+
+mlx_lm_coder = pytest.importorskip("mlx_lm.tool_parsers.qwen3_coder")
+
+CODER = dict(tool_call_start="<tool_call>", tool_call_end="</tool_call>", tool_format="qwen3_coder",
+             tool_parser=mlx_lm_coder.parse_tool_call)
+
+
+class Booking(_Strict):
+    guests: list[str]
+    note: Optional[str] = None
+    code: str = Field(pattern=r"^[A-Z]{2}-[0-9]{3}$")
+    room: Literal["single", "double"] = "single"
+    nights: int = Field(ge=1, le=30)
+    breakfast: bool = False
+    price: Optional[float] = None
+    extras: Optional[dict[str, int]] = None
+
+
+MODELS = {**TOOL_MODELS, "book": Booking}
+XML_TOOLS = TOOLS + [{"type": "function", "function": {
+    "name": "book", "description": "book a room", "parameters": Booking.model_json_schema()}}]
+
+
+def render_call(name: str, arguments: dict) -> str:
+    """A call as Qwen3.5's template writes one: strings raw, other values as JSON (objects
+    and arrays) or as their text (numbers, and Python's True/False)."""
+    def text(v: Any) -> str:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, bool):
+            return str(v)
+        return json.dumps(v)
+    params = "".join(f"<parameter={k}>\n{text(v)}\n</parameter>\n" for k, v in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def grammar(llama_path):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(llama_path))
+    return GrammarCompiler(hf, len(hf), [hf.eos_token_id])
+
+
+def _takes(grammar: GrammarCompiler, constraint, text: str) -> bool:
+    m = grammar.compile(constraint)
+    ids = grammar.tokenizer.tokenize_str(text)
+    return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+GOOD = [
+    ("book", {"guests": ["Ann", "Bo"], "code": "AB-123", "nights": 2}),
+    ("book", {"guests": [], "note": "late arrival\n<b>keep</b> the </param room", "code": "ZZ-000",
+              "room": "double", "nights": 30, "breakfast": True, "price": 99.5, "extras": {"cot": 1}}),
+    ("book", {"guests": ["x"], "note": None, "code": "AA-001", "nights": 1, "breakfast": False, "price": -1.25e3}),
+    ("get_weather", {"city": "São Paulo", "unit": "fahrenheit", "days": 7}),
+    ("get_weather", {"city": "\nnull city\n"}),
+    ("move", {"to": {"x": -3, "y": 4}, "speed": 2.0}),
+    ("add", {"a": 0, "b": -12}),
+]
+
+
+@pytest.mark.parametrize("name,arguments", GOOD)
+def test_the_grammar_takes_what_the_template_writes_and_the_parser_reads_it_back(grammar, name, arguments):
+    """Round trip: a valid call as Qwen3.5's template renders it is taken by the forced and
+    the opened-call grammar, and mlx-lm's parser (with ``typed_arguments``) reads back the
+    same arguments, which the tool's model accepts strictly."""
+    fmt = ChatFormat(**CODER)
+    text = render_call(name, arguments)
+    assert _takes(grammar, tool_call_constraint(fmt, XML_TOOLS, [name], parallel=False, marker=grammar.marker), text)
+    opened = open_call_constraint(fmt, XML_TOOLS, marker=grammar.marker)
+    m = grammar.compile(opened)
+    rest = grammar.tokenizer.tokenize_str(text[len("<tool_call>"):])
+    assert m.try_consume_tokens(rest) == len(rest) and m.is_stopped()
+    body = text[len("<tool_call>"):-len("</tool_call>")]
+    parsed = mlx_lm_coder.parse_tool_call(body, XML_TOOLS)
+    params = next(t["function"]["parameters"] for t in XML_TOOLS if t["function"]["name"] == name)
+    args = typed_arguments(parsed["arguments"], params)
+    assert args == arguments
+    MODELS[name].model_validate(args, strict=True)
+
+
+BAD = [
+    # the parser would cut the value at </parameter>, or read None for a string
+    ("get_weather", '<parameter=city>\na</parameter>b\n</parameter>\n'),
+    ("get_weather", "<parameter=city>\nNull\n</parameter>\n"),
+    # not an enum value; an unknown parameter; a required one left out
+    ("get_weather", "<parameter=city>\nx\n</parameter>\n<parameter=unit>\nkelvin\n</parameter>\n"),
+    ("get_weather", "<parameter=city>\nx\n</parameter>\n<parameter=when>\nnow\n</parameter>\n"),
+    ("add", "<parameter=a>\n1\n</parameter>\n"),
+    # out of range; not an integer; a number a float reads as infinity (the parser failed)
+    ("get_weather", "<parameter=city>\nx\n</parameter>\n<parameter=days>\n8\n</parameter>\n"),
+    ("add", "<parameter=a>\n1.5\n</parameter>\n<parameter=b>\n2\n</parameter>\n"),
+    ("move", '<parameter=to>\n{"x": 1, "y": 2}\n</parameter>\n<parameter=speed>\n2E888888888\n</parameter>\n'),
+    # the pattern; a value without the newline the parser strips
+    ("book", "<parameter=guests>\n[]\n</parameter>\n<parameter=code>\nab-123\n</parameter>\n"
+             "<parameter=nights>\n1\n</parameter>\n"),
+    ("add", "<parameter=a>1\n</parameter>\n<parameter=b>\n2\n</parameter>\n"),
+]
+
+
+@pytest.mark.parametrize("name,params", BAD)
+def test_the_grammar_refuses_what_the_parser_would_misread_or_the_schema_refuses(grammar, name, params):
+    fmt = ChatFormat(**CODER)
+    text = f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+    assert not _takes(grammar, tool_call_constraint(fmt, XML_TOOLS, [name], parallel=False, marker=grammar.marker),
+                      text)
+
+
+def test_tools_the_syntax_cannot_write_keep_a_json_body():
+    """Parameters that are not an object with properties, or names the parser cannot read
+    back, are forced as a JSON body (read as JSON) and get no lazy grammar, as before."""
+    fmt = ChatFormat(**CODER, think_start="<think>", think_end="</think>")
+    union = {"type": "function", "function": {"name": "u", "parameters": {
+        "anyOf": [{"type": "object", "properties": {"a": {"type": "string"}}}]}}}
+    spaced = {"type": "function", "function": {"name": "s", "parameters": {
+        "type": "object", "properties": {"a b": {"type": "string"}}}}}
+    for tool in (union, spaced):
+        assert not xml_expressible([tool], [tool["function"]["name"]])
+        assert _plan(fmt, tools=[tool], tool_choice="required").forced_json_calls
+        assert _plan(fmt, tools=[tool]).open_call is None
+    assert xml_expressible(XML_TOOLS, [t["function"]["name"] for t in XML_TOOLS])
+    native = _plan(fmt, tools=XML_TOOLS, tool_choice="required")
+    assert not native.forced_json_calls and "<function=book>" in native.constraint.source
+    assert _plan(fmt, tools=XML_TOOLS).open_call is not None
+
+
+def test_values_the_parser_leaves_as_text_are_read_where_the_schema_takes_no_string():
+    """mlx-lm's parser converts by a parameter's ``type`` only: ``Optional[int]`` (anyOf)
+    came back as the string "3"."""
+    params = MODELS["book"].model_json_schema()
+    read = typed_arguments({"price": "2.5", "note": "3", "extras": '{"a": 1}', "nights": 2}, params)
+    assert read == {"price": 2.5, "note": "3", "extras": {"a": 1}, "nights": 2}
+    assert typed_arguments({"price": "cheap"}, params) == {"price": "cheap"}  # left for the tool to refuse
+    days = typed_arguments({"days": "3", "city": "7"}, MODELS["get_weather"].model_json_schema())
+    assert days == {"days": 3, "city": "7"}
+
+
+# ---------------------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+async def coder_engine(qwen3_5_path):
+    """The factory Qwen3.5 model, reading and writing calls in Qwen3.5's XML syntax."""
+    engine = Engine(qwen3_5_path, show_progress=False)
+    await engine.start()
+    engine._format = dataclasses.replace(engine._format, **CODER, template_has_tools=True)
+    yield engine
+    await engine.close()
+
+
+def _assert_native_valid(out, names, forced=True):
+    """Valid XML calls (under "auto" the model writes on after them, here to its budget)."""
+    assert out.finish_reason == "tool_calls" or not forced, out.text
+    assert out.invalid_tool_calls == [], out.text
+    assert out.tool_calls and out.text.lstrip().startswith("<tool_call>\n<function="), out.text
+    for c in out.tool_calls:
+        assert c.name in names
+        MODELS[c.name].model_validate(c.arguments, strict=True)
+
+
+@pytest.mark.parametrize("choice,names", [("required", set(MODELS)), ("book", {"book"}), ("move", {"move"})])
+async def test_forced_calls_are_native_and_valid_within_the_budget(coder_engine, choice, names):
+    """Random weights at temperature 1: every forced call is XML, parses, and validates;
+    at a budget a little over the shortest call it still closes."""
+    runs = [(n, s) for n in (90, 200) for s in range(4)]
+    outs = await asyncio.gather(*[
+        coder_engine.chat(USER, SamplingParams(max_tokens=n, temperature=1.0, seed=s), tools=XML_TOOLS,
+                          tool_choice=choice) for n, s in runs])
+    for out in outs:
+        _assert_native_valid(out, names)
+    parallel = await coder_engine.chat(USER, SamplingParams(max_tokens=300, temperature=1.0, seed=1),
+                                       tools=XML_TOOLS, tool_choice="add", parallel_tool_calls=True)
+    _assert_native_valid(parallel, {"add"})
+
+
+async def test_calls_the_model_opens_are_held_to_the_tools(coder_engine, qwen3_5_path):
+    """Under "auto" a call the model opens (its start token pushed) is held to the listed
+    tools in XML; without the grammar the same requests give broken calls."""
+    seeds = range(6)
+
+    async def opened(engine):
+        return await asyncio.gather(*[
+            engine.chat(USER, SamplingParams(max_tokens=160, temperature=1.0, seed=s,
+                                             logits_processors=[_opens_a_call(engine)]), tools=XML_TOOLS)
+            for s in seeds])
+
+    for out in await opened(coder_engine):
+        _assert_native_valid(out, set(MODELS), forced=False)
+    free = Engine(qwen3_5_path, show_progress=False, constrain_tool_calls=False)
+    await free.start()
+    try:
+        free._format = dataclasses.replace(free._format, **CODER, template_has_tools=True)
+        raw = await opened(free)
+    finally:
+        await free.close()
+    assert sum(bool(o.invalid_tool_calls) or not o.tool_calls for o in raw) >= len(seeds) // 2
+
+
+async def test_mtp_stays_lossless_on_xml_calls(qwen3_5_mtp_path):
+    """Greedy forced XML calls, roomy and at budgets from the shortest call up (closing
+    mode, its branch judging included), are token for token the same with MTP on and off."""
+    from mlx_tandem.closing import closing_path
+
+    async def run(mode):
+        engine = Engine(qwen3_5_mtp_path, show_progress=False, mtp=mode, mtp_depth=2, max_batch_size=32)
+        await engine.start()
+        try:
+            engine._format = dataclasses.replace(engine._format, **CODER, template_has_tools=True)
+            g = engine._grammar
+            requests = []
+            for name in MODELS:
+                c = tool_call_constraint(engine._format, XML_TOOLS, [name], parallel=False, marker=g.marker)
+                shortest = len(closing_path(g.compile(c), g.tiers(), frozenset(g.eos_token_ids), 400,
+                                            g.hint_ids(c), text_markup=True))
+                requests += [(name, n) for n in (shortest, shortest + 8, 160)]
+            outs = await asyncio.gather(*[
+                engine.chat([{"role": "user", "content": f"Call {name}, please."}], SamplingParams(max_tokens=n),
+                            tools=XML_TOOLS, tool_choice=name) for name, n in requests])
+            return outs, engine.stats()["mtp"]
+        finally:
+            await engine.close()
+
+    plain, _ = await run("off")
+    spec, mtp = await run("on")
+    assert mtp["spec_steps"] > 0 and mtp["accepted"] > 0, mtp
+    for a, b in zip(plain, spec):
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason), a.text
+        _assert_native_valid(a, set(MODELS))

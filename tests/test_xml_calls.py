@@ -132,6 +132,25 @@ def test_the_grammar_refuses_what_the_parser_would_misread_or_the_schema_refuses
                       text)
 
 
+def test_a_value_may_not_spell_the_end_marker(grammar):
+    """The output parser ends a call at the text of its end marker: a raw value spelling
+    ``</tool_call>`` in ordinary tokens would have cut the call in two."""
+    fmt = ChatFormat(**CODER)
+    tok = grammar.tokenizer.tokenize_str
+    head = tok("<tool_call>") + tok("\n<function=get_weather>\n<parameter=city>\nsee ")
+    tail = tok(" here\n</parameter>\n</function>\n") + tok("</tool_call>")
+    spelled = tok("</tool") + tok("_call>")
+    assert grammar.tokenizer.decode_str(spelled) == "</tool_call>" and len(spelled) > 1
+
+    def takes(ids):
+        m = grammar.compile(tool_call_constraint(fmt, XML_TOOLS, ["get_weather"], parallel=False,
+                                                 marker=grammar.marker))
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+    assert takes(head + tok("x") + tail)
+    assert not takes(head + spelled + tail)
+
+
 def test_tools_the_syntax_cannot_write_keep_a_json_body():
     """Parameters that are not an object with properties, or names the parser cannot read
     back, are forced as a JSON body (read as JSON) and get no lazy grammar, as before."""

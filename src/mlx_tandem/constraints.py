@@ -309,7 +309,8 @@ def _body_rules(fmt: ChatFormat, tools: Sequence[dict],
     whether it is XML."""
     if fmt.tool_format == "qwen3_coder" and native_body(fmt, tools, names):
         try:
-            return (*xml_body_rules(tools, names, json_style=JSON_STYLE, prepare=_prepared_schema), True)
+            return (*xml_body_rules(tools, names, json_style=JSON_STYLE, prepare=_prepared_schema,
+                                    end_marker=fmt.tool_call_end), True)
         except RecursionError:
             raise ConstraintError("the JSON schema is nested too deeply") from None
     body = _schema_text(lambda: _call_body_schema(tools, names))

@@ -20,7 +20,8 @@ that mlx-lm's ``qwen3_coder`` parser (mlx-lm 0.32) reads back as a value of its 
 schema, which sets the rules:
 
 - A string parameter is raw text, not quoted: anything but text holding ``</parameter>``
-  (the parser cuts there) or spelling ``null`` in any case (the parser reads None). Its
+  (the parser cuts there) or the call's end marker (chat_output.py ends the call there),
+  or spelling ``null`` in any case (the parser reads None). Its
   ``enum``, ``const``, ``pattern``, ``minLength`` and ``maxLength`` (up to ``_MAX_LENGTH``)
   hold; its ``format`` holds where constraints.py turns it into a pattern (dates, times).
 - Numbers, objects and arrays are JSON text, which is what the parser converts
@@ -87,8 +88,9 @@ def xml_expressible(tools: Sequence[dict], names: Sequence[str]) -> bool:
 class _Rules:
     """Collects the Lark rules and terminals of one body."""
 
-    def __init__(self, json_style: dict):
+    def __init__(self, json_style: dict, end_marker: str):
         self.lines: list[str] = []
+        self._end_marker = end_marker
         self.hints: list[str] = []
         self._style = json_style
         self._n = 0
@@ -103,7 +105,8 @@ class _Rules:
     def text(self, schema: dict) -> str:
         """A terminal for a raw string value and the end of its parameter (see the module
         docstring): one lexeme, so the value cannot end anywhere but at that end."""
-        parts = [r"/(.|\n)*/", r"~/(.|\n)*<\/parameter>(.|\n)*/", "~/[nN][uU][lL][lL]/"]
+        parts = [r"/(.|\n)*/", "~/[nN][uU][lL][lL]/"]
+        parts += ["~" + _regex(rf"(.|\n)*{re.escape(m)}(.|\n)*") for m in ("</parameter>", self._end_marker) if m]
         pattern = schema.get("pattern")
         if isinstance(pattern, str):
             parts.append(_regex(_anchored(pattern)))
@@ -162,14 +165,16 @@ class _Rules:
         return name
 
 
-def xml_body_rules(tools: Sequence[dict], names: Sequence[str], *, json_style: dict,
-                   prepare) -> tuple[str, tuple[str, ...]]:
+def xml_body_rules(tools: Sequence[dict], names: Sequence[str], *, json_style: dict, prepare,
+                   end_marker: str) -> tuple[str, tuple[str, ...]]:
     """Lark rules defining ``body``, one call of any of ``names``, and closing-mode hints.
 
     ``prepare``: constraints.py's schema preparation (formats as patterns, closed objects),
-    applied to each tool's parameters as the JSON body applies it."""
+    applied to each tool's parameters as the JSON body applies it. ``end_marker``: the
+    format's ``</tool_call>``, which a raw value may not spell either (the output parser
+    finds the end of a call by its text)."""
     by_name = {t["function"]["name"]: t["function"] for t in tools}
-    rules = _Rules(json_style)
+    rules = _Rules(json_style, end_marker)
     choices = []
     for name in names:
         params = prepare(by_name[name].get("parameters") or {"type": "object", "properties": {}})

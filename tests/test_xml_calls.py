@@ -46,13 +46,14 @@ XML_TOOLS = TOOLS + [{"type": "function", "function": {
     "name": "book", "description": "book a room", "parameters": Booking.model_json_schema()}}]
 
 
-def render_call(name: str, arguments: dict) -> str:
-    """A call as Qwen3.5's template writes one: strings raw, other values as JSON (objects
-    and arrays) or as their text (numbers, and Python's True/False)."""
+def render_call(name: str, arguments: dict, python: bool = True) -> str:
+    """A call as Qwen3.5's template writes one: strings raw, objects and arrays as JSON,
+    other values as their Python text (True, None); ``python=False``: as JSON, as
+    Qwen3.6's template writes them (true, null)."""
     def text(v: Any) -> str:
         if isinstance(v, str):
             return v
-        if isinstance(v, bool):
+        if isinstance(v, (bool, type(None))) and python:
             return str(v)
         return json.dumps(v)
     params = "".join(f"<parameter={k}>\n{text(v)}\n</parameter>\n" for k, v in arguments.items())
@@ -85,13 +86,14 @@ GOOD = [
 ]
 
 
+@pytest.mark.parametrize("python", [True, False])
 @pytest.mark.parametrize("name,arguments", GOOD)
-def test_the_grammar_takes_what_the_template_writes_and_the_parser_reads_it_back(grammar, name, arguments):
+def test_the_grammar_takes_what_the_template_writes_and_the_parser_reads_it_back(grammar, name, arguments, python):
     """Round trip: a valid call as Qwen3.5's template renders it is taken by the forced and
     the opened-call grammar, and mlx-lm's parser (with ``typed_arguments``) reads back the
     same arguments, which the tool's model accepts strictly."""
     fmt = ChatFormat(**CODER)
-    text = render_call(name, arguments)
+    text = render_call(name, arguments, python)
     assert _takes(grammar, tool_call_constraint(fmt, XML_TOOLS, [name], parallel=False, marker=grammar.marker), text)
     opened = open_call_constraint(fmt, XML_TOOLS, marker=grammar.marker)
     m = grammar.compile(opened)
@@ -178,6 +180,10 @@ def test_values_the_parser_leaves_as_text_are_read_where_the_schema_takes_no_str
     assert typed_arguments({"price": "cheap"}, params) == {"price": "cheap"}  # left for the tool to refuse
     days = typed_arguments({"days": "3", "city": "7"}, MODELS["get_weather"].model_json_schema())
     assert days == {"days": 3, "city": "7"}
+    # Python's None, as Qwen3.5's template writes a null: None where the schema admits null
+    nones = typed_arguments({"days": "None", "city": "None"}, MODELS["get_weather"].model_json_schema())
+    assert nones == {"days": None, "city": "None"}
+    assert typed_arguments({"note": "none", "price": "None"}, params) == {"note": None, "price": None}
 
 
 # ---------------------------------------------------------------------------- engine

@@ -149,8 +149,8 @@ class _Rules:
                 return self._union(schema[key], defs, depth)
         if kind == "string":
             return self.text(schema)
-        if kind == "null":
-            return _literal("null")
+        if kind == "null":  # Qwen3.5's template writes Python's None (typed_arguments reads it)
+            return f"({_literal('null')} | {_literal('None')})"
         if kind in _NUMERIC and not any(k in schema for k in _BOUNDS):
             return f"/{_NUMERIC[kind]}/ {end}"
         if kind == "boolean":  # the parser reads any case; Qwen's template writes Python's True
@@ -233,7 +233,9 @@ def typed_arguments(arguments: dict, parameters: Any) -> dict:
     without one (``Optional[int]`` is ``anyOf: [integer, null]``; a nested model is a
     ``$ref``) keeps "3" as the string "3" unless it is a JSON object or array, so a strict
     tool got a string for its integer. Where the schema admits no string, such a value is
-    read as JSON; where it admits one, the text stays, as the model wrote it.
+    read as JSON; where it admits one, the text stays, as the model wrote it. ``None``
+    (any case), which Qwen3.5's template writes for a null, is None where the schema
+    admits null, as vLLM's parser reads it (mlx-lm's reads only ``null``).
     """
     if not isinstance(parameters, dict) or not isinstance(parameters.get("properties"), dict):
         return arguments
@@ -241,7 +243,11 @@ def typed_arguments(arguments: dict, parameters: Any) -> dict:
     out = dict(arguments)
     for key, value in arguments.items():
         schema = parameters["properties"].get(key)
-        if isinstance(value, str) and isinstance(schema, dict) and not _admits_string(schema, defs, 0):
+        if not (isinstance(value, str) and isinstance(schema, dict)):
+            continue
+        if value.strip().lower() == "none" and _admits(schema, defs, "null", 0):
+            out[key] = None
+        elif not _admits(schema, defs, "string", 0):
             try:
                 out[key] = json.loads(value)
             except (ValueError, RecursionError):
@@ -249,23 +255,24 @@ def typed_arguments(arguments: dict, parameters: Any) -> dict:
     return out
 
 
-def _admits_string(schema: Any, defs: dict, depth: int) -> bool:
-    """Might a string be valid for ``schema`` (or is it unknown)?"""
+def _admits(schema: Any, defs: dict, kind: str, depth: int) -> bool:
+    """Might a value of JSON type ``kind`` ("string" or "null") be valid for ``schema``
+    (or is it unknown)?"""
     if not isinstance(schema, dict) or depth > _MAX_REF_DEPTH:
         return True
     if "const" in schema or isinstance(schema.get("enum"), list):
         values = [schema["const"]] if "const" in schema else schema["enum"]
-        return any(isinstance(v, str) for v in values)
+        return any(isinstance(v, str) if kind == "string" else v is None for v in values)
     ref = schema.get("$ref")
     if isinstance(ref, str):
         target = _resolve(ref, defs)
-        return target is None or _admits_string(target, defs, depth + 1)
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        return kind == "string"
-    if isinstance(kind, list):
-        return "string" in kind
+        return target is None or _admits(target, defs, kind, depth + 1)
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        return declared == kind
+    if isinstance(declared, list):
+        return kind in declared
     branches = [b for key in ("anyOf", "oneOf") for b in (schema.get(key) or [])]
     if branches:
-        return any(_admits_string(b, defs, depth + 1) for b in branches)
+        return any(_admits(b, defs, kind, depth + 1) for b in branches)
     return True

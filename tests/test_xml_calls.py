@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from typing import Any, Literal, Optional
+import datetime
+import uuid
+from typing import Any, Literal, Optional, Union
 
 import pytest
 from pydantic import Field
@@ -19,7 +21,7 @@ from pydantic import Field
 from mlx_tandem import Engine, SamplingParams
 from mlx_tandem.chat_format import ChatFormat
 from mlx_tandem.constraints import GrammarCompiler, open_call_constraint, tool_call_constraint
-from mlx_tandem.xml_calls import typed_arguments, xml_expressible
+from mlx_tandem.xml_calls import read_arguments, xml_expressible
 
 from .test_constraints import TOOL_MODELS, TOOLS, USER, _Strict
 from .test_tool_call_grammar import _opens_a_call, _plan
@@ -41,9 +43,24 @@ class Booking(_Strict):
     extras: Optional[dict[str, int]] = None
 
 
-MODELS = {**TOOL_MODELS, "book": Booking}
-XML_TOOLS = TOOLS + [{"type": "function", "function": {
-    "name": "book", "description": "book a room", "parameters": Booking.model_json_schema()}}]
+class Lookup(_Strict):
+    """What mlx-lm's own conversion misread (it converts by ``type`` alone)."""
+
+    flag: Optional[bool] = None
+    text: Optional[str] = None
+    either: Union[str, int] = 0
+    level: Literal[1, "one"] = 1
+    big: int = Field(default=0, ge=0)
+    step: int = Field(default=0, multiple_of=5)
+    when: Optional[datetime.datetime] = None
+    key: Optional[uuid.UUID] = None
+    short: str = Field(default="", max_length=8)
+
+
+MODELS = {**TOOL_MODELS, "book": Booking, "lookup": Lookup}
+XML_TOOLS = TOOLS + [{"type": "function", "function": {"name": name, "description": f"the {name} tool",
+                                                       "parameters": MODELS[name].model_json_schema()}}
+                     for name in ("book", "lookup")]
 
 
 def render_call(name: str, arguments: dict, python: bool = True) -> str:
@@ -83,6 +100,10 @@ GOOD = [
     ("get_weather", {"city": "\nnull city\n"}),
     ("move", {"to": {"x": -3, "y": 4}, "speed": 2.0}),
     ("add", {"a": 0, "b": -12}),
+    ("lookup", {"flag": True, "text": '{"k": 1}', "either": "12", "level": 1, "big": 12345678901234567890,
+                "step": 12345678901234567895, "when": "2024-02-29T23:59:59Z",
+                "key": "123e4567-e89b-12d3-a456-426614174000", "short": "8 chars!"}),
+    ("lookup", {"flag": None, "text": "[1, 2]", "either": "seven", "level": "one"}),  # (7 would read as "7")
 ]
 
 
@@ -90,8 +111,8 @@ GOOD = [
 @pytest.mark.parametrize("name,arguments", GOOD)
 def test_the_grammar_takes_what_the_template_writes_and_the_parser_reads_it_back(grammar, name, arguments, python):
     """Round trip: a valid call as Qwen3.5's template renders it is taken by the forced and
-    the opened-call grammar, and mlx-lm's parser (with ``typed_arguments``) reads back the
-    same arguments, which the tool's model accepts strictly."""
+    the opened-call grammar, and mlx-lm's parser and ``read_arguments`` read back the same
+    arguments, which the tool's model accepts (strictly, but for the JSON-mode types)."""
     fmt = ChatFormat(**CODER)
     text = render_call(name, arguments, python)
     assert _takes(grammar, tool_call_constraint(fmt, XML_TOOLS, [name], parallel=False, marker=grammar.marker), text)
@@ -100,11 +121,11 @@ def test_the_grammar_takes_what_the_template_writes_and_the_parser_reads_it_back
     rest = grammar.tokenizer.tokenize_str(text[len("<tool_call>"):])
     assert m.try_consume_tokens(rest) == len(rest) and m.is_stopped()
     body = text[len("<tool_call>"):-len("</tool_call>")]
-    parsed = mlx_lm_coder.parse_tool_call(body, XML_TOOLS)
+    parsed = mlx_lm_coder.parse_tool_call(body, None)
     params = next(t["function"]["parameters"] for t in XML_TOOLS if t["function"]["name"] == name)
-    args = typed_arguments(parsed["arguments"], params)
-    assert args == arguments
-    MODELS[name].model_validate(args, strict=True)
+    args = read_arguments(parsed["arguments"], params)
+    assert args == arguments and [type(v) for v in args.values()] == [type(v) for v in arguments.values()]
+    _validate(name, args)
 
 
 BAD = [
@@ -119,6 +140,10 @@ BAD = [
     ("get_weather", "<parameter=city>\nx\n</parameter>\n<parameter=days>\n8\n</parameter>\n"),
     ("add", "<parameter=a>\n1.5\n</parameter>\n<parameter=b>\n2\n</parameter>\n"),
     ("move", '<parameter=to>\n{"x": 1, "y": 2}\n</parameter>\n<parameter=speed>\n2E888888888\n</parameter>\n'),
+    # a date-time, a uuid out of form; a string past its (small) maxLength
+    ("lookup", "<parameter=when>\n2024-01-01T99:99:59 junk\n</parameter>\n"),
+    ("lookup", "<parameter=key>\nnot a uuid\n</parameter>\n"),
+    ("lookup", "<parameter=short>\nnine char\n</parameter>\n"),
     # the pattern; a value without the newline the parser strips
     ("book", "<parameter=guests>\n[]\n</parameter>\n<parameter=code>\nab-123\n</parameter>\n"
              "<parameter=nights>\n1\n</parameter>\n"),
@@ -161,7 +186,10 @@ def test_tools_the_syntax_cannot_write_keep_a_json_body():
         "anyOf": [{"type": "object", "properties": {"a": {"type": "string"}}}]}}}
     spaced = {"type": "function", "function": {"name": "s", "parameters": {
         "type": "object", "properties": {"a b": {"type": "string"}}}}}
-    for tool in (union, spaced):
+    free = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    extra = {"type": "function", "function": {"name": "e", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}}}
+    for tool in (union, spaced, free, extra):
         assert not xml_expressible([tool], [tool["function"]["name"]])
         assert _plan(fmt, tools=[tool], tool_choice="required").forced_json_calls
         assert _plan(fmt, tools=[tool]).open_call is None
@@ -171,19 +199,32 @@ def test_tools_the_syntax_cannot_write_keep_a_json_body():
     assert _plan(fmt, tools=XML_TOOLS).open_call is not None
 
 
-def test_values_the_parser_leaves_as_text_are_read_where_the_schema_takes_no_string():
-    """mlx-lm's parser converts by a parameter's ``type`` only: ``Optional[int]`` (anyOf)
-    came back as the string "3"."""
-    params = MODELS["book"].model_json_schema()
-    read = typed_arguments({"price": "2.5", "note": "3", "extras": '{"a": 1}', "nights": 2}, params)
-    assert read == {"price": 2.5, "note": "3", "extras": {"a": 1}, "nights": 2}
-    assert typed_arguments({"price": "cheap"}, params) == {"price": "cheap"}  # left for the tool to refuse
-    days = typed_arguments({"days": "3", "city": "7"}, MODELS["get_weather"].model_json_schema())
-    assert days == {"days": 3, "city": "7"}
+def test_values_are_read_by_their_schema():
+    """Given no tools, mlx-lm's parser hands back each value's text (None for null);
+    ``read_arguments`` reads it by the schema. mlx-lm's own conversion, by ``type`` alone,
+    read ``Optional[int]`` "3" as a string, an ``Optional[str]`` that looks like JSON as
+    a dict, ``True`` for an ``Optional[bool]`` as a string, and integers through a float."""
+    weather = MODELS["get_weather"].model_json_schema()
+    assert read_arguments({"days": "3", "city": "7"}, weather) == {"days": 3, "city": "7"}
     # Python's None, as Qwen3.5's template writes a null: None where the schema admits null
-    nones = typed_arguments({"days": "None", "city": "None"}, MODELS["get_weather"].model_json_schema())
-    assert nones == {"days": None, "city": "None"}
-    assert typed_arguments({"note": "none", "price": "None"}, params) == {"note": None, "price": None}
+    assert read_arguments({"days": "None", "city": "None"}, weather) == {"days": None, "city": "None"}
+    lookup = MODELS["lookup"].model_json_schema()
+    read = read_arguments({"flag": "False", "text": '{"k": 1}', "either": "3", "level": "1", "big": "9" * 20,
+                           "step": "3.0", "short": None}, lookup)
+    assert read == {"flag": False, "text": '{"k": 1}', "either": "3", "level": 1, "big": int("9" * 20), "step": 3,
+                    "short": None}
+    book = MODELS["book"].model_json_schema()
+    assert read_arguments({"price": "cheap", "extras": "{'a': 1}"}, book) == {"price": "cheap", "extras": {"a": 1}}
+    assert read_arguments({"unknown": "1"}, book) == {"unknown": "1"}  # left for the tool to refuse
+
+
+def _validate(name: str, args: dict) -> None:
+    """Strict, but dates and UUIDs come as JSON strings (as from any JSON tool call)."""
+    model = MODELS[name]
+    if name == "lookup":
+        model.model_validate_json(json.dumps(args))
+    else:
+        model.model_validate(args, strict=True)
 
 
 # ---------------------------------------------------------------------------- engine
@@ -204,10 +245,11 @@ def _assert_native_valid(out, names, forced=True):
     assert out.tool_calls and out.text.lstrip().startswith("<tool_call>\n<function="), out.text
     for c in out.tool_calls:
         assert c.name in names
-        MODELS[c.name].model_validate(c.arguments, strict=True)
+        _validate(c.name, c.arguments)
 
 
-@pytest.mark.parametrize("choice,names", [("required", set(MODELS)), ("book", {"book"}), ("move", {"move"})])
+@pytest.mark.parametrize("choice,names", [("required", set(MODELS)), ("book", {"book"}), ("move", {"move"}),
+                                          ("lookup", {"lookup"})])
 async def test_forced_calls_are_native_and_valid_within_the_budget(coder_engine, choice, names):
     """Random weights at temperature 1: every forced call is XML, parses, and validates;
     at a budget a little over the shortest call it still closes."""
@@ -275,3 +317,18 @@ async def test_mtp_stays_lossless_on_xml_calls(qwen3_5_mtp_path):
     for a, b in zip(plain, spec):
         assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason), a.text
         _assert_native_valid(a, set(MODELS))
+
+
+async def test_a_long_max_length_does_not_fail_the_request(coder_engine):
+    """A maxLength over what llguidance's lexer can intersect with a raw value's exclusions
+    failed every such call ("too many expressions constructed"); it is left to the tool, and
+    a minLength still holds."""
+    search = {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "minLength": 12, "maxLength": 200}},
+        "required": ["query"]}}}
+    outs = await asyncio.gather(*[
+        coder_engine.chat(USER, SamplingParams(max_tokens=n, temperature=1.0, seed=s), tools=[search],
+                          tool_choice="search") for n in (60, 120) for s in range(3)])
+    for out in outs:
+        assert out.finish_reason == "tool_calls" and not out.invalid_tool_calls, out.text
+        assert len(out.tool_calls[0].arguments["query"]) >= 12

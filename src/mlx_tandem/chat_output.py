@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 from .chat_format import ChatFormat
 from .detokenizer import partial_marker_length
 from .outputs import InvalidToolCall, ToolCall
-from .xml_calls import typed_arguments
+from .xml_calls import read_arguments
 
 CONTENT, REASONING, TOOL_CALL = "content", "reasoning", "tool_call"
 
@@ -86,6 +86,7 @@ class ChatOutputParser:
         self._tools = list(tools or [])
         self._parse_tools = parse_tool_calls and fmt.has_tool_calling
         self._forced_json = forced_json_calls
+        self._xml_values = fmt.tool_format == "qwen3_coder" and not forced_json_calls
         self._state = REASONING if (starts_in_reasoning and fmt.has_thinking and not verbatim) else CONTENT
         self._buf = ""
         self._call_buf = ""
@@ -233,6 +234,10 @@ class ChatOutputParser:
         try:
             if self._forced_json or self._fmt.tool_parser is None:
                 parsed: Any = json.loads(body.strip())
+            elif self._xml_values:
+                # Given no tools, mlx-lm's parser hands back each value's text; read_arguments
+                # reads it by the schema as the grammar writes it (see its docstring for why).
+                parsed = self._fmt.tool_parser(body, None)
             else:
                 parsed = self._fmt.tool_parser(body, self._tools or None)
             items = parsed if isinstance(parsed, list) else [parsed]
@@ -244,8 +249,8 @@ class ChatOutputParser:
                     args = json.loads(args) if args.strip() else {}
                 if not isinstance(name, str) or not isinstance(args, dict):
                     raise ValueError("a tool call needs a string name and object arguments")
-                if self._fmt.tool_format == "qwen3_coder" and not self._forced_json:
-                    args = typed_arguments(args, self._parameters(name))
+                if self._xml_values:
+                    args = read_arguments(args, self._parameters(name))
                 calls.append(ToolCall(id=self._call_id(item.get("id")), name=name, arguments=args))
             return calls
         except Exception as exc:  # noqa: BLE001 - any parser failure is an invalid call

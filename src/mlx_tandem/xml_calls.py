@@ -1,4 +1,5 @@
-"""Qwen3-Coder's XML tool-call body (Qwen3.5's native syntax) as Lark rules over the tools' schemas.
+"""Qwen3-Coder's XML tool-call body (Qwen3.5's native syntax): Lark rules that hold it to
+the tools' schemas, and the reading of its values back into arguments.
 
 A call in this syntax, as Qwen3.5's chat template writes one::
 
@@ -13,33 +14,37 @@ A call in this syntax, as Qwen3.5's chat template writes one::
     </function>
     </tool_call>
 
-This module writes the rule ``body`` (from ``<function=`` to ``</function>``) so that a
-forced call, or one the model opens under tool_choice="auto", is held to the listed tools
-in the model's own syntax instead of a JSON body it was not trained on. Every value is one
-that mlx-lm's ``qwen3_coder`` parser (mlx-lm 0.32) reads back as a value of its parameter's
-schema, which sets the rules:
+``xml_body_rules`` writes the rule ``body`` (from ``<function=`` to ``</function>``) so that
+a forced call, or one the model opens under tool_choice="auto", is held to the listed tools
+in the model's own syntax instead of a JSON body it was not trained on. ``read_arguments``
+reads the values back by the same rules:
 
 - A string parameter is raw text, not quoted: anything but text holding ``</parameter>``
-  (the parser cuts there) or the call's end marker (chat_output.py ends the call there),
-  or spelling ``null`` in any case (the parser reads None). Its
-  ``enum``, ``const``, ``pattern``, ``minLength`` and ``maxLength`` (up to ``_MAX_LENGTH``)
-  hold; its ``format`` holds where constraints.py turns it into a pattern (dates, times).
-- Numbers, objects and arrays are JSON text, which is what the parser converts
-  (``int(float(v))``, ``json.loads``); the JSON grammar holds their schemas. A number
-  without bounds is held to what a float reads back (``_NUMERIC``). A boolean is
-  ``true`` or ``false``, or ``True`` or ``False`` as Qwen's template writes Python's.
-- A union (``anyOf``, ``oneOf``, a list of types) is any of its branches.
+  (mlx-lm's parser cuts there) or the call's end marker (chat_output.py ends the call
+  there), or spelling ``null`` in any case (the parser reads None). Its ``enum``,
+  ``const``, ``pattern``, ``minLength``, ``maxLength`` (up to ``_MAX_LENGTH``) and the
+  formats in ``_FORMATS`` hold.
+- Numbers, objects and arrays are JSON text; the JSON grammar holds their schemas. A
+  number without bounds is held to 16 digits and a two-digit exponent (``1e999`` reads as
+  infinity). A boolean is ``true``/``false`` or Python's ``True``/``False``, and a null
+  ``null`` or ``None``: Qwen3.5's template writes scalars with Python's ``str``,
+  Qwen3.6's with JSON.
+- A union (``anyOf``, ``oneOf``, a list of types) is any of its branches; an ``allOf`` of
+  one schema is that schema.
 - Parameters come in the schema's order: required ones always, optional ones may be left
   out, as llguidance orders a JSON object's keys. Only listed parameters.
 
-Not expressible here, so such requests keep a JSON body (``xml_expressible``): parameters
-that are not an object with ``properties`` (a top-level ``anyOf``, ``patternProperties`` or
-``additionalProperties`` alone), and names the parser cannot read back (whitespace, ``<``
-or ``>``).
+Not held: a string inside a JSON-valued parameter (a list of strings, a nested model)
+may still spell ``</parameter>`` (llguidance's JSON grammar takes no exclusions); a
+``maxLength`` over ``_MAX_LENGTH``. Not expressible, so such tools keep a JSON body
+(``xml_expressible``): parameters that are not a closed object with ``properties`` (a
+top-level union, ``patternProperties``, a free-form object), and names the parser cannot
+read back (whitespace, ``<`` or ``>``).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from typing import Any, Optional, Sequence
@@ -50,18 +55,25 @@ from .pattern_witness import shortest_match
 # single token of a free-text value shows progress towards it.
 PARAMETER_END = "\n</parameter>\n"
 _NAME_UNREADABLE = re.compile(r"[\s<>]")
-_SCALARS = ("integer", "number", "boolean", "object", "array")
-# The parser reads a number through a float (``int(float(v))`` for an integer): an unbounded
-# JSON number such as 2E888888888 became infinity and failed the call. Unbounded numbers
-# are held to what a float reads exactly enough (16 digits, a two-digit exponent); bounded
-# ones keep llguidance's range grammar, which writes no exponent.
+_JSON_KINDS = ("integer", "number", "boolean", "object", "array")
 _NUMERIC = {"integer": r"-?(0|[1-9][0-9]{0,15})",
             "number": r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][-+]?[0-9]{1,2})?"}
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-# A maxLength above this is left out of the grammar (a bounded repeat that large costs
-# llguidance a large automaton): such a value may run longer than its schema allows.
-_MAX_LENGTH = 1000
-_MAX_REF_DEPTH = 16
+# llguidance 1.9.1's lexer runs out of expressions ("too many expressions constructed", the
+# request failed) intersecting a bounded repeat over about 35 characters with a raw value's
+# exclusions: a larger maxLength is left to the tool.
+_MAX_LENGTH = 16
+_MAX_DEPTH = 16
+# String formats a raw value is held to (on top of constraints.py's date patterns, which
+# check the date and leave the rest to llguidance's own format check in a JSON body).
+_CLOCK = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?"
+_OFFSET = r"([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_FORMATS = {
+    "date-time": rf"[0-9]{{4}}-[0-9]{{2}}-[0-9]{{2}}[Tt ]{_CLOCK}{_OFFSET}?",
+    "time": rf"{_CLOCK}{_OFFSET}?",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "email": r"[^@\s<>]+@[^@\s<>.]+(\.[^@\s<>.]+)+",
+}
 
 
 def xml_expressible(tools: Sequence[dict], names: Sequence[str]) -> bool:
@@ -69,14 +81,14 @@ def xml_expressible(tools: Sequence[dict], names: Sequence[str]) -> bool:
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     for name in names:
         params = by_name[name].get("parameters") or {"type": "object", "properties": {}}
-        props = params.get("properties", {})
+        props = params.get("properties")
         if _NAME_UNREADABLE.search(name) or not isinstance(props, dict):
-            return False
+            return False  # no properties: a free-form object
         if params.get("type", "object") != "object" or any(
                 k in params for k in ("anyOf", "oneOf", "allOf", "$ref", "patternProperties")):
             return False
-        if not props and isinstance(params.get("additionalProperties"), dict):
-            return False
+        if params.get("additionalProperties", False) is not False:
+            return False  # keys the grammar could not name
         if any(not isinstance(k, str) or not k or _NAME_UNREADABLE.search(k) for k in props):
             return False
         required = params.get("required", [])
@@ -85,100 +97,19 @@ def xml_expressible(tools: Sequence[dict], names: Sequence[str]) -> bool:
     return True
 
 
-class _Rules:
-    """Collects the Lark rules and terminals of one body."""
-
-    def __init__(self, json_style: dict, end_marker: str):
-        self.lines: list[str] = []
-        self._end_marker = end_marker
-        self.hints: list[str] = []
-        self._style = json_style
-        self._n = 0
-
-    def fresh(self, prefix: str) -> str:
-        self._n += 1
-        return f"{prefix}{self._n}"
-
-    def json_value(self, schema: dict, defs: dict) -> str:
-        return f"%json {json.dumps({**defs, **schema, 'x-guidance': self._style})}"
-
-    def text(self, schema: dict) -> str:
-        """A terminal for a raw string value and the end of its parameter (see the module
-        docstring): one lexeme, so the value cannot end anywhere but at that end."""
-        parts = [r"/(.|\n)*/", "~/[nN][uU][lL][lL]/"]
-        parts += ["~" + _regex(rf"(.|\n)*{re.escape(m)}(.|\n)*") for m in ("</parameter>", self._end_marker) if m]
-        pattern = schema.get("pattern")
-        if isinstance(pattern, str):
-            parts.append(_regex(_anchored(pattern)))
-            witness = shortest_match(pattern)
-            if witness:
-                self.hints.append(witness + PARAMETER_END)
-        low = schema.get("minLength", 0)
-        high = schema.get("maxLength")
-        low = low if isinstance(low, int) and not isinstance(low, bool) and low > 0 else 0
-        high = high if isinstance(high, int) and not isinstance(high, bool) and 0 <= high <= _MAX_LENGTH else None
-        if low or high is not None:
-            parts.append(f"/(.|\\n){{{low},{'' if high is None else high}}}/")
-        name = self.fresh("TEXT")
-        self.lines.append(f"{name}: ({' & '.join(parts)}) {json.dumps(PARAMETER_END)}")
-        return name
-
-    def value(self, schema: Any, defs: dict, depth: int = 0) -> str:
-        """A Lark expression for one parameter's value and the end of its parameter."""
-        end = json.dumps(PARAMETER_END)
-        if not isinstance(schema, dict) or depth > _MAX_REF_DEPTH:
-            return self.text({})
-        ref = schema.get("$ref")
-        if isinstance(ref, str):
-            target = _resolve(ref, defs)
-            if not isinstance(target, dict):
-                return f"{self.json_value(schema, defs)} {end}"
-            siblings = {k: v for k, v in schema.items() if k != "$ref"}
-            return self.value({**target, **siblings}, defs, depth + 1)
-        if "const" in schema or isinstance(schema.get("enum"), list):
-            values = [schema["const"]] if "const" in schema else schema["enum"]
-            if values and all(isinstance(v, (str, int, float, bool)) or v is None for v in values):
-                return f"({' | '.join(_literal(_as_text(v)) for v in values)})"
-            return f"{self.json_value(schema, defs)} {end}"
-        kind = schema.get("type")
-        if isinstance(kind, list):
-            branches = [{**schema, "type": k} for k in kind if isinstance(k, str)]
-            return self._union(branches, defs, depth)
-        for key in ("anyOf", "oneOf"):
-            if kind is None and isinstance(schema.get(key), list) and schema[key]:
-                return self._union(schema[key], defs, depth)
-        if kind == "string":
-            return self.text(schema)
-        if kind == "null":  # Qwen3.5's template writes Python's None (typed_arguments reads it)
-            return f"({_literal('null')} | {_literal('None')})"
-        if kind in _NUMERIC and not any(k in schema for k in _BOUNDS):
-            return f"/{_NUMERIC[kind]}/ {end}"
-        if kind == "boolean":  # the parser reads any case; Qwen's template writes Python's True
-            return f"/[tT]rue|[fF]alse/ {end}"
-        if kind in _SCALARS:
-            return f"{self.json_value(schema, defs)} {end}"
-        return self.text({})  # any value: the parser hands back the text
-
-    def _union(self, branches: list, defs: dict, depth: int) -> str:
-        name = self.fresh("value")
-        self.lines.append(f"{name}: " + " | ".join(self.value(b, defs, depth + 1) for b in branches))
-        return name
-
-
 def xml_body_rules(tools: Sequence[dict], names: Sequence[str], *, json_style: dict, prepare,
                    end_marker: str) -> tuple[str, tuple[str, ...]]:
     """Lark rules defining ``body``, one call of any of ``names``, and closing-mode hints.
 
     ``prepare``: constraints.py's schema preparation (formats as patterns, closed objects),
     applied to each tool's parameters as the JSON body applies it. ``end_marker``: the
-    format's ``</tool_call>``, which a raw value may not spell either (the output parser
-    finds the end of a call by its text)."""
+    format's ``</tool_call>``, which a raw value may not spell either."""
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     rules = _Rules(json_style, end_marker)
     choices = []
     for name in names:
         params = prepare(by_name[name].get("parameters") or {"type": "object", "properties": {}})
-        defs = {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
+        defs = _defs(params)
         required = set(params.get("required", []))
         items = []
         for key, schema in params.get("properties", {}).items():
@@ -192,6 +123,199 @@ def xml_body_rules(tools: Sequence[dict], names: Sequence[str], *, json_style: d
     return "\n".join(lines), (PARAMETER_END, *dict.fromkeys(rules.hints))
 
 
+class _Rules:
+    """Collects the Lark rules and terminals of one body."""
+
+    def __init__(self, json_style: dict, end_marker: str):
+        self.lines: list[str] = []
+        self.hints: list[str] = []
+        self._style = json_style
+        self._end_marker = end_marker
+        self._n = 0
+
+    def fresh(self, prefix: str) -> str:
+        self._n += 1
+        return f"{prefix}{self._n}"
+
+    def value(self, schema: Any, defs: dict, depth: int = 0) -> str:
+        """A Lark expression for one parameter's value and the end of its parameter."""
+        end = json.dumps(PARAMETER_END)
+        schema = _flatten(schema, defs)
+        if schema is None or depth > _MAX_DEPTH:
+            return self._text({})
+        if "const" in schema or isinstance(schema.get("enum"), list):
+            values = [schema["const"]] if "const" in schema else schema["enum"]
+            if values and all(isinstance(v, (str, int, float, bool)) or v is None for v in values):
+                return f"({' | '.join(_literal(_as_text(v)) for v in values)})"
+            return f"{self._json(schema, defs)} {end}"
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            return self._union([{**schema, "type": k} for k in kind if isinstance(k, str)], defs, depth)
+        branches = schema.get("anyOf") or schema.get("oneOf")
+        if kind is None and isinstance(branches, list):
+            return self._union(branches, defs, depth)
+        if kind == "string":
+            return self._text(schema)
+        if kind == "null":
+            return f"({_literal('null')} | {_literal('None')})"
+        if kind in _NUMERIC and not any(k in schema for k in _BOUNDS):
+            return f"/{_NUMERIC[kind]}/ {end}"
+        if kind == "boolean":
+            return f"/[tT]rue|[fF]alse/ {end}"
+        if kind in _JSON_KINDS or "allOf" in schema or "$ref" in schema:  # a $ref not resolved here
+            return f"{self._json(schema, defs)} {end}"
+        return self._text({})  # any value: read back as the text
+
+    def _union(self, branches: list, defs: dict, depth: int) -> str:
+        name = self.fresh("value")
+        self.lines.append(f"{name}: " + " | ".join(self.value(b, defs, depth + 1) for b in branches))
+        return name
+
+    def _json(self, schema: dict, defs: dict) -> str:
+        return f"%json {json.dumps({**defs, **schema, 'x-guidance': self._style})}"
+
+    def _text(self, schema: dict) -> str:
+        """A terminal for a raw string value and the end of its parameter (see the module
+        docstring): one lexeme, so the value cannot end anywhere but at that end."""
+        parts = [r"/(.|\n)*/", "~/[nN][uU][lL][lL]/"]
+        parts += ["~" + _regex(rf"(.|\n)*{re.escape(m)}(.|\n)*") for m in ("</parameter>", self._end_marker) if m]
+        if isinstance(schema.get("pattern"), str):
+            parts.append(_regex(_anchored(schema["pattern"])))
+        if isinstance(schema.get("format"), str) and schema["format"] in _FORMATS:
+            parts.append(_regex(_FORMATS[schema["format"]]))  # a whole value
+        low, high = schema.get("minLength"), schema.get("maxLength")
+        low = low if isinstance(low, int) and not isinstance(low, bool) and low > 0 else 0
+        high = high if isinstance(high, int) and not isinstance(high, bool) and 0 <= high <= _MAX_LENGTH else None
+        if low or high is not None:
+            parts.append(f"/(.|\\n){{{low},{'' if high is None else high}}}/")
+        witness = shortest_match(schema["pattern"]) if isinstance(schema.get("pattern"), str) else None
+        if witness or low:
+            self.hints.append((witness or "x" * low) + PARAMETER_END)
+        name = self.fresh("TEXT")
+        self.lines.append(f"{name}: ({' & '.join(parts)}) {json.dumps(PARAMETER_END)}")
+        return name
+
+
+# ------------------------------------------------------------------------------ reading
+def read_arguments(arguments: dict, parameters: Any) -> dict:
+    """A call's values, as mlx-lm's ``qwen3_coder`` parser hands them back when given no
+    tools (each the raw text; None for ``null``), read by the parameter's schema the way
+    ``xml_body_rules`` writes them.
+
+    Why not the parser's own conversion (mlx-lm 0.32, given the tools): it converts by a
+    schema's ``type`` alone. ``Optional[int]`` (an ``anyOf``) came back as the string "3",
+    an ``Optional[str]`` that looked like JSON as a dict, ``Literal[1, "one"]`` as "1",
+    integers went through a float (17 digits read back changed; 400 failed the call), and
+    ``True`` for an ``Optional[bool]`` stayed a string. Here: an enum or const value the
+    text spells is that value; ``None`` (any case) is None where the schema admits null
+    (as vLLM's parser reads it); where a string is admitted the text stays; else
+    ``true``/``false`` in any case is a boolean, and the rest is JSON (a Python literal for
+    the dicts Qwen3-Coder's older template wrote with ``str``). What reads as none of these
+    stays text, for the tool to refuse.
+    """
+    props = parameters.get("properties") if isinstance(parameters, dict) else None
+    if not isinstance(props, dict):
+        return arguments
+    defs = _defs(parameters)
+    return {key: _read(value, props[key], defs) if key in props else value for key, value in arguments.items()}
+
+
+def _read(value: Any, schema: Any, defs: dict) -> Any:
+    schema = _flatten(schema, defs)
+    if schema is None:
+        return value
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if value is None:  # the parser reads "null" in any case as None
+        if isinstance(values, list) and not _admits(schema, defs, "null"):
+            return next((v for v in values if isinstance(v, str) and v.lower() == "null"), None)
+        return None
+    if not isinstance(value, str):
+        return value
+    if isinstance(values, list):
+        match = [v for v in values if (isinstance(v, (str, int, float, bool)) or v is None) and _as_text(v) == value]
+        if match:
+            return match[0]
+    word = value.strip().lower()
+    if word == "none" and _admits(schema, defs, "null"):
+        return None
+    if _admits(schema, defs, "string"):
+        return value
+    if word in ("true", "false") and _admits(schema, defs, "boolean"):
+        return word == "true"
+    try:
+        read = json.loads(value)
+    except (ValueError, RecursionError):
+        try:
+            read = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return value
+        if not isinstance(read, (dict, list)):
+            return value
+    if isinstance(read, float) and read.is_integer() and not _admits(schema, defs, "number"):
+        return int(read)  # "3.0" for an integer, as the parser read it
+    return read
+
+
+def _admits(schema: Any, defs: dict, kind: str, depth: int = 0) -> bool:
+    """Might a value of JSON type ``kind`` be valid for ``schema`` (or is it unknown)?"""
+    schema = _flatten(schema, defs)
+    if schema is None or depth > _MAX_DEPTH:
+        return True
+    if "const" in schema or isinstance(schema.get("enum"), list):
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        return any(_json_kind(v) == kind for v in values)
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        declared = [declared]
+    if isinstance(declared, list):
+        return kind in declared or (kind == "integer" and "number" in declared)
+    branches = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(branches, list):
+        return any(_admits(b, defs, kind, depth + 1) for b in branches)
+    if isinstance(schema.get("allOf"), list):
+        return all(_admits(b, defs, kind, depth + 1) for b in schema["allOf"])
+    return True
+
+
+# ------------------------------------------------------------------------------ helpers
+def _defs(parameters: dict) -> dict:
+    return {k: parameters[k] for k in ("$defs", "definitions") if isinstance(parameters.get(k), dict)}
+
+
+def _flatten(schema: Any, defs: dict) -> Optional[dict]:
+    """``schema`` with a local ``$ref`` resolved and an ``allOf`` of one schema (Pydantic
+    v1's wrapper for a description beside a ``$ref``) merged; None if not a schema."""
+    for _ in range(_MAX_DEPTH):
+        if not isinstance(schema, dict):
+            return None
+        ref, wrapped = schema.get("$ref"), schema.get("allOf")
+        if isinstance(ref, str) and isinstance(target := _resolve(ref, defs), dict):
+            schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+        elif isinstance(wrapped, list) and len(wrapped) == 1 and isinstance(wrapped[0], dict):
+            schema = {**{k: v for k, v in schema.items() if k != "allOf"}, **wrapped[0]}
+        else:
+            return schema
+    return schema
+
+
+def _resolve(ref: str, defs: dict) -> Optional[Any]:
+    for key in ("$defs", "definitions"):
+        prefix = f"#/{key}/"
+        if ref.startswith(prefix) and ref[len(prefix):] in defs.get(key, {}):
+            return defs[key][ref[len(prefix):]]
+    return None
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return {float: "number", str: "string", dict: "object", list: "array"}.get(type(value), "string")
+
+
 def _literal(text: str) -> str:
     """A literal value and the end of its parameter, as one lexeme: beside a raw string in a
     union, llguidance's lexer follows the longer lexeme, and "null" then the end as two
@@ -200,7 +324,7 @@ def _literal(text: str) -> str:
 
 
 def _as_text(value: Any) -> str:
-    """An enum or const value as the parser reads it back (strings raw, the rest JSON)."""
+    """An enum or const value as the template writes it (strings raw, the rest JSON)."""
     return value if isinstance(value, str) else json.dumps(value)
 
 
@@ -215,64 +339,3 @@ def _anchored(pattern: str) -> str:
 
 def _regex(pattern: str) -> str:
     return "/" + pattern.replace("/", "\\/") + "/"
-
-
-def _resolve(ref: str, defs: dict) -> Optional[Any]:
-    for key in ("$defs", "definitions"):
-        prefix = f"#/{key}/"
-        if ref.startswith(prefix) and ref[len(prefix):] in defs.get(key, {}):
-            return defs[key][ref[len(prefix):]]
-    return None
-
-
-def typed_arguments(arguments: dict, parameters: Any) -> dict:
-    """``arguments`` as mlx-lm's ``qwen3_coder`` parser read them, with the values its
-    conversion leaves as text read as JSON where the parameter takes no string.
-
-    The parser (mlx-lm 0.32) converts a value by its schema's ``type`` only: a parameter
-    without one (``Optional[int]`` is ``anyOf: [integer, null]``; a nested model is a
-    ``$ref``) keeps "3" as the string "3" unless it is a JSON object or array, so a strict
-    tool got a string for its integer. Where the schema admits no string, such a value is
-    read as JSON; where it admits one, the text stays, as the model wrote it. ``None``
-    (any case), which Qwen3.5's template writes for a null, is None where the schema
-    admits null, as vLLM's parser reads it (mlx-lm's reads only ``null``).
-    """
-    if not isinstance(parameters, dict) or not isinstance(parameters.get("properties"), dict):
-        return arguments
-    defs = {k: parameters[k] for k in ("$defs", "definitions") if isinstance(parameters.get(k), dict)}
-    out = dict(arguments)
-    for key, value in arguments.items():
-        schema = parameters["properties"].get(key)
-        if not (isinstance(value, str) and isinstance(schema, dict)):
-            continue
-        if value.strip().lower() == "none" and _admits(schema, defs, "null", 0):
-            out[key] = None
-        elif not _admits(schema, defs, "string", 0):
-            try:
-                out[key] = json.loads(value)
-            except (ValueError, RecursionError):
-                pass
-    return out
-
-
-def _admits(schema: Any, defs: dict, kind: str, depth: int) -> bool:
-    """Might a value of JSON type ``kind`` ("string" or "null") be valid for ``schema``
-    (or is it unknown)?"""
-    if not isinstance(schema, dict) or depth > _MAX_REF_DEPTH:
-        return True
-    if "const" in schema or isinstance(schema.get("enum"), list):
-        values = [schema["const"]] if "const" in schema else schema["enum"]
-        return any(isinstance(v, str) if kind == "string" else v is None for v in values)
-    ref = schema.get("$ref")
-    if isinstance(ref, str):
-        target = _resolve(ref, defs)
-        return target is None or _admits(target, defs, kind, depth + 1)
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        return declared == kind
-    if isinstance(declared, list):
-        return kind in declared
-    branches = [b for key in ("anyOf", "oneOf") for b in (schema.get(key) or [])]
-    if branches:
-        return any(_admits(b, defs, kind, depth + 1) for b in branches)
-    return True

@@ -211,8 +211,9 @@ def test_values_are_read_by_their_schema():
     lookup = MODELS["lookup"].model_json_schema()
     read = read_arguments({"flag": "False", "text": '{"k": 1}', "either": "3", "level": "1", "big": "9" * 20,
                            "step": "3.0", "short": None}, lookup)
+    # (the parser reads "null" as None; a string that admits no null keeps the text)
     assert read == {"flag": False, "text": '{"k": 1}', "either": "3", "level": 1, "big": int("9" * 20), "step": 3,
-                    "short": None}
+                    "short": "null"}
     book = MODELS["book"].model_json_schema()
     assert read_arguments({"price": "cheap", "extras": "{'a': 1}"}, book) == {"price": "cheap", "extras": {"a": 1}}
     assert read_arguments({"unknown": "1"}, book) == {"unknown": "1"}  # left for the tool to refuse
@@ -332,3 +333,74 @@ async def test_a_long_max_length_does_not_fail_the_request(coder_engine):
     for out in outs:
         assert out.finish_reason == "tool_calls" and not out.invalid_tool_calls, out.text
         assert len(out.tool_calls[0].arguments["query"]) >= 12
+
+
+CLOSING_CASES = {
+    # optional parameters whose names begin like the required one's: a greedy walk wrote
+    # all 29 of them (a 647-token "shortest" call), so no budget near the real one closed
+    "prefixed": {"type": "object", "required": ["param_29"], "properties": {
+        **{f"param_{i:02d}": {"type": "string"} for i in range(29)}, "param_29": {"type": "integer"}}},
+    # unbounded numbers: the walk wrote each to its sixteenth digit
+    "numbers": {"type": "object", "required": list("abcde"), "properties": {k: {"type": "number"} for k in "abcde"}},
+}
+
+
+@pytest.mark.parametrize("name", list(CLOSING_CASES))
+async def test_calls_close_from_the_shortest_budget(coder_engine, name):
+    """Closing mode finds (about) the shortest call, and a random model's forced call
+    closes at every budget from it up."""
+    from mlx_tandem.closing import closing_path
+
+    jsonschema = pytest.importorskip("jsonschema")
+    tool = {"type": "function", "function": {"name": name, "parameters": CLOSING_CASES[name]}}
+    g = coder_engine._grammar
+    c = tool_call_constraint(coder_engine._format, [tool], [name], parallel=False, marker=g.marker)
+    shortest = len(closing_path(g.compile(c), g.tiers(), frozenset(g.eos_token_ids), 1000, g.hint_ids(c),
+                                text_markup=True))
+    # the call with only its required parameters, each value one token
+    spelled = render_call(name, {k: 0 for k in CLOSING_CASES[name]["required"]})
+    assert shortest <= len(coder_engine.tokenizer.encode(spelled, add_special_tokens=False)) + 1
+    outs = await asyncio.gather(*[
+        coder_engine.chat(USER, SamplingParams(max_tokens=shortest + extra, temperature=1.0, seed=s), tools=[tool],
+                          tool_choice=name) for extra in (0, 5) for s in range(3)])
+    for out in outs:
+        assert out.finish_reason == "tool_calls" and not out.invalid_tool_calls, out.text
+        jsonschema.validate(out.tool_calls[0].arguments, CLOSING_CASES[name])
+
+
+EDGE = {"type": "object", "properties": {
+    "url": {"type": "string", "pattern": r"^https?:\/\/\S+$"},  # an escaped slash
+    "path": {"type": "string", "pattern": r"^C:\\$"},  # ends in an escaped backslash
+    "word": {"type": "string", "pattern": "(?i)^abc$"},  # inline flags before the anchor
+    "mode": {"anyOf": [{"type": "integer"}, {"const": "auto"}]},
+    "rows": {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"enum": ["all"]}]},
+    "flag": {"enum": [False, "auto"]},
+    "maybe": {"enum": ["x", None]},
+    "many": {"enum": [f"v{i}" for i in range(2500)]},  # past llguidance's 2,000 items a row
+    "anything": {},
+    "short": {"allOf": [{"type": "string"}, {"maxLength": 3}]},
+}}
+
+
+@pytest.mark.parametrize("python", [True, False])
+def test_edge_schemas_round_trip(grammar, python):
+    """Schemas a second audit found mishandled: patterns the grammar could not compile (so
+    every request listing the tool failed, "auto" too), unions of a type and an enum read
+    back as text, enum booleans and nulls in Python's spelling refused, a long enum past
+    llguidance's row limit, untyped values read as text, an allOf string held as JSON."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = [{"type": "function", "function": {"name": "edge", "parameters": EDGE}}]
+    arguments = {"url": "https://x.org/a", "path": "C:\\", "word": "ABC", "mode": 5, "rows": [1, 2], "flag": False,
+                 "maybe": None, "many": "v2499", "anything": {"a": [1, None]}, "short": "ab"}
+    text = render_call("edge", arguments, python)
+    fmt = ChatFormat(**CODER)
+    assert _takes(grammar, tool_call_constraint(fmt, tools, ["edge"], parallel=False, marker=grammar.marker), text)
+    m = grammar.compile(open_call_constraint(fmt, tools, marker=grammar.marker))  # "auto" compiles too
+    rest = grammar.tokenizer.tokenize_str(text[len("<tool_call>"):])
+    assert m.try_consume_tokens(rest) == len(rest) and m.is_stopped()
+    parsed = mlx_lm_coder.parse_tool_call(text[len("<tool_call>"):-len("</tool_call>")], None)
+    args = read_arguments(parsed["arguments"], EDGE)
+    assert args == arguments and [type(v) for v in args.values()] == [type(v) for v in arguments.values()]
+    jsonschema.validate(args, EDGE)
+    assert read_arguments({"mode": "auto", "rows": "all", "flag": "auto", "anything": "plain"}, EDGE) == {
+        "mode": "auto", "rows": "all", "flag": "auto", "anything": "plain"}

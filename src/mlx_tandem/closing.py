@@ -182,7 +182,10 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
     ``text_markup`` (``Constraint.text_markup``: an XML call, whose values are raw text):
     in free text a quote is content, not a way out, and following it wandered (a raw
     value closed 15 tokens later than it could); the hints that end the free text
-    (``</parameter>``) are tried first.
+    (``</parameter>``) are tried first. Elsewhere every hint the grammar takes whole is
+    taken first: the hints are markup every completion writes (the end of a value, of the
+    call, the opening of a required parameter), and greedy steps wrote every optional
+    parameter whose name began like a required one, and a number to its sixteenth digit.
     Judging a candidate costs a consume, a mask and, when it is refused, a rollback, on the
     engine thread: ``_TRY_BUDGET`` bounds the refusals per simulation, then only the best
     closer is judged and step 4 goes on in turn. Tested on fuzzed schemas, formats, patterns and grammars, on the factory and
@@ -220,18 +223,19 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
         budget -= 1
         return None
 
-    def spell(ids: Sequence[int], leave: bool = False) -> Optional[np.ndarray]:
+    def spell(ids: Sequence[int], leave: bool = False, whole: bool = False) -> Optional[np.ndarray]:
         """Take all of ``ids`` if the grammar does and they let the string (or the grammar)
         end where it could not before, or they end the free text themselves (a raw XML
         value and its ``</parameter>``, xml_calls.py); else undo. A witness of one string's
         pattern also fits in other strings (a code's "AA-0000" in an email address) and
-        would lengthen them for nothing. ``leave``: only if they end the free text."""
+        would lengthen them for nothing. ``leave``: only if they end the free text;
+        ``whole``: whenever the grammar takes them all (markup every completion writes)."""
         nonlocal budget
         n = m.try_consume_tokens(list(ids))
         if n == len(ids):
             after = allowed_tokens(m, vocab, tiers.respelled)
             left = m.is_stopped() or 2 * int(after.sum()) <= vocab
-            if left or (not leave and (after & ends & ~allowed).any()):
+            if whole or left or (not leave and (after & ends & ~allowed).any()):
                 return after
         m.rollback(n)
         budget -= 1
@@ -273,9 +277,10 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
             structure = 8 * n_allowed < vocab
             tok = after = None
             spelled: Sequence[int] = ()
-            if text_markup and free_text and budget > 0:  # 0: what ends a raw value
+            if text_markup and budget > 0:  # 0: what ends a raw value, or markup to write
                 for ids in hints:
-                    if len(path) + len(ids) < limit and (after := spell(ids, leave=True)) is not None:
+                    if (ids and allowed[ids[0]] and len(path) + len(ids) < limit
+                            and (after := spell(ids, leave=True, whole=not free_text)) is not None):
                         *spelled, tok = ids
                         break
             for i in closing if tok is None else ():  # 1

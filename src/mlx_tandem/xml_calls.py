@@ -21,22 +21,24 @@ reads the values back by the same rules:
 
 - A string parameter is raw text, not quoted: anything but text holding ``</parameter>``
   (mlx-lm's parser cuts there) or the call's end marker (chat_output.py ends the call
-  there), or spelling ``null`` in any case (the parser reads None). Its ``enum``,
-  ``const``, ``pattern``, ``minLength``, ``maxLength`` (up to ``_MAX_LENGTH``) and the
-  formats in ``_FORMATS`` hold.
+  there), or spelling ``null`` in any case (the parser reads None). Its ``pattern``,
+  ``minLength`` (up to ``_MAX_MIN_LENGTH``), ``maxLength`` (up to ``_MAX_LENGTH``) and the
+  formats in ``_FORMATS`` hold. Enum and const values are literals, booleans and nulls
+  in either spelling (below).
 - Numbers, objects and arrays are JSON text; the JSON grammar holds their schemas. A
   number without bounds is held to 16 digits and a two-digit exponent (``1e999`` reads as
   infinity). A boolean is ``true``/``false`` or Python's ``True``/``False``, and a null
   ``null`` or ``None``: Qwen3.5's template writes scalars with Python's ``str``,
   Qwen3.6's with JSON.
-- A union (``anyOf``, ``oneOf``, a list of types) is any of its branches; an ``allOf`` of
-  one schema is that schema.
+- A union (``anyOf``, ``oneOf``, a list of types) is any of its branches; an ``allOf``
+  whose branches constrain different keywords is one schema. A value without a type is
+  a JSON object or array, a null, or text.
 - Parameters come in the schema's order: required ones always, optional ones may be left
   out, as llguidance orders a JSON object's keys. Only listed parameters.
 
 Not held: a string inside a JSON-valued parameter (a list of strings, a nested model)
 may still spell ``</parameter>`` (llguidance's JSON grammar takes no exclusions); a
-``maxLength`` over ``_MAX_LENGTH``. Not expressible, so such tools keep a JSON body
+``minLength`` or ``maxLength`` over the caps above. Not expressible, so such tools keep a JSON body
 (``xml_expressible``): parameters that are not a closed object with ``properties`` (a
 top-level union, ``patternProperties``, a free-form object), and names the parser cannot
 read back (whitespace, ``<`` or ``>``).
@@ -63,6 +65,8 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multip
 # request failed) intersecting a bounded repeat over about 35 characters with a raw value's
 # exclusions: a larger maxLength is left to the tool.
 _MAX_LENGTH = 16
+# A larger minLength ran llguidance out of fuel ("fuel exhausted"); left to the tool.
+_MAX_MIN_LENGTH = 500
 _MAX_DEPTH = 16
 # String formats a raw value is held to (on top of constraints.py's date patterns, which
 # check the date and leave the rest to llguidance's own format check in a JSON body).
@@ -91,15 +95,21 @@ def xml_expressible(tools: Sequence[dict], names: Sequence[str]) -> bool:
             return False  # keys the grammar could not name
         if any(not isinstance(k, str) or not k or _NAME_UNREADABLE.search(k) for k in props):
             return False
+        if any(not isinstance(v, dict) for v in props.values()):
+            return False  # a boolean subschema: the JSON body reads those
         required = params.get("required", [])
-        if not isinstance(required, list) or any(k not in props for k in required):
+        if not isinstance(required, list) or any(not isinstance(k, str) or k not in props for k in required):
             return False
     return True
 
 
 def xml_body_rules(tools: Sequence[dict], names: Sequence[str], *, json_style: dict, prepare,
                    end_marker: str) -> tuple[str, tuple[str, ...]]:
-    """Lark rules defining ``body``, one call of any of ``names``, and closing-mode hints.
+    """Lark rules defining ``body``, one call of any of ``names``, and closing-mode hints:
+    the end of a value (and witnesses of its pattern or minLength), ``</function>``, and the
+    opening of each required parameter, which closing mode writes out whole where the
+    grammar takes it (closing.py, ``text_markup``): a greedy walk wrote every optional
+    parameter whose name shares a first token with a required one.
 
     ``prepare``: constraints.py's schema preparation (formats as patterns, closed objects),
     applied to each tool's parameters as the JSON body applies it. ``end_marker``: the
@@ -111,6 +121,7 @@ def xml_body_rules(tools: Sequence[dict], names: Sequence[str], *, json_style: d
         params = prepare(by_name[name].get("parameters") or {"type": "object", "properties": {}})
         defs = _defs(params)
         required = set(params.get("required", []))
+        rules.hints += [f"<parameter={key}>\n" for key in params.get("properties", {}) if key in required]
         items = []
         for key, schema in params.get("properties", {}).items():
             rule, opening = rules.fresh("param"), json.dumps(f"<parameter={key}>\n")
@@ -120,7 +131,7 @@ def xml_body_rules(tools: Sequence[dict], names: Sequence[str], *, json_style: d
         rules.lines.append(f"{call}: {opening} {' '.join(items)} \"</function>\"")
         choices.append(call)
     lines = [f"body: {' | '.join(choices)}", *rules.lines]
-    return "\n".join(lines), (PARAMETER_END, *dict.fromkeys(rules.hints))
+    return "\n".join(lines), (PARAMETER_END, "</function>", *dict.fromkeys(rules.hints))
 
 
 class _Rules:
@@ -146,7 +157,7 @@ class _Rules:
         if "const" in schema or isinstance(schema.get("enum"), list):
             values = [schema["const"]] if "const" in schema else schema["enum"]
             if values and all(isinstance(v, (str, int, float, bool)) or v is None for v in values):
-                return f"({' | '.join(_literal(_as_text(v)) for v in values)})"
+                return self._choice([_literal(t) for v in values for t in _spellings(v)])
             return f"{self._json(schema, defs)} {end}"
         kind = schema.get("type")
         if isinstance(kind, list):
@@ -164,7 +175,17 @@ class _Rules:
             return f"/[tT]rue|[fF]alse/ {end}"
         if kind in _JSON_KINDS or "allOf" in schema or "$ref" in schema:  # a $ref not resolved here
             return f"{self._json(schema, defs)} {end}"
-        return self._text({})  # any value: read back as the text
+        # Any value (no type): an object or array as JSON, else the text (as _read reads it).
+        containers = {"anyOf": [{"type": "object"}, {"type": "array"}]}
+        return f"({self._json(containers, {})} {end} | {self.value({'type': 'null'}, defs)} | {self._text({})})"
+
+    def _choice(self, literals: list[str]) -> str:
+        """An alternation of literals as one terminal: llguidance refuses a grammar row of
+        over 2,000 items, and as rules a 2,500-value enum failed the call at its first
+        token; one lexeme is one item however many values it holds."""
+        name = self.fresh("CHOICE")
+        self.lines.append(f"{name}: " + " | ".join(dict.fromkeys(literals)))
+        return name
 
     def _union(self, branches: list, defs: dict, depth: int) -> str:
         name = self.fresh("value")
@@ -184,7 +205,7 @@ class _Rules:
         if isinstance(schema.get("format"), str) and schema["format"] in _FORMATS:
             parts.append(_regex(_FORMATS[schema["format"]]))  # a whole value
         low, high = schema.get("minLength"), schema.get("maxLength")
-        low = low if isinstance(low, int) and not isinstance(low, bool) and low > 0 else 0
+        low = low if isinstance(low, int) and not isinstance(low, bool) and 0 < low <= _MAX_MIN_LENGTH else 0
         high = high if isinstance(high, int) and not isinstance(high, bool) and 0 <= high <= _MAX_LENGTH else None
         if low or high is not None:
             parts.append(f"/(.|\\n){{{low},{'' if high is None else high}}}/")
@@ -206,12 +227,13 @@ def read_arguments(arguments: dict, parameters: Any) -> dict:
     schema's ``type`` alone. ``Optional[int]`` (an ``anyOf``) came back as the string "3",
     an ``Optional[str]`` that looked like JSON as a dict, ``Literal[1, "one"]`` as "1",
     integers went through a float (17 digits read back changed; 400 failed the call), and
-    ``True`` for an ``Optional[bool]`` stayed a string. Here: an enum or const value the
-    text spells is that value; ``None`` (any case) is None where the schema admits null
-    (as vLLM's parser reads it); where a string is admitted the text stays; else
-    ``true``/``false`` in any case is a boolean, and the rest is JSON (a Python literal for
-    the dicts Qwen3-Coder's older template wrote with ``str``). What reads as none of these
-    stays text, for the tool to refuse.
+    ``True`` for an ``Optional[bool]`` stayed a string. Here a value is read as the first
+    of its schema's branches (in the schema's order) that reads the text: an enum or const
+    value the text spells (``True``/``true``, ``None``/``null`` alike), a string as the
+    text, a null from ``null``/``None`` in any case, a boolean from ``true``/``false`` in
+    any case, a number, object or array from JSON (or the Python literal that Qwen3-Coder's
+    older template wrote for a dict); a value without a type is an object or array where
+    the text is one, else the text. What no branch reads stays text, for the tool to refuse.
     """
     props = parameters.get("properties") if isinstance(parameters, dict) else None
     if not isinstance(props, dict):
@@ -220,61 +242,100 @@ def read_arguments(arguments: dict, parameters: Any) -> dict:
     return {key: _read(value, props[key], defs) if key in props else value for key, value in arguments.items()}
 
 
+_UNREAD = object()
+
+
 def _read(value: Any, schema: Any, defs: dict) -> Any:
-    schema = _flatten(schema, defs)
-    if schema is None:
-        return value
-    values = [schema["const"]] if "const" in schema else schema.get("enum")
-    if value is None:  # the parser reads "null" in any case as None
-        if isinstance(values, list) and not _admits(schema, defs, "null"):
-            return next((v for v in values if isinstance(v, str) and v.lower() == "null"), None)
-        return None
+    if value is None:  # the parser reads "null" in any case as None; a string may be "null"
+        if _takes_null(schema, defs):
+            return None
+        got = _read_text("null", schema, defs)
+        return None if got is _UNREAD else got
     if not isinstance(value, str):
         return value
-    if isinstance(values, list):
-        match = [v for v in values if (isinstance(v, (str, int, float, bool)) or v is None) and _as_text(v) == value]
-        if match:
-            return match[0]
-    word = value.strip().lower()
-    if word == "none" and _admits(schema, defs, "null"):
-        return None
-    if _admits(schema, defs, "string"):
-        return value
-    if word in ("true", "false") and _admits(schema, defs, "boolean"):
-        return word == "true"
-    try:
-        read = json.loads(value)
-    except (ValueError, RecursionError):
-        try:
-            read = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            return value
-        if not isinstance(read, (dict, list)):
-            return value
-    if isinstance(read, float) and read.is_integer() and not _admits(schema, defs, "number"):
-        return int(read)  # "3.0" for an integer, as the parser read it
-    return read
+    if value.strip().lower() == "none" and _takes_null(schema, defs):
+        return None  # Python's None where the schema admits null, as vLLM's parser reads it
+    got = _read_text(value, schema, defs)
+    return value if got is _UNREAD else got
 
 
-def _admits(schema: Any, defs: dict, kind: str, depth: int = 0) -> bool:
-    """Might a value of JSON type ``kind`` be valid for ``schema`` (or is it unknown)?"""
+def _read_text(text: str, schema: Any, defs: dict, depth: int = 0) -> Any:
+    """``text`` as a value of ``schema``, or ``_UNREAD``."""
     schema = _flatten(schema, defs)
     if schema is None or depth > _MAX_DEPTH:
-        return True
-    if "const" in schema or isinstance(schema.get("enum"), list):
-        values = [schema["const"]] if "const" in schema else schema["enum"]
-        return any(_json_kind(v) == kind for v in values)
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        declared = [declared]
-    if isinstance(declared, list):
-        return kind in declared or (kind == "integer" and "number" in declared)
+        return text
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list):
+        return next((v for v in values if _spells(text, v)), _UNREAD)
+    kind = schema.get("type")
+    branches = ([{**schema, "type": k} for k in kind] if isinstance(kind, list)
+                else schema.get("anyOf") or schema.get("oneOf") if kind is None else None)
+    if isinstance(branches, list):
+        for branch in branches:
+            got = _read_text(text, branch, defs, depth + 1)
+            if got is not _UNREAD:
+                return got
+        return _UNREAD
+    word = text.strip().lower()
+    if kind == "string":
+        return text
+    if kind == "null":
+        return None if word in ("null", "none") else _UNREAD
+    if kind == "boolean":
+        return word == "true" if word in ("true", "false") else _UNREAD
+    read = _json_or_literal(text)
+    if kind is None:  # no type: an object or array where the text is one, else the text
+        return read if isinstance(read, (dict, list)) else (None if word in ("null", "none") else text)
+    if isinstance(read, float) and read.is_integer() and kind == "integer":
+        read = int(read)  # "3.0" for an integer
+    ok = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list)}.get(kind)
+    return read if ok is not None and ok(read) else _UNREAD
+
+
+def _takes_null(schema: Any, defs: dict, depth: int = 0) -> bool:
+    """Is null among ``schema``'s values (any branch of a union)?"""
+    schema = _flatten(schema, defs)
+    if schema is None or depth > _MAX_DEPTH:
+        return False
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list):
+        return any(v is None for v in values)
+    kind = schema.get("type")
+    if kind is not None:
+        return kind == "null" or (isinstance(kind, list) and "null" in kind)
     branches = schema.get("anyOf") or schema.get("oneOf")
     if isinstance(branches, list):
-        return any(_admits(b, defs, kind, depth + 1) for b in branches)
-    if isinstance(schema.get("allOf"), list):
-        return all(_admits(b, defs, kind, depth + 1) for b in schema["allOf"])
-    return True
+        return any(_takes_null(b, defs, depth + 1) for b in branches)
+    return "allOf" not in schema and "$ref" not in schema  # no type: any value
+
+
+def _json_or_literal(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        read = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return _UNREAD
+    return read if isinstance(read, (dict, list)) else _UNREAD
+
+
+def _spells(text: str, value: Any) -> bool:
+    """Does ``text`` spell the enum or const ``value`` (in any spelling the grammar takes)?"""
+    return text in _spellings(value)
+
+
+def _spellings(value: Any) -> list[str]:
+    """How the grammar writes an enum or const value: strings raw; booleans and null as
+    JSON or as Python's ``str`` (Qwen3.5's template), numbers as JSON."""
+    if isinstance(value, str):
+        return [value]
+    if value is None or isinstance(value, bool):
+        return [json.dumps(value), str(value)]
+    return [json.dumps(value)]
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -291,11 +352,31 @@ def _flatten(schema: Any, defs: dict) -> Optional[dict]:
         ref, wrapped = schema.get("$ref"), schema.get("allOf")
         if isinstance(ref, str) and isinstance(target := _resolve(ref, defs), dict):
             schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
-        elif isinstance(wrapped, list) and len(wrapped) == 1 and isinstance(wrapped[0], dict):
-            schema = {**{k: v for k, v in schema.items() if k != "allOf"}, **wrapped[0]}
+        elif isinstance(wrapped, list) and _mergeable(schema, wrapped):
+            merged = {k: v for k, v in schema.items() if k != "allOf"}
+            for branch in wrapped:
+                merged.update(branch)
+            schema = merged
         else:
             return schema
     return schema
+
+
+def _mergeable(schema: dict, branches: list) -> bool:
+    """Can an ``allOf`` be read as one schema: its branches (and the schema beside them)
+    constrain disjoint keywords ({"type": "string"} and {"maxLength": 3})?"""
+    if not branches or not all(isinstance(b, dict) for b in branches):
+        return False
+    seen = {k for k in schema if k not in ("allOf", *_ANNOTATIONS)}
+    for branch in branches:
+        keys = {k for k in branch if k not in _ANNOTATIONS}
+        if keys & seen or "allOf" in keys:
+            return False
+        seen |= keys
+    return True
+
+
+_ANNOTATIONS = ("title", "description", "default", "examples", "$comment", "deprecated")
 
 
 def _resolve(ref: str, defs: dict) -> Optional[Any]:
@@ -330,12 +411,27 @@ def _as_text(value: Any) -> str:
 
 def _anchored(pattern: str) -> str:
     """A JSON Schema pattern (unanchored, ECMA-262) as a whole-value regex. Anchors are
-    read at its ends only: ``^a|b$`` is read as ``^(a|b)$``."""
-    start = pattern.startswith("^")
-    end = pattern.endswith("$") and not pattern.endswith("\\$")
-    core = f"({pattern[int(start):len(pattern) - int(end)]})"
-    return ("" if start else "(.|\\n)*") + core + ("" if end else "(.|\\n)*")
+    read at its ends only (after leading inline flags such as ``(?i)``): ``^a|b$`` is read
+    as ``^(a|b)$``."""
+    flags = re.match(r"\(\?[a-zA-Z]+\)", pattern)
+    head = flags.group(0) if flags else ""
+    body = pattern[len(head):]
+    start = body.startswith("^")
+    backslashes = len(body[:-1]) - len(body[:-1].rstrip("\\")) if body.endswith("$") else 0
+    end = body.endswith("$") and backslashes % 2 == 0 and len(body) > int(start)
+    core = f"({body[int(start):len(body) - int(end)]})"
+    return head + ("" if start else "(.|\\n)*") + core + ("" if end else "(.|\\n)*")
 
 
 def _regex(pattern: str) -> str:
-    return "/" + pattern.replace("/", "\\/") + "/"
+    """``pattern`` as a Lark regex literal: each ``/`` escaped once (an escaped ``\\/`` is
+    left as it is)."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        out.append("\\/" if pattern[i] == "/" else pattern[i])
+        i += 1
+    return "/" + "".join(out) + "/"

@@ -628,6 +628,24 @@ async def test_long_optional_key_near_the_end_of_the_budget(qwen3_5_engine):
         validate(out.content, schema, pytype)
 
 
+async def test_optional_keys_before_the_required_one_close_from_the_shortest_budget(qwen3_5_engine):
+    """Optional keys listed before the only required one: a model that opens one near the
+    end (the key choice is ordinary text, no special token) ran a budget eight tokens over
+    the closing length into "length" on every seed. Near the end such small choices are
+    now judged branch by branch: only keys a completion still fits after stay open."""
+    engine = qwen3_5_engine
+    schema = {"type": "object", "required": ["last"], "properties": {
+        **{f"opt_{i:02d}": {"type": "string"} for i in range(6)}, "last": {"type": "string"}}}
+    n0 = _closing_length(engine, schema)
+    runs = [(n, s) for n in (n0 + 2, n0 + 8) for s in range(4)]
+    outs = await asyncio.gather(*[
+        engine.chat([{"role": "user", "content": "go"}], SamplingParams(max_tokens=n, temperature=1.0, seed=s),
+                    response_format=rf(schema)) for n, s in runs])
+    for (n, s), out in zip(runs, outs):
+        assert out.finish_reason == "stop" and len(out.token_ids) <= n, (n, s, out.text)
+        validate(out.content, schema, dict)
+
+
 class Cat(_Strict):
     kind: Literal["cat"]
     lives: int = Field(ge=0, le=9)

@@ -47,10 +47,10 @@ _MAX_FAILED_SEARCHES = 3
 # A choice of at most this many tokens, one of them markup (a special token such as
 # <tool_call>), is judged branch by branch near the end of the budget (GrammarProcessor).
 _BRANCH_CHOICES = 4
-# Where the structure is text (``text_markup``), any choice of at most this many tokens: the
-# name of the next parameter of an XML call is spelled in as many first tokens as the tool
-# has parameters ("n", "no", "c", "code", ...), one of them an optional one that no longer fits.
-_TEXT_BRANCH_CHOICES = 24
+# Within _STRUCTURE_SLACK of the end, any choice of at most this many tokens: the next key
+# or parameter name is spelled in as many first tokens as there are names ("n", "no", "c",
+# "code", ...), one of them an optional one that no longer fits.
+_SMALL_CHOICES = 24
 
 
 class TokenClasses(NamedTuple):
@@ -422,18 +422,22 @@ class GrammarProcessor:
     def _fitting_branches(self, allowed: np.ndarray, remaining: int,
                           path: Optional[list[int]]) -> tuple[np.ndarray, Optional[list[int]]]:
         """At a choice that a special token opens (a tool call or a document, another call
-        or the end), or at any small choice where the structure is text (``text_markup``:
-        an XML call's next ``<parameter=`` or its ``</function>``), keep the branches a
-        completion still fits after.
+        or the end), or at any small choice once the budget is within ``_STRUCTURE_SLACK``
+        of the completion (a JSON key, an XML call's next ``<parameter=`` or its
+        ``</function>``), keep the branches a completion still fits after.
 
         The greedy search picks one branch without looking ahead, and a call is twice as
         long as a small document: with tools and a JSON response_format, a budget that
         fitted the document ended with "length" in a call the model opened (or that the
-        search took). Judged near the end only, at such choices only (a search each)."""
+        search took); an optional key or parameter opened near the end did the same, at
+        eight tokens over the closing length on every seed. A search per choice: judged
+        near the end only (sooner, it tripled the grammar's cost per token in
+        benchmarks/structured.py)."""
         n = min(allowed.shape[0], self._tiers.special.shape[0])
         choices = np.flatnonzero(allowed[:n])
-        judged = (1 < len(choices) <= _TEXT_BRANCH_CHOICES if self._text_markup
-                  else 1 < len(choices) <= _BRANCH_CHOICES and self._tiers.special[choices].any())
+        special = 1 < len(choices) <= _BRANCH_CHOICES and self._tiers.special[choices].any()
+        tight = path is None or len(path) >= remaining - _STRUCTURE_SLACK
+        judged = special or (tight and 1 < len(choices) <= _SMALL_CHOICES)
         if not judged:
             return allowed, path
         fits: dict[int, list[int]] = {}

@@ -55,8 +55,8 @@ class Constraint:
     hints: tuple[str, ...] = field(default=(), compare=False)
     # The grammar's structure is ordinary text (an XML call's ``</parameter>``,
     # ``</function>``; xml_calls.py), not JSON punctuation, so no closer token shows closing
-    # mode the way out: it judges every small choice near the end of the budget, and in free
-    # text tries the hints that end it before anything else (closing.py).
+    # mode the way out: it writes out the hints (markup every completion writes) first
+    # wherever the grammar takes them (closing.py).
     text_markup: bool = field(default=False, compare=False)
 
     @classmethod

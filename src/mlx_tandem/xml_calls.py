@@ -266,7 +266,7 @@ def _read_text(text: str, schema: Any, defs: dict, depth: int = 0) -> Any:
         return text
     values = [schema["const"]] if "const" in schema else schema.get("enum")
     if isinstance(values, list):
-        return next((v for v in values if _spells(text, v)), _UNREAD)
+        return next((v for v in values if text in _spellings(v)), _UNREAD)
     kind = schema.get("type")
     branches = ([{**schema, "type": k} for k in kind] if isinstance(kind, list)
                 else schema.get("anyOf") or schema.get("oneOf") if kind is None else None)
@@ -323,11 +323,6 @@ def _json_or_literal(text: str) -> Any:
     return read if isinstance(read, (dict, list)) else _UNREAD
 
 
-def _spells(text: str, value: Any) -> bool:
-    """Does ``text`` spell the enum or const ``value`` (in any spelling the grammar takes)?"""
-    return text in _spellings(value)
-
-
 def _spellings(value: Any) -> list[str]:
     """How the grammar writes an enum or const value: strings raw; booleans and null as
     JSON or as Python's ``str`` (Qwen3.5's template), numbers as JSON."""
@@ -344,8 +339,9 @@ def _defs(parameters: dict) -> dict:
 
 
 def _flatten(schema: Any, defs: dict) -> Optional[dict]:
-    """``schema`` with a local ``$ref`` resolved and an ``allOf`` of one schema (Pydantic
-    v1's wrapper for a description beside a ``$ref``) merged; None if not a schema."""
+    """``schema`` with a local ``$ref`` resolved and an ``allOf`` merged where its branches
+    constrain different keywords (Pydantic v1's wrapper for a description beside a
+    ``$ref``; {"type": "string"} with {"maxLength": 3}); None if not a schema."""
     for _ in range(_MAX_DEPTH):
         if not isinstance(schema, dict):
             return None
@@ -387,26 +383,11 @@ def _resolve(ref: str, defs: dict) -> Optional[Any]:
     return None
 
 
-def _json_kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    return {float: "number", str: "string", dict: "object", list: "array"}.get(type(value), "string")
-
-
 def _literal(text: str) -> str:
     """A literal value and the end of its parameter, as one lexeme: beside a raw string in a
     union, llguidance's lexer follows the longer lexeme, and "null" then the end as two
     lexemes was lost to the string, which "null" may not be."""
     return json.dumps(text + PARAMETER_END)
-
-
-def _as_text(value: Any) -> str:
-    """An enum or const value as the template writes it (strings raw, the rest JSON)."""
-    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _anchored(pattern: str) -> str:

@@ -251,14 +251,17 @@ def test_auto_policy_measures_and_chooses():
     assert idle.predicted_speedup(1) > 1 and not any(idle.speculate(1) for _ in range(20))
 
 
-def test_auto_mode_stops_speculating_when_drafts_are_rejected(qwen3_5_path):
+def test_auto_mode_stops_speculating_when_drafts_are_rejected(qwen3_5_path, caplog):
     """The plain factory head is random: "auto" explores, measures ~0 acceptance and
-    decodes plainly from then on."""
-    outs, stats = asyncio.run(_run(qwen3_5_path, UNSEEN[:4], {"max_tokens": 48}, mtp="auto"))
+    decodes plainly from then on, and the log says the head may not be the model's."""
+    with caplog.at_level(logging.WARNING, logger="mlx_tandem"):
+        outs, stats = asyncio.run(_run(qwen3_5_path, UNSEEN[:4], {"max_tokens": 48}, mtp="auto"))
     ref, _ = asyncio.run(_run(qwen3_5_path, UNSEEN[:4], {"max_tokens": 48}, mtp="off"))
     same_greedy_rows(outs, ref, judge=qwen3_5_path, prompts=UNSEEN[:4])
     mtp = stats["mtp"]
     assert mtp["plain_steps"] > 3 * mtp["spec_steps"] > 0
+    assert mtp["accepted"] < 0.05 * mtp["drafted"]
+    assert sum("may not be this model's" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_per_request_override(qwen3_5_mtp_path):
@@ -295,11 +298,11 @@ def _copy(src, dst):
 
 def _rewrite(path, fn):
     f = path / "model.safetensors"
-    w = dict(mx.load(str(f)))
-    w = fn(w)
+    w, metadata = mx.load(str(f), return_metadata=True)
+    w = fn(dict(w))
     mx.eval(w)
     f.unlink()
-    mx.save_safetensors(str(f), w, metadata={"format": "mlx"})
+    mx.save_safetensors(str(f), w, metadata=metadata)
 
 
 def test_head_under_language_model_prefix_loads_the_same(qwen3_5_mtp_path, tmp_path):
@@ -308,6 +311,42 @@ def test_head_under_language_model_prefix_loads_the_same(qwen3_5_mtp_path, tmp_p
     a, sa = asyncio.run(_run(qwen3_5_mtp_path, TRAINED[:4], {"max_tokens": 12}, mtp="on"))
     b, sb = asyncio.run(_run(alt, TRAINED[:4], {"max_tokens": 12}, mtp="on"))
     assert a == b and sa["mtp"]["accepted"] == sb["mtp"]["accepted"] > 0
+
+
+def test_head_added_beside_a_converted_backbone_loads_as_the_original(qwen3_5_mtp_path, tmp_path, caplog):
+    """mlx_lm.convert (the usual quantized form) drops mtp.* and marks its files "mlx"; users
+    add the original's mtp.* tensors back in a file of their own. The head read from it is
+    the original's whatever the backbone's layout: HF's tensors (marked "pt", or not marked)
+    and mlx-converted ones (norms shifted, marked "mlx"). Before, the converted backbone's
+    layout decided, HF's norms loaded off by one, and the head accepted no draft."""
+    from mlx.utils import tree_flatten
+    from mlx_lm import convert
+    from mlx_lm.utils import load_model
+
+    from mlx_tandem.model_loader import load_text_model
+    from mlx_tandem.spec.mtp_head import is_zero_centred_norm, load_mtp_head
+
+    def head_of(path):
+        model, config = load_model(path)
+        return dict(tree_flatten(load_mtp_head(path, model.language_model, config, dtype=mx.float32).parameters()))
+
+    original = head_of(qwen3_5_mtp_path)
+    converted = tmp_path / "q8"
+    convert(str(qwen3_5_mtp_path), mlx_path=str(converted), quantize=True, q_bits=8, q_group_size=32)
+    raw = {k: v for k, v in mx.load(str(qwen3_5_mtp_path / "model.safetensors")).items() if k.startswith("mtp.")}
+    shifted = {k: (v + 1.0 if is_zero_centred_norm(k, v) else v) for k, v in raw.items()}
+    for name, tensors, metadata in (("pt", raw, {"format": "pt"}), ("unmarked", raw, None),
+                                    ("mlx", shifted, {"format": "mlx"})):
+        path = _copy(converted, tmp_path / name)
+        mx.save_safetensors(str(path / "model-mtp.safetensors"), tensors, metadata=metadata)
+        head = head_of(path)
+        assert head.keys() == original.keys()
+        assert all(mx.array_equal(head[k], original[k]).item() for k in original), name
+    # A quantized model computes in its floating dtype; the packed weights are uint32.
+    with caplog.at_level(logging.INFO, logger="mlx_tandem"):
+        loaded = load_text_model(converted, show_progress=False)
+    assert loaded.dtype == load_text_model(qwen3_5_mtp_path, show_progress=False).dtype != "mlx.core.uint32"
+    assert "8-bit affine, group 32" in caplog.text
 
 
 def test_head_matches_mlx_vlm_drafter(qwen3_5_mtp_path):

@@ -182,13 +182,31 @@ def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
         context_length=context_length_of(config),
         vocab_size=int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")),
         model_type=config.get("model_type", "unknown"),
-        dtype=str(params[0].dtype) if params else "unknown",
+        dtype=_compute_dtype(params),
         vlm=vlm,
         processor=processor,
     )
-    logger.info("loaded %s (%s, %s, context %d, BLAS %s)", path, loaded.model_type,
-                loaded.dtype, loaded.context_length, _platform.active_blas())
+    logger.info("loaded %s (%s, %s%s, context %d, BLAS %s)", path, loaded.model_type, loaded.dtype,
+                _quantization_label(config), loaded.context_length, _platform.active_blas())
     return loaded
+
+
+def _compute_dtype(params: list) -> str:
+    """The dtype the model computes in: its first floating-point parameter's (a quantized
+    model's first parameter is a packed uint32 weight)."""
+    import mlx.core as mx
+
+    return next((str(p.dtype) for p in params if mx.issubdtype(p.dtype, mx.floating)), "unknown")
+
+
+def _quantization_label(config: dict) -> str:
+    """", 4-bit affine, group 64" for a quantized checkpoint (mlx-lm's and mlx-vlm's
+    ``quantization`` entry; "mixed" where some layers have their own bits), else ""."""
+    q = config.get("quantization") or (config.get("text_config") or {}).get("quantization")
+    if not isinstance(q, dict) or "bits" not in q:
+        return ""
+    mixed = " mixed" if any(isinstance(v, dict) for v in q.values()) else ""
+    return f", {q['bits']}-bit {q.get('mode', 'affine')}{mixed}, group {q.get('group_size', '?')}"
 
 
 def load_mtp_head(loaded: LoadedModel, mode: str):
@@ -213,7 +231,7 @@ def load_mtp_head(loaded: LoadedModel, mode: str):
                                "for this architecture")
     except MTPHeadError as exc:
         if mode == "on":
-            raise
+            raise MTPHeadError(f"{exc} (mtp='auto' decodes plainly instead)") from exc
         logger.warning("MTP disabled, decoding plainly: %s", exc)
         return None
     if head is None:

@@ -146,6 +146,12 @@ class RowSpec:
     on_error: Any = None
 
 
+#: A head that has had at least this many drafts checked and accepted under this share of
+#: them is probably not this model's: a quantized head, norms read in the wrong convention,
+#: another checkpoint's head. Output stays exact (every draft is verified); only speed is lost.
+LOW_ACCEPTANCE_AFTER, LOW_ACCEPTANCE = 32, 0.05
+
+
 @dataclass
 class SpecStats:
     spec_steps: int = 0
@@ -153,6 +159,18 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     draft_rows: int = 0  # row-steps that drafted (for mean accepted per step)
+    warned: bool = False
+
+    def count(self, *, drafted: int, accepted: int, rows: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.draft_rows += rows
+        if not self.warned and self.drafted >= LOW_ACCEPTANCE_AFTER and self.accepted < LOW_ACCEPTANCE * self.drafted:
+            self.warned = True
+            logger.warning("the MTP head accepted %d of %d drafts: its weights may not be this model's "
+                           "(a quantized head, another checkpoint's head, or norms in the wrong "
+                           "convention); output is unchanged, but speculation gains nothing",
+                           self.accepted, self.drafted)
 
     def snapshot(self) -> dict:
         return {
@@ -401,9 +419,8 @@ class MTPGenerationBatch(GenerationBatch):
         # Count what reached the output: drafts accepted past a row's max_tokens or stop
         # are dropped, and counting them would flatter both the stats and the auto policy.
         n_draft_rows = sum(drafting)
-        spec.stats.drafted += k * n_draft_rows
-        spec.stats.accepted += sum(e - 1 for e, d in zip(emitted, drafting) if d)
-        spec.stats.draft_rows += n_draft_rows
+        spec.stats.count(drafted=k * n_draft_rows, accepted=sum(e - 1 for e, d in zip(emitted, drafting) if d),
+                         rows=n_draft_rows)
         return responses, sum(emitted) / B
 
     def _plain_rows_next(self, drafting: list[bool], logits0: mx.array, x: mx.array, nxt: mx.array) -> mx.array:

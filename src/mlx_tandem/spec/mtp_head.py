@@ -73,16 +73,36 @@ class MTPHead(nn.Module):
         return self.norm(h)
 
 
-def _checkpoint_weights(path: Path) -> dict:
-    weights = {}
+def _checkpoint_files(path: Path) -> list[tuple[dict, str]]:
+    """Each safetensors file's arrays and the ``format`` its metadata names ("" if none)."""
+    files = []
     for f in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    return weights
+        arrays, metadata = mx.load(str(f), return_metadata=True)
+        files.append((arrays, (metadata or {}).get("format") or ""))
+    return files
 
 
-def _hf_layout(weights: dict) -> bool:
+def _hf_layout(weights) -> bool:
     # The same test mlx-lm's qwen3_5 sanitize uses: HF checkpoints keep conv1d as (C, 1, K).
-    return any("conv1d.weight" in k and v.ndim == 3 and v.shape[-1] != 1 for k, v in weights.items())
+    return any("conv1d.weight" in k and v.ndim == 3 and v.shape[-1] != 1 for k, v in weights)
+
+
+def _head_is_zero_centred(head_files: list[tuple[dict, str]]) -> bool:
+    """Are the head's norms stored as HF stores them (zero-centred: the model uses 1 + w)?
+
+    Decided by the files that hold the head, as mlx-vlm 0.7.10 decides for its drafters
+    (``mtp_split._is_mlx_safetensors``): mlx's converters write ``"format": "mlx"`` with the
+    norms already shifted; anything else is HF's. Not by the backbone: a head added back
+    beside a converted (quantized) backbone is usually HF's own tensors in a file of their
+    own, and reading it by the backbone's layout loaded every norm off by one, so the head
+    drafted nothing. A file without a format that holds the backbone's conv1d too is read
+    by its layout (mlx-lm's qwen3_5 test), since it was written with the backbone.
+    """
+    formats = {fmt for _, fmt in head_files if fmt}
+    if formats:
+        return formats != {"mlx"}
+    conv = [(k, v) for arrays, _ in head_files for k, v in arrays.items() if "conv1d.weight" in k]
+    return _hf_layout(conv) if conv else True
 
 
 def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[MTPHead]:
@@ -94,19 +114,23 @@ def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[
     """
     text_config = config.get("text_config") or config
     declared = int(text_config.get("mtp_num_hidden_layers") or 0)
-    weights = _checkpoint_weights(path)
-    hf_layout = _hf_layout(weights)
+    files = _checkpoint_files(path)
     found: dict[str, mx.array] = {}
-    for key, value in weights.items():
-        for prefix in MTP_PREFIXES:
-            if key.startswith(prefix):
+    head_files = []
+    for arrays, fmt in files:
+        before = len(found)
+        for key, value in arrays.items():
+            prefix = next((p for p in MTP_PREFIXES if key.startswith(p)), None)
+            if prefix is not None:
                 found[key[len(prefix):]] = value
-                break
-    del weights
+        if len(found) > before:
+            head_files.append((arrays, fmt))
     if not found:
         if declared:
             raise MTPHeadError(f"{path}: config declares mtp_num_hidden_layers={declared} but the "
-                               "checkpoint has no mtp.* weights")
+                               "checkpoint has no mtp.* weights (converters such as mlx_lm.convert leave them "
+                               "out; copy the original checkpoint's mtp.* tensors into a .safetensors file "
+                               "beside the weights to use the head)")
         return None
     if any(k.endswith((".scales", ".biases")) for k in found):
         raise MTPHeadError(f"{path}: the MTP head is quantized; dequantize it (quantized heads "
@@ -116,7 +140,9 @@ def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[
     if num_layers < 1 or layer_ids != set(range(num_layers)):
         raise MTPHeadError(f"{path}: MTP layers {sorted(layer_ids)} do not match "
                            f"mtp_num_hidden_layers={declared}")
-    if hf_layout:
+    zero_centred = _head_is_zero_centred(head_files)
+    del files
+    if zero_centred:
         found = {k: (v + 1.0 if is_zero_centred_norm(k, v) else v) for k, v in found.items()}
     head = MTPHead(text_model.args, num_layers)
     try:

@@ -131,6 +131,7 @@ def distill_mtp_head(path: str | Path, *, prompts: Optional[Sequence[str]] = Non
     for f in files:
         f.unlink()
     (path / "model.safetensors.index.json").unlink(missing_ok=True)
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    # "pt": HF's layout, as written (mtp_head reads a file marked "mlx" as already converted).
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
     logger.info("MTP head distilled: loss %.3f -> %.3f, top-1 agreement %.1f%%", first, last, 100 * acc)
     return {"loss_before": first, "loss_after": last, "top1_agreement": acc, "sequences": len(seqs)}

@@ -152,6 +152,51 @@ def test_a_specprefill_request_reserves_its_drafts_cache(llama_path, tiny_models
         engine.close_sync()
 
 
+def test_a_specprefill_request_waiting_for_memory_is_not_started_again_each_step(llama_path, tiny_models):
+    """A SpecPrefill request that fits alone but not beside a running row once its draft's
+    cache is counted waits at its place. Its draft's size is known only once the lane took
+    it; it is remembered, so the request is not handed to the lane (a prefix-cache lookup,
+    a SparsePrefill job) and taken back on every step while it waits: that ran 180 times a
+    second here and counted each lookup in the prefix cache's stats. Its answer is the one
+    it gives alone."""
+    draft = tiny_models.get("draft", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2)
+    opts = dict(show_progress=False, specprefill_draft=str(draft), specprefill_threshold=10**6,
+                prefill_step_size=64)
+    long_prompt, short_prompt = _prompt(600, 300), _prompt(10, 200)
+    engine = Engine(str(llama_path), **opts).start_sync()
+    try:
+        memory = engine._core._memory
+        lookahead = engine.options.specprefill_lookahead
+        waiting_row = memory.row_tokens("text", len(long_prompt), 8)
+        side = memory.scoring_bytes("text", waiting_row, len(long_prompt) + lookahead, 0)
+        running_row = memory.row_tokens("text", len(short_prompt), 3000)
+        budget = memory.footprint("text").lane_bytes(2, max(running_row, waiting_row)) + side // 2
+        assert side > 0 and memory.alone_bytes("text", waiting_row) + side <= budget
+        expected = engine.complete_sync(long_prompt, SamplingParams(max_tokens=8, specprefill=True)).token_ids
+    finally:
+        engine.close_sync()
+
+    engine = Engine(str(llama_path), request_memory_bytes=budget, **opts).start_sync()
+    try:
+        rec = _Recorder(engine)
+        running = engine.open_complete_stream_sync(short_prompt, SamplingParams(max_tokens=3000), request_id="running")
+        next(iter(running))
+        waiting = engine.open_complete_stream_sync(long_prompt, SamplingParams(max_tokens=8, specprefill=True),
+                                                   request_id="waiting")
+        steps = len(rec.steps)
+        while len(rec.steps) < steps + 20:  # the running row decodes on while the other waits
+            time.sleep(0.01)
+        assert engine.stats()["memory"]["waiting_for_memory"] == 1
+        running.cancel()
+        out = waiting.collect()
+        assert out.token_ids == expected and engine.stats()["specprefill"]["requests"] == 1
+        # Taken once to be measured, once to start.
+        assert rec.added.count("waiting") == 2
+    finally:
+        engine.close_sync()
+
+
 def _pause_after_first_step(lane):
     """Make the lane's first step wait until released, so a request can join mid-prefill."""
     step, paused, resume, steps = lane.step, threading.Event(), threading.Event(), [0]

@@ -327,7 +327,11 @@ class EngineCore:
                 continue
             if lane is not None and not held and not self._prepared(lane, req):
                 continue
-            if lane is not None and (held or not memory.fits(req.lane, self._row_tokens(req))):
+            # A request held before for its draft's cache (below) is checked with it: handed
+            # to the lane and taken back on every step, it redid its prefix-cache lookup and
+            # SparsePrefill job each time.
+            if lane is not None and (held or not memory.fits(req.lane, self._row_tokens(req),
+                                                              req.extra.get("scoring_bytes", 0))):
                 held += 1
                 self._hold_for_memory(req)
                 kept.append(req)
@@ -346,6 +350,7 @@ class EngineCore:
                     if memory.alone_bytes(req.lane, tokens) + side > memory.budget:
                         raise self._too_large(req, memory.alone_bytes(req.lane, tokens) + side)
                     # It waits at its place, now with its real size.
+                    req.extra["scoring_bytes"] = side
                     held += 1
                     self._hold_for_memory(req)
                     kept.append(req)

@@ -349,6 +349,28 @@ def test_head_added_beside_a_converted_backbone_loads_as_the_original(qwen3_5_mt
     assert "8-bit affine, group 32" in caplog.text
 
 
+def test_add_mtp_head_gives_a_quantized_checkpoint_its_head_back(qwen3_5_mtp_path, tmp_path):
+    """``mlx-tandem-add-mtp-head ORIGINAL CONVERTED`` (spec/add_head.py): an 8-bit conversion
+    has no head ("on" refuses it); with the original's head added back it speculates, its
+    drafts are accepted, and its greedy output is its own without MTP."""
+    from mlx_lm import convert
+
+    from mlx_tandem.spec.add_head import main
+
+    converted = tmp_path / "q8"  # 4 bits move this tiny backbone too far for its distilled head
+    convert(str(qwen3_5_mtp_path), mlx_path=str(converted), quantize=True, q_bits=8, q_group_size=32)
+    with pytest.raises(MTPHeadError, match="converters such as mlx_lm.convert leave them out"):
+        asyncio.run(_run(converted, TRAINED[:1], {"max_tokens": 2}, mtp="on"))
+    assert main([str(qwen3_5_mtp_path), str(converted)]) == 0
+    on, stats = asyncio.run(_run(converted, TRAINED[:6], {"max_tokens": 16}, mtp="on"))
+    off, _ = asyncio.run(_run(converted, TRAINED[:6], {"max_tokens": 16}, mtp="off"))
+    same_greedy_rows(on, off, judge=converted, prompts=TRAINED[:6])
+    # 25% here (83% on the unquantized original: 8 bits still move a tiny backbone); the
+    # head read with its norms off by one accepted none.
+    assert stats["mtp"]["accepted"] > 0.1 * stats["mtp"]["drafted"] > 0
+    assert main([str(tmp_path / "nowhere"), str(converted)]) == 1
+
+
 def test_head_matches_mlx_vlm_drafter(qwen3_5_mtp_path):
     """Our MTPHead (mlx-lm layers) computes what mlx-vlm's Qwen3.5 MTP drafter computes from
     the same checkpoint weights: the weight conventions (zero-centred norms) agree."""

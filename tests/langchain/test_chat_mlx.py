@@ -204,6 +204,37 @@ def test_generate_fills_llm_output_with_summed_usage():
         g[0].message.usage_metadata for g in result.generations]
 
 
+async def test_generations_carry_the_finish_reason_as_chatopenai_fills_them():
+    """``LLMResult.generations[i][0].generation_info["finish_reason"]`` (ChatOpenAI fills it,
+    and the last chunk's model name when streamed); code written for it read None before."""
+    from langchain_core.callbacks import AsyncCallbackHandler
+
+    llm = make_llm(max_tokens=6)
+    prompts = [[HumanMessage("Hello")], [HumanMessage("What is 2 + 3?")]]
+    ref = [llm.engine.chat_sync([{"role": "user", "content": "Hello"}], {"max_tokens": 6}).finish_reason, "tool_calls"]
+    for streaming in (False, True):
+        plain = make_llm(max_tokens=6, streaming=streaming)
+        infos = [r.generations[0][0].generation_info
+                 for r in (plain.generate(prompts[:1]), await plain.agenerate(prompts[:1]))]
+        assert all(i["finish_reason"] == ref[0] for i in infos), (streaming, infos)
+        if streaming:
+            assert all(i["model_name"] == PATHS["qwen3_5"] for i in infos)
+
+    class Ends(AsyncCallbackHandler):
+        def __init__(self):
+            self.infos = []
+
+        async def on_llm_end(self, response, **kwargs):
+            self.infos.append(response.generations[0][0].generation_info)
+
+    ends = Ends()
+    caller = make_llm(max_tokens=64).bind_tools([add], tool_choice="add")
+    await caller.ainvoke(prompts[1], config={"callbacks": [ends]})
+    async for _ in caller.astream(prompts[1], config={"callbacks": [ends]}):
+        pass
+    assert [i["finish_reason"] for i in ends.infos] == [ref[1], ref[1]]
+
+
 async def test_concurrent_astream_equals_one_at_a_time(monkeypatch):
     llm = make_llm(max_tokens=16)
     log = AnswerLog(monkeypatch)  # exact text on the CPU; near-ties on a GPU (tests/numerics.py)

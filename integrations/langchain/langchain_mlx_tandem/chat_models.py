@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Se
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.utils import convert_to_messages
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableGenerator, RunnableMap
@@ -232,7 +232,7 @@ class ChatMLX(BaseChatModel):
                 message = builder.chunk(delta)
                 if message is None:
                     continue
-                chunk = ChatGenerationChunk(message=message)
+                chunk = ChatGenerationChunk(message=message, generation_info=_last_chunk_info(message))
                 if run_manager is not None:
                     run_manager.on_llm_new_token(message.text, chunk=chunk)
                 yield chunk
@@ -248,7 +248,7 @@ class ChatMLX(BaseChatModel):
                 message = builder.chunk(delta)
                 if message is None:
                     continue
-                chunk = ChatGenerationChunk(message=message)
+                chunk = ChatGenerationChunk(message=message, generation_info=_last_chunk_info(message))
                 if run_manager is not None:
                     await run_manager.on_llm_new_token(message.text, chunk=chunk)
                 yield chunk
@@ -446,7 +446,18 @@ def _result(message: AIMessage) -> ChatResult:
         llm_output["token_usage"] = {"prompt_tokens": usage["input_tokens"],
                                      "completion_tokens": usage["output_tokens"],
                                      "total_tokens": usage["total_tokens"]}
-    return ChatResult(generations=[ChatGeneration(message=message)], llm_output=llm_output)
+    finish = message.response_metadata.get("finish_reason")
+    return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": finish})],
+                      llm_output=llm_output)
+
+
+def _last_chunk_info(message: AIMessageChunk) -> Optional[dict[str, Any]]:
+    """``generation_info`` of a stream's chunks, as ChatOpenAI fills it: the last carries the
+    finish reason and the model name (``LLMResult.generations`` of a streamed call read it)."""
+    finish = message.response_metadata.get("finish_reason")
+    if finish is None:
+        return None
+    return {"finish_reason": finish, "model_name": message.response_metadata.get("model_name")}
 
 
 def _profile(engine: Engine) -> dict:

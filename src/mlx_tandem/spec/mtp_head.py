@@ -118,19 +118,20 @@ def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[
     found: dict[str, mx.array] = {}
     head_files = []
     for arrays, fmt in files:
-        before = len(found)
+        holds_head = False
         for key, value in arrays.items():
             prefix = next((p for p in MTP_PREFIXES if key.startswith(p)), None)
             if prefix is not None:
                 found[key[len(prefix):]] = value
-        if len(found) > before:
+                holds_head = True
+        if holds_head:
             head_files.append((arrays, fmt))
     if not found:
         if declared:
             raise MTPHeadError(f"{path}: config declares mtp_num_hidden_layers={declared} but the "
                                "checkpoint has no mtp.* weights (converters such as mlx_lm.convert leave them "
-                               "out; copy the original checkpoint's mtp.* tensors into a .safetensors file "
-                               "beside the weights to use the head)")
+                               "out; `mlx-tandem-add-mtp-head ORIGINAL_DIR CONVERTED_DIR` puts the "
+                               "original's head back)")
         return None
     if any(k.endswith((".scales", ".biases")) for k in found):
         raise MTPHeadError(f"{path}: the MTP head is quantized; dequantize it (quantized heads "

@@ -69,6 +69,8 @@ def _verbatim(constraint: Optional[Constraint], reason_first: bool) -> bool:
 
 def normalize_tools(tools: Optional[Sequence[Any]]) -> list[dict]:
     """OpenAI function tools; bare ``{"name", "parameters"}`` dicts are wrapped."""
+    if tools is not None and not isinstance(tools, (list, tuple)):
+        raise InvalidRequestError(f"tools must be a list of tool dicts, got {type(tools).__name__}")
     out = []
     for t in tools or []:
         if not isinstance(t, dict):
@@ -80,8 +82,10 @@ def normalize_tools(tools: Optional[Sequence[Any]]) -> list[dict]:
                 or not isinstance(fn["name"], str):
             raise InvalidRequestError(f"not an OpenAI function tool: {t!r}")
         params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise InvalidRequestError(f"tool {fn['name']!r}: parameters must be a JSON schema object")
+        # Arguments are an object (OpenAI's rule): a call of a tool whose schema is a string
+        # or an array could only ever be parsed as invalid.
+        if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
+            raise ConstraintError(f"tool {fn['name']!r}: parameters must be a JSON schema of type 'object'")
         out.append({"type": "function", "function": dict(fn)})
     names = [t["function"]["name"] for t in out]
     if len(set(names)) != len(names):

@@ -34,7 +34,7 @@ from .chat_format import ChatFormat
 from .closing import TokenClasses, token_classes
 from .errors import ConstraintError
 from .pattern_witness import schema_patterns, shortest_match, witnesses
-from .xml_calls import xml_body_rules, xml_expressible
+from .xml_calls import lark_regex, xml_body_rules, xml_expressible
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ class Constraint:
 
     @classmethod
     def regex(cls, pattern: str) -> "Constraint":
+        if isinstance(pattern, str):
+            refuse_dangling_escape(pattern)
         witness = shortest_match(pattern) if isinstance(pattern, str) else None
         return cls("regex", pattern, "regex", (witness,) if witness else ())
 
@@ -153,7 +155,17 @@ def _prepared_schema(schema: Any) -> Any:
     """
     out = _prepare(schema, open_defs=_defs_combined(schema), keep_open=False)
     _refuse_empty_ref_cycles(out)
+    for pattern in schema_patterns(out):
+        refuse_dangling_escape(pattern)
     return out
+
+
+def refuse_dangling_escape(pattern: str) -> None:
+    """A pattern ending in an unpaired backslash is not a regex (Python's ``re`` and
+    ECMA-262 refuse it); llguidance 1.x dropped the backslash and held the answer to the
+    rest (``[0-9]+\\`` answered "0")."""
+    if (len(pattern) - len(pattern.rstrip("\\"))) % 2:
+        raise ConstraintError(f"invalid pattern {pattern!r}: it ends in an unpaired backslash")
 
 
 # Keys that say nothing about the value: a schema of a $ref and these is the $ref alone.
@@ -377,7 +389,7 @@ def _as_rule(c: Constraint) -> str:
     if c.kind == "lark":
         return f"%lark {{\n{c.source}\n}}"
     if c.kind == "regex":
-        return "/" + c.source.replace("/", "\\/") + "/"
+        return lark_regex(c.source)
     raise ConstraintError(f"unknown constraint kind {c.kind!r}")
 
 
@@ -498,6 +510,11 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError(f"invalid {constraint.description}: {matcher.get_error()}")
+        # A grammar of no string (a regex of an empty character class) compiles, and fails
+        # only at its first mask, which allowed just EOS: the answer was "" and "stop".
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            raise ConstraintError(f"invalid {constraint.description}: it matches no string")
         return matcher
 
     def hint_ids(self, constraint: Constraint) -> tuple[tuple[int, ...], ...]:

@@ -9,6 +9,7 @@ dropped.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable, Sequence
 
 from .errors import InvalidRequestError, UnsupportedContentError
@@ -48,6 +49,8 @@ def validate_messages(messages: Any) -> list[Message]:
                     # Silently dropping a part (a PDF, say) would answer a different question.
                     raise UnsupportedContentError(
                         f"messages[{i}].content[{j}]: unsupported part type {part['type']!r}")
+        if m.get("reasoning_content") is not None and not isinstance(m["reasoning_content"], str):
+            raise InvalidRequestError(f"messages[{i}].reasoning_content must be a string or None")
         if role == "tool" and not m.get("tool_call_id") and not m.get("name"):
             raise InvalidRequestError(f"messages[{i}]: a tool message needs 'tool_call_id' (or 'name')")
         _validate_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
@@ -66,6 +69,17 @@ def _validate_tool_calls(calls: Any, where: str) -> None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise InvalidRequestError(
                 f"{where}[{j}] must be {{'function': {{'name': ..., 'arguments': ...}}}} or {{'name': ..., 'arguments': ...}}")
+
+
+def arguments_text(args: Any, where: str) -> str:
+    """A call's arguments as the JSON text a template renders (a string is kept as given),
+    for the adapters' histories; InvalidRequestError where they are not JSON (a date, a set)."""
+    if isinstance(args, str):
+        return args
+    try:
+        return json.dumps(args, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{where}: tool call arguments must be JSON-serializable ({exc})") from None
 
 
 def has_media(messages: Iterable[Message]) -> bool:

@@ -199,11 +199,11 @@ class _Rules:
         """A terminal for a raw string value and the end of its parameter (see the module
         docstring): one lexeme, so the value cannot end anywhere but at that end."""
         parts = [r"/(.|\n)*/", "~/[nN][uU][lL][lL]/"]
-        parts += ["~" + _regex(rf"(.|\n)*{re.escape(m)}(.|\n)*") for m in ("</parameter>", self._end_marker) if m]
+        parts += ["~" + lark_regex(rf"(.|\n)*{re.escape(m)}(.|\n)*") for m in ("</parameter>", self._end_marker) if m]
         if isinstance(schema.get("pattern"), str):
-            parts.append(_regex(_anchored(schema["pattern"])))
+            parts.append(lark_regex(_anchored(schema["pattern"])))
         if isinstance(schema.get("format"), str) and schema["format"] in _FORMATS:
-            parts.append(_regex(_FORMATS[schema["format"]]))  # a whole value
+            parts.append(lark_regex(_FORMATS[schema["format"]]))  # a whole value
         low, high = schema.get("minLength"), schema.get("maxLength")
         low = low if isinstance(low, int) and not isinstance(low, bool) and 0 < low <= _MAX_MIN_LENGTH else 0
         high = high if isinstance(high, int) and not isinstance(high, bool) and 0 <= high <= _MAX_LENGTH else None
@@ -404,7 +404,7 @@ def _anchored(pattern: str) -> str:
     return head + ("" if start else "(.|\\n)*") + core + ("" if end else "(.|\\n)*")
 
 
-def _regex(pattern: str) -> str:
+def lark_regex(pattern: str) -> str:
     """``pattern`` as a Lark regex literal: each ``/`` escaped once (an escaped ``\\/`` is
     left as it is)."""
     out, i = [], 0

@@ -89,6 +89,20 @@ def test_message_conversion_roundtrip():
     assert parts[3]["image"] == "https://example.com/cat.png"
 
 
+def test_history_that_is_not_json_is_a_typed_error_and_tool_data_is_shown():
+    """Call arguments that JSON cannot spell (a date) are a typed error, not a TypeError from
+    deep in the conversion; a tool's non-standard output block is shown as JSON text with
+    such values as strings (it is data for the model, as a str() of it would be)."""
+    import datetime
+
+    day = datetime.date(2020, 1, 2)
+    with pytest.raises(InvalidRequestError, match="JSON-serializable"):
+        to_engine_messages([HumanMessage("hi"), AIMessage("", tool_calls=[{"name": "f", "args": {"d": day}, "id": "c1"}]),
+                            ToolMessage("ok", tool_call_id="c1")])
+    out = to_engine_messages([ToolMessage([{"type": "non_standard", "value": {"d": day}}], tool_call_id="c1")])
+    assert out[0]["content"] == '{"d": "2020-01-02"}'
+
+
 def test_assistant_blocks_documents_and_invalid_calls_are_kept():
     """An assistant turn's image is content (it was dropped, unlike every other role's); a
     text-plain document given as base64 is its text (it became ""); an invalid call goes

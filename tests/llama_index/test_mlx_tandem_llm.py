@@ -142,6 +142,23 @@ def test_tool_outputs_files_and_invalid_calls_convert():
     assert [c["id"] for c in to_engine_messages([answer, *results])[0]["tool_calls"]] == ["c1", "c2"]
 
 
+def test_history_that_is_not_json_or_not_a_call_is_a_typed_error():
+    """A call's kwargs that JSON cannot spell (a date), and legacy ``tool_calls`` entries that
+    are not calls, are typed errors, not a TypeError or AttributeError from the conversion."""
+    import datetime
+
+    result = ChatMessage(role="tool", content="ok", additional_kwargs={"tool_call_id": "c1"})
+    histories = [
+        [ChatMessage(role="assistant", blocks=[ToolCallBlock(tool_call_id="c1", tool_name="f",
+                                                              tool_kwargs={"d": datetime.date(2020, 1, 2)})])],
+        [ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": ["x"]})],
+        [ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [{"id": "c1", "function": "f"}]})],
+    ]
+    for history in histories:
+        with pytest.raises(InvalidRequestError):
+            to_engine_messages([*user("hi"), *history, result])
+
+
 def test_images_on_text_model_are_a_typed_error_and_the_engine_keeps_serving():
     llm = make_llm()
     msg = ChatMessage(role="user", blocks=[TextBlock(text="what is this"), ImageBlock(image=PNG)])

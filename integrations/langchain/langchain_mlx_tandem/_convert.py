@@ -25,6 +25,7 @@ from langchain_core.messages import (
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 
 from mlx_tandem.errors import InvalidRequestError, UnsupportedContentError
+from mlx_tandem.messages import arguments_text
 
 PROVIDER = "mlx_tandem"
 # ChatMessage roles by other names (other providers', as the LlamaIndex adapter maps them).
@@ -102,7 +103,7 @@ def _content(message: BaseMessage) -> str | list[dict]:
     if isinstance(message, ToolMessage):
         # A tool's output is data for the model: a block core has no type for (e.g. a
         # tool returning [{"type": "json", ...}]) is shown as its JSON text, not refused.
-        blocks = [{"type": "text", "text": json.dumps(b.get("value"), ensure_ascii=False)}
+        blocks = [{"type": "text", "text": json.dumps(b.get("value"), ensure_ascii=False, default=str)}
                   if b.get("type") == "non_standard" else b for b in blocks]
     elif isinstance(message, AIMessage):
         # A provider's own blocks in an assistant turn (Anthropic's tool_use, thinking, ...)
@@ -135,7 +136,7 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
             # Every block, as for the other roles: an image in an assistant turn is content.
             d = {"role": "assistant", "content": _content(m)}
             calls = [{"id": tc.get("id") or f"call_{i}", "type": "function",
-                      "function": {"name": tc["name"], "arguments": json.dumps(tc["args"], ensure_ascii=False)}}
+                      "function": {"name": tc["name"], "arguments": arguments_text(tc["args"], f"call {tc['name']!r}")}}
                      for i, tc in enumerate(m.tool_calls)]
             # An invalid call a later tool result answers goes back (langchain-openai sends
             # them all), or that result would follow no call. Its arguments only where they

@@ -30,6 +30,7 @@ from llama_index.core.base.llms.types import (
 )
 
 from mlx_tandem.errors import InvalidRequestError, UnsupportedContentError
+from mlx_tandem.messages import arguments_text
 
 _ROLES = {
     MessageRole.SYSTEM: "system",
@@ -80,10 +81,9 @@ def _parts(blocks: Sequence[Any]) -> tuple[list[dict], list[dict], list[str]]:
         elif isinstance(block, (ImageBlock, AudioBlock, VideoBlock)):
             parts.append(_media_part(block))
         elif isinstance(block, ToolCallBlock):
-            args = block.tool_kwargs
             calls.append({"id": block.tool_call_id or f"call_{len(calls)}", "type": "function",
                           "function": {"name": block.tool_name,
-                                       "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+                                       "arguments": arguments_text(block.tool_kwargs, f"call {block.tool_name!r}")}})
         elif isinstance(block, ThinkingBlock):
             if block.content:
                 reasoning.append(block.content)
@@ -133,14 +133,16 @@ def _document_text(block: DocumentBlock) -> str:
 def _legacy_tool_calls(raw: Any) -> list[dict]:
     """``additional_kwargs["tool_calls"]`` as older integrations store it (dicts or OpenAI objects)."""
     out = []
-    for i, c in enumerate(raw or []):
-        if not isinstance(c, dict):
-            c = c.model_dump() if hasattr(c, "model_dump") else vars(c)
-        fn = c.get("function") or {}
-        args = fn.get("arguments", "{}")
+    for i, entry in enumerate(raw or []):
+        c = entry if isinstance(entry, dict) else (
+            entry.model_dump() if hasattr(entry, "model_dump") else getattr(entry, "__dict__", None))
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) and not hasattr(fn, "model_dump"):
+            raise InvalidRequestError(f"additional_kwargs['tool_calls'][{i}] is not an OpenAI tool call: {entry!r}")
+        fn = fn if isinstance(fn, dict) else fn.model_dump()
         out.append({"id": c.get("id") or f"call_{i}", "type": "function",
                     "function": {"name": fn.get("name"),
-                                 "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+                                 "arguments": arguments_text(fn.get("arguments", "{}"), f"tool_calls[{i}]")}})
     return out
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mlx_tandem import media
-from mlx_tandem.errors import InvalidRequestError
+from mlx_tandem.errors import InvalidRequestError, UnsupportedContentError
 from mlx_tandem.media import load_image, load_images
 
 
@@ -113,6 +113,30 @@ def test_malformed_and_slow_remote_urls_are_typed_errors(monkeypatch):
     monkeypatch.setattr(media.time, "monotonic", lambda: next(clock))
     with pytest.raises(InvalidRequestError, match="took more than"):
         load_image("https://example.com/slow.png", allow_remote=True)
+
+
+def test_a_photo_is_turned_upright_by_its_exif_orientation_as_mlx_vlm_loads_it(tmp_path):
+    """A phone's portrait photo is stored sideways with an EXIF orientation; mlx-vlm's and
+    transformers' load_image turn it upright, and so does ours (the model saw it sideways),
+    from a file and from a PIL image alike."""
+    from mlx_vlm.utils import load_image as vlm_load_image
+    from PIL import Image
+
+    pixels = (np.random.default_rng(0).random((32, 96, 3)) * 255).astype("uint8")  # 96 wide
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
+    path = tmp_path / "portrait.png"  # lossless, so pixels compare exactly
+    Image.fromarray(pixels).save(path, exif=exif.tobytes())
+    theirs = vlm_load_image(str(path))
+    assert theirs.size == (32, 96)
+    for source in (str(path), Image.open(path)):
+        ours = load_image(source)
+        assert ours.size == theirs.size and np.array_equal(np.asarray(ours), np.asarray(theirs.convert("RGB")))
+
+
+def test_remote_schemes_are_read_in_any_case():
+    with pytest.raises(UnsupportedContentError, match="remote image URLs are disabled"):
+        load_image("HTTPS://example.com/cat.png")
 
 
 def test_images_come_in_the_templates_order_with_system_messages_first():

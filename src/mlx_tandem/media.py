@@ -92,7 +92,7 @@ def _bytes_of(source: Any, *, allow_remote: bool) -> Any:
         if ";base64" not in header:
             return urllib.parse.unquote_to_bytes(payload)
         source = payload
-    elif source.startswith(("http://", "https://")):
+    elif source[:8].lower().startswith(("http://", "https://")):  # schemes are case-insensitive
         if not allow_remote:
             raise UnsupportedContentError(
                 "remote image URLs are disabled; pass the image inline (base64, bytes, path) or "
@@ -116,8 +116,8 @@ def _bytes_of(source: Any, *, allow_remote: bool) -> Any:
 
 
 def load_image(source: Any, *, allow_remote: bool = False, max_pixels: int = 4096 * 4096):
-    """A decoded RGB PIL image from any accepted source."""
-    from PIL import Image
+    """A decoded RGB PIL image from any accepted source, turned upright by its EXIF orientation."""
+    from PIL import Image, ImageOps
 
     data = _bytes_of(source, allow_remote=allow_remote)
     if isinstance(data, Image.Image):
@@ -141,7 +141,9 @@ def load_image(source: Any, *, allow_remote: bool = False, max_pixels: int = 409
         raise InvalidRequestError(f"image has no pixels ({w}x{h})")
     try:
         img.load()
-        return img.convert("RGB")
+        # Upright, as a phone's portrait photo is shown (its pixels are stored sideways with an
+        # EXIF orientation): what transformers' and mlx-vlm's load_image give the model.
+        return ImageOps.exif_transpose(img).convert("RGB")
     except Exception as exc:  # noqa: BLE001 - as for Image.open above
         raise InvalidRequestError(f"could not decode image: {type(exc).__name__}: {exc}") from exc
 

@@ -103,6 +103,20 @@ def test_history_that_is_not_json_is_a_typed_error_and_tool_data_is_shown():
     assert out[0]["content"] == '{"d": "2020-01-02"}'
 
 
+def test_a_tool_result_reads_the_image_blocks_a_user_message_reads():
+    """``input_image`` and an ``image_url`` string (non-standard to core) are images in a
+    tool result as in a user message; they became their JSON text there, base64 and all,
+    and the request went to the text lane."""
+    uri = "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()
+    for block in ({"type": "input_image", "image_url": uri}, {"type": "image_url", "image_url": uri}):
+        user = to_engine_messages([HumanMessage([{"type": "text", "text": "see"}, block])])[0]["content"]
+        tool = to_engine_messages([ToolMessage([{"type": "text", "text": "see"}, block], tool_call_id="c1")])
+        assert tool[0]["content"] == user == [{"type": "text", "text": "see"}, {"type": "image", "image": uri}]
+    # Other blocks core has no type for stay a tool's data, shown as JSON text.
+    out = to_engine_messages([ToolMessage([{"type": "json", "data": {"a": 1}}], tool_call_id="c1")])
+    assert json.loads(out[0]["content"]) == {"type": "json", "data": {"a": 1}}
+
+
 def test_assistant_blocks_documents_and_invalid_calls_are_kept():
     """An assistant turn's image is content (it was dropped, unlike every other role's); a
     text-plain document given as base64 is its text (it became ""); an invalid call goes

@@ -102,9 +102,11 @@ def _content(message: BaseMessage) -> str | list[dict]:
     blocks = message.content_blocks
     if isinstance(message, ToolMessage):
         # A tool's output is data for the model: a block core has no type for (e.g. a
-        # tool returning [{"type": "json", ...}]) is shown as its JSON text, not refused.
+        # tool returning [{"type": "json", ...}]) is shown as its JSON text, not refused;
+        # one this adapter reads (an input_image, an image_url string) is read as elsewhere.
         blocks = [{"type": "text", "text": json.dumps(b.get("value"), ensure_ascii=False, default=str)}
-                  if b.get("type") == "non_standard" else b for b in blocks]
+                  if b.get("type") == "non_standard" and not _readable(b.get("value") or {}) else b
+                  for b in blocks]
     elif isinstance(message, AIMessage):
         # A provider's own blocks in an assistant turn (Anthropic's tool_use, thinking, ...)
         # are the model's output, not prompt content; its calls travel as tool_calls. They

@@ -211,6 +211,25 @@ def test_one_call_allowed_ends_the_answer_at_its_first_valid_call():
     assert _calls(parse_every_split(text, parse_tool_calls=True)) == [("add", {"a": 1, "b": 2})]
 
 
+def test_a_block_of_several_calls_keeps_its_valid_calls_beside_an_invalid_one():
+    """Kimi K2 writes its calls in one section; mlx-lm's parser returns each. One call cut
+    short made the whole section a single invalid call, so the valid one was lost (and
+    under parallel_tool_calls=False the answer had no call at all)."""
+    from mlx_lm.tool_parsers import kimi_k2
+
+    fmt = ChatFormat(tool_call_start=kimi_k2.tool_call_start, tool_call_end=kimi_k2.tool_call_end,
+                     tool_format="kimi_k2", tool_parser=kimi_k2.parse_tool_call)
+    text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.add:1<|tool_call_argument_begin|>'
+            '{"a": 1<|tool_call_end|><|tool_calls_section_end|>')
+    for limit in (None, 1):
+        r = parse_every_split(text, fmt, parse_tool_calls=True, max_tool_calls=limit)
+        assert _calls(r) == [("get_weather", {"city": "Paris"})] and r.tool_calls[0].index == 0
+        if limit is None:
+            [bad] = r.invalid_tool_calls
+            assert (bad.name, bad.arguments, bad.index) == ("add", '{"a": 1', 1)
+
+
 def test_calls_are_numbered_in_the_order_written():
     """ToolCall.index and InvalidToolCall.index count the answer's calls together, as written
     (the adapters order calls by it: LangChain's chunk index, LlamaIndex's selections)."""

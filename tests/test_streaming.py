@@ -327,14 +327,17 @@ async def test_calls_of_a_format_without_an_end_marker(llama_path):
 
 
 # ---------------------------------------------------------------------------- grouping
+@pytest.mark.parametrize("invalid_first", [False, True])
 @pytest.mark.parametrize("end_tokens", [1, 3, "merged"])
-def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped(end_tokens):
+def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped(end_tokens, invalid_first):
     """parallel_tool_calls=False ends the answer at its call. A speculative step can bring
     the call's end and what follows (EOS, more text) in one delta; a plain step brings them
     one by one. The output (tokens, text, usage, call) must not depend on it, also where the
     end marker is several tokens that begin in an earlier delta, or where its last token
     carries what follows ("call>\\n\\n"): the tokens through it are kept, the text to the
-    marker's end (the marker's own ids never appear there, and whole deltas were kept)."""
+    marker's end (the marker's own ids never appear there, and whole deltas were kept).
+    ``invalid_first``: an invalid call comes first, whose end does not end the answer; a
+    delta holding both was cut at the first marker, before the call it reported."""
     from mlx_lm.tool_parsers.json_tools import parse_tool_call
 
     from mlx_tandem.chat_format import ChatFormat
@@ -349,9 +352,10 @@ def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped(
                      tool_call_end_ids=(9,) if end_tokens == 1 else (9, 10, 11),  # how the marker encodes alone
                      tool_format="json_tools", tool_parser=parse_tool_call, template_has_tools=True)
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    pieces = [(7, "<tool_call>"), (5, '\n{"name": "add", "arguments": {"a": 1}}\n'), *end,
+    lead = [(7, "<tool_call>"), (8, "\nnot json\n"), (9, "</tool_call>"), (3, "\n")] if invalid_first else []
+    pieces = [*lead, (7, "<tool_call>"), (5, '\n{"name": "add", "arguments": {"a": 1}}\n'), *end,
               (6, "\n<tool"), (4, "_call>")]
-    n = 2 + len(end)  # the tokens through the call's end
+    n = len(lead) + 2 + len(end)  # the tokens through the call's end
 
     class Core:
         early = 0

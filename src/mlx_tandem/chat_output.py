@@ -83,6 +83,9 @@ class ChatOutputParser:
         self._max_calls = max_tool_calls
         #: The answer has made its last allowed call; everything after it is dropped.
         self.calls_exhausted = False
+        #: Where that call's end marker ends, in the text fed so far (None: at its end).
+        self.exhausted_at: Optional[int] = None
+        self._fed = 0  # characters fed so far
         self._tools = list(tools or [])
         self._parse_tools = parse_tool_calls and fmt.has_tool_calling
         self._forced_json = forced_json_calls
@@ -136,6 +139,7 @@ class ChatOutputParser:
         if self.calls_exhausted:
             return out
         self._buf += text
+        self._fed += len(text)
         while True:
             markers = self._markers()
             hits = [(self._buf.find(m), m) for m in markers]
@@ -155,6 +159,7 @@ class ChatOutputParser:
             self._buf = self._buf[i + len(marker):]
             self._switch(marker, out)
             if self.calls_exhausted:
+                self.exhausted_at = self._fed - len(self._buf)
                 self._buf = ""
                 return out
 
@@ -231,6 +236,8 @@ class ChatOutputParser:
                      if t.get("function", {}).get("name") == name), None)
 
     def _parse_call(self, body: str) -> list:
+        """The calls of one call block. Each call is judged alone: a block of several (Kimi's
+        section, Mistral's list) keeps its valid calls beside an invalid one."""
         try:
             if self._forced_json or self._fmt.tool_parser is None:
                 parsed: Any = json.loads(body.strip())
@@ -240,23 +247,45 @@ class ChatOutputParser:
                 parsed = self._fmt.tool_parser(body, None)
             else:
                 parsed = self._fmt.tool_parser(body, self._tools or None)
-            items = parsed if isinstance(parsed, list) else [parsed]
-            calls = []
-            for item in items:
-                name = item["name"]
-                args = item.get("arguments", {})
-                if isinstance(args, str):
-                    args = json.loads(args) if args.strip() else {}
-                if not isinstance(name, str) or not isinstance(args, dict):
-                    raise ValueError("a tool call needs a string name and object arguments")
-                if self._xml_values:
-                    args = read_arguments(args, self._parameters(name))
-                calls.append(ToolCall(id=self._call_id(item.get("id")), name=name, arguments=args))
-            return calls
         except Exception as exc:  # noqa: BLE001 - any parser failure is an invalid call
-            name, arguments = _readable_parts(body.strip())
-            return [InvalidToolCall(id=new_tool_call_id(), name=name, arguments=arguments,
-                                    error=f"{type(exc).__name__}: {exc}", text=body.strip())]
+            return [self._invalid(body.strip(), exc)]
+        items = parsed if isinstance(parsed, list) else [parsed]
+        calls, errors = [], []
+        for item in items:
+            try:
+                calls.append(self._call(item))
+            except Exception as exc:  # noqa: BLE001 - as above, for this call alone
+                calls.append(None)
+                errors.append(exc)
+        if len(errors) == len(items):  # nothing valid: the block is one invalid call, as written
+            return [self._invalid(body.strip(), errors[0] if errors else ValueError("no call in the block"))]
+        failed = iter(errors)
+        return [call or self._invalid(_item_text(item), next(failed)) for call, item in zip(calls, items)]
+
+    def _call(self, item: Any) -> ToolCall:
+        name = item["name"]
+        args = item.get("arguments", {})
+        if isinstance(args, str):
+            args = json.loads(args) if args.strip() else {}
+        if not isinstance(name, str) or not isinstance(args, dict):
+            raise ValueError("a tool call needs a string name and object arguments")
+        if self._xml_values:
+            args = read_arguments(args, self._parameters(name))
+        return ToolCall(id=self._call_id(item.get("id")), name=name, arguments=args)
+
+    @staticmethod
+    def _invalid(text: str, exc: BaseException) -> InvalidToolCall:
+        name, arguments = _readable_parts(text)
+        return InvalidToolCall(id=new_tool_call_id(), name=name, arguments=arguments,
+                               error=f"{type(exc).__name__}: {exc}", text=text)
+
+
+def _item_text(item: Any) -> str:
+    """One call of a block as JSON text (what the parser made of it), for its InvalidToolCall."""
+    try:
+        return json.dumps(item, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(item)
 
 
 def _readable_parts(body: str) -> tuple[Optional[str], str]:

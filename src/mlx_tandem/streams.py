@@ -127,21 +127,17 @@ class _StreamBase:
 
     def _cut_after_call(self, item: StreamDelta) -> StreamDelta:
         """``item`` (the last delta, already accumulated) without what follows the end of
-        the call that ended the answer: the first end marker that ends in this delta, in its
-        text and in its tokens, through the token that completed the marker. The marker may
-        begin in an earlier delta (how tokens group into deltas depends on MTP), and its last
-        token may carry what follows (a tokenizer's ``>\n\n``): the cut is found in the text
-        and mapped to tokens by their text ends, not by the marker's own token ids."""
-        end = self._parser.format.tool_call_end
+        the call that ended the answer, in its text and in its tokens, through the token
+        that completed the marker. The parser says where that marker ends: not the first
+        marker in the delta, which may close an invalid call (that does not count) before
+        the valid one. The marker may begin in an earlier delta (how tokens group into deltas
+        depends on MTP), and its last token may carry what follows (a tokenizer's ``>\n\n``):
+        the cut is mapped to tokens by their text ends, not by the marker's own token ids."""
         n = len(item.token_ids)
-        if not end:  # Mistral's calls run to the end of the answer
+        cut = self._parser.exhausted_at
+        if cut is None:  # the call ran to the end of the answer (Mistral's have no end marker)
             return item
-        whole = "".join(self.text_parts)
-        delta_at = len(whole) - len(item.text)
-        at = whole.find(end, max(0, delta_at - len(end) + 1))
-        if at < 0:
-            return item
-        cut = at + len(end)
+        delta_at = self._text_len - len(item.text)
         first = len(self.token_ids) - n
         if len(item.text_ends) == n:
             keep = next((k + 1 for k in range(n) if self._text_ends[first + k] >= cut), n)

@@ -230,6 +230,22 @@ def test_a_block_of_several_calls_keeps_its_valid_calls_beside_an_invalid_one():
             assert (bad.name, bad.arguments, bad.index) == ("add", '{"a": 1', 1)
 
 
+def test_an_end_marker_inside_a_json_argument_is_argument_text():
+    """A JSON call may spell its own end marker in a string (a file's text): read by text,
+    the call ended there, was invalid, and its rest leaked into the content (vLLM's and
+    mlx-lm's parsers read it so). A marker in a string that never closes (malformed JSON)
+    still ends the call, as before."""
+    args = {"path": "t.txt", "text": 'a</tool_call>b "q" \\ </tool_call>'}
+    r = parse_every_split("Saving." + call("write", args) + "Done.", parse_tool_calls=True)
+    assert _calls(r) == [("write", args)] and r.content == "Saving.Done." and r.invalid_tool_calls == []
+    r = parse_every_split(call("write", args) + call("add", {"a": 1}), parse_tool_calls=True, max_tool_calls=1)
+    assert _calls(r) == [("write", args)]
+    malformed = '<tool_call>\n{"name": "add", "arguments": {"a": "x</tool_call>then text'
+    r = parse_every_split(malformed, parse_tool_calls=True)
+    assert r.tool_calls == [] and len(r.invalid_tool_calls) == 1 and r.content == "then text"
+    assert r.invalid_tool_calls[0].text == '{"name": "add", "arguments": {"a": "x'
+
+
 def test_calls_are_numbered_in_the_order_written():
     """ToolCall.index and InvalidToolCall.index count the answer's calls together, as written
     (the adapters order calls by it: LangChain's chunk index, LlamaIndex's selections)."""

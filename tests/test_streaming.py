@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -146,6 +147,20 @@ def test_stop_matcher_never_cuts_a_tool_call(pieces, stop, expected, hit):
         assert out + m.flush()[0] == "".join(pieces)
 
 
+def test_an_end_marker_inside_a_json_argument_is_call_text_to_the_matcher():
+    """A JSON call whose argument spells the end marker (the grammar takes it): the marker
+    inside the string ended the call to the matcher, which then cut the rest of the call at
+    a stop string. With ``json_body`` the call runs to its real end, for any split."""
+    text = '<tool_call>\n{"name": "w", "arguments": {"t": "a</tool_call>b} \\"q\\" }"}}\n</tool_call> after} x'
+    expected = text[: text.index(" after}") + len(" after")]
+    for size in (len(text), 1, 3, 7):
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        m = StopStringMatcher(["}"], exempt=dataclasses.replace(CALL, json_body=True))
+        assert _feed(m, pieces) == (expected, True), size
+    # Without it (a body that is not JSON) the first marker ends the call, as before.
+    assert _feed(StopStringMatcher(["}"], exempt=CALL), [text])[0] == text[: text.index("b}") + 1]
+
+
 THINKING = CallMarkers("<tool_call>", "</tool_call>", "<think>", "</think>")
 
 
@@ -235,6 +250,25 @@ async def test_stop_strings_end_the_text_but_never_cut_a_tool_call(qwen3_5_engin
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("add", {"a": 2, "b": 3})], out
     assert not out.invalid_tool_calls and out.finish_reason == "tool_calls"
     assert len(out.token_ids) < len(plain.token_ids) or stop[0].startswith("<")  # stopped after the call
+
+
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+
+
+@pytest.mark.parametrize("stop", [[], ["}"], ["b"]])
+async def test_a_call_spelling_its_end_marker_in_an_argument_is_one_call(qwen3_5_engine, stop):
+    """A JSON argument may spell the call's end marker (a grammar takes it: it matches the
+    marker by token id). Read by text, the call ended inside the string, was invalid, and
+    its rest leaked into the content; a stop string could then cut it."""
+    engine = qwen3_5_engine
+    m = engine._grammar.marker  # a grammar stands in for a model that calls, then writes on
+    body = json.dumps('\n{"name": "note", "arguments": {"text": "a</tool_call>b}"}}\n')
+    fmt = {"type": "lark", "grammar": f'start: "ok " {m("<tool_call>")} {body} {m("</tool_call>")} "\\nthen}} more"'}
+    out = await engine.chat(USER, SamplingParams(max_tokens=80, stop=stop), tools=[NOTE], response_format=fmt)
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("note", {"text": "a</tool_call>b}"})], out
+    assert not out.invalid_tool_calls and out.finish_reason == "tool_calls"
+    assert out.content == {"}": "okthen", "b": "okthen} more"}.get(stop[0] if stop else "", "okthen} more")
 
 
 # ---------------------------------------------------------------------------- reasoning usage

@@ -23,6 +23,41 @@ class CallMarkers:
     think_start: str = ""
     think_end: str = ""
     starts_in_reasoning: bool = False
+    #: The call's body is JSON: ``call_end`` inside one of its strings is the argument's text.
+    json_body: bool = False
+
+
+class JsonStrings:
+    """Whether the JSON text read so far is inside a string literal.
+
+    A call with a JSON body may spell its own end marker in an argument
+    (``{"text": "a</tool_call>b"}``: the grammar takes it, since it matches the marker by
+    token id). Read by text, that marker ended the call, which became invalid, and the
+    rest of it leaked into the content. vLLM's and mlx-lm's parsers (regex, text state
+    machine) read it so too."""
+
+    def __init__(self):
+        self.inside = False
+        self._escaped = False
+
+    def feed(self, text: str) -> None:
+        self.inside, self._escaped = self._scan(text)
+
+    def inside_after(self, text: str) -> bool:
+        return self._scan(text)[0]
+
+    def _scan(self, text: str) -> tuple[bool, bool]:
+        inside, escaped = self.inside, self._escaped
+        for ch in text:
+            if not inside:
+                inside = ch == '"'
+            elif escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                inside = False
+        return inside, escaped
 
 
 _TEXT, _REASONING, _CALL = "text", "reasoning", "call"
@@ -47,6 +82,7 @@ class StopStringMatcher:
         self._state = _REASONING if thinks and self._m.starts_in_reasoning else _TEXT
         self._text_seen = False  # text or a call came before: <think> opens nothing any more
         self._buffer = ""
+        self._strings = JsonStrings() if self._m is not None and self._m.json_body else None
 
     def _markers(self) -> tuple[str, ...]:
         """The markers that change the state from here."""
@@ -75,6 +111,14 @@ class StopStringMatcher:
             found = [(i, mk) for i, mk in found if not (mk == self._m.think_start and self._state == _TEXT
                                                         and buf[:i].strip())]
             marker = min(found, default=None)
+            if marker is not None and self._state == _CALL and self._strings is not None \
+                    and self._strings.inside_after(buf[:marker[0]]):
+                # The end marker inside a JSON string: the call's text, matched by nothing.
+                end = marker[0] + len(marker[1])
+                self._strings.feed(buf[:end])
+                out += buf[:end]
+                self._buffer = buf[end:]
+                continue
             if self._state != _CALL:  # stop strings: in text and reasoning, never in a call
                 hit = min(((i, s) for s in self._stop if (i := buf.find(s)) >= 0), default=None)
                 calls = tuple(mk for mk in markers if mk == self._m.call_start)
@@ -101,6 +145,8 @@ class StopStringMatcher:
                 end = i + len(mk)
                 if self._state == _TEXT and buf[:i].strip():
                     self._text_seen = True
+                if self._state == _CALL and self._strings is not None:
+                    self._strings.feed(buf[:i])
                 out += buf[:end]
                 self._buffer = buf[end:]
                 self._switch(mk)
@@ -112,6 +158,8 @@ class StopStringMatcher:
         """Emit ``buf[:cut]``; hold the rest back."""
         if self._state == _TEXT and buf[:cut].strip():
             self._text_seen = True
+        if self._state == _CALL and self._strings is not None:
+            self._strings.feed(buf[:cut])
         self._buffer = buf[cut:]
         return buf[:cut]
 
@@ -120,6 +168,8 @@ class StopStringMatcher:
             self._state = _TEXT
         elif marker == self._m.call_start:
             self._state, self._text_seen = _CALL, True
+            if self._strings is not None:
+                self._strings = JsonStrings()
         else:  # <think>, before any text
             self._state = _REASONING
 

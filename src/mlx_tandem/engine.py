@@ -314,7 +314,7 @@ class Engine:
                 thinks = fmt.has_thinking
                 stop_exempt = CallMarkers(fmt.tool_call_start, fmt.tool_call_end,
                                           fmt.think_start if thinks else "", fmt.think_end if thinks else "",
-                                          starts_in_reasoning)
+                                          starts_in_reasoning, json_body=parser.json_body)
         else:
             prompt = spec.prompt
             constraint = open_call = None

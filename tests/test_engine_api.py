@@ -19,6 +19,11 @@ def test_shared_engine_per_model_and_options(llama_path, qwen3_5_path):
     try:
         assert a is b
         assert a is not c and a is not d
+        # A draft's path is part of the options, in any spelling of the same directory.
+        drafted = [Engine.shared(llama_path, show_progress=False, specprefill_draft=p)
+                   for p in (qwen3_5_path, str(qwen3_5_path) + "/", qwen3_5_path.parent / "." / qwen3_5_path.name)]
+        assert drafted[0] is drafted[1] is drafted[2] and drafted[0] is not a
+        drafted[0].close_sync()
         # A display option makes no second engine (and no second copy of the weights).
         assert Engine.shared(llama_path) is a
         a.close_sync()
@@ -37,6 +42,8 @@ def test_the_default_models_reported_name_can_be_passed_back(tmp_path, monkeypat
     default = Engine.shared(show_progress=False)
     try:
         assert Engine.shared(DEFAULT_MODEL_NAME, show_progress=False) is default
+        # So is the directory model_info() reports (a second engine loaded the weights again).
+        assert Engine.shared(default.model_info().path, show_progress=False) is default
         named = Engine(DEFAULT_MODEL_NAME, show_progress=False)
         try:
             msgs = [{"role": "user", "content": "Hi"}]

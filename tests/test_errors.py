@@ -319,6 +319,9 @@ async def test_malformed_inputs_are_typed_errors_and_the_engine_keeps_serving(ll
         engine.chat([*hi, {"role": "assistant", "content": "a", "reasoning_content": "x"},
                      {"role": "assistant", "content": "b", "reasoning_content": 5}, *hi]),
         engine.chat(hi, tools=5), engine.chat(hi, tools=TOOL),  # not a list of tools
+        # Unknown names, and chat options a raw prompt has no template for (a TypeError).
+        engine.complete("x", bogus=1), engine.complete("x", tool_choice="auto"),
+        engine.open_complete_stream("x", tools=[TOOL]),
         # A tool whose arguments are not an object: its forced call was always invalid.
         engine.chat(hi, tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
                     tool_choice="f"),
@@ -338,6 +341,10 @@ async def test_malformed_inputs_are_typed_errors_and_the_engine_keeps_serving(ll
     assert "unpaired backslash" in str(errors[0]) and "matches no string" in str(errors[3])
     with pytest.raises(InvalidRequestError):
         engine.encode(5)
+    with pytest.raises(InvalidRequestError, match="unknown"):
+        engine.apply_chat_template(hi, bogus=1)
+    with pytest.raises(InvalidRequestError, match="unknown"):
+        engine.complete_sync("x", {"max_tokens": 1}, bogus=1)
     submitted = engine.stats()["requests"]
     for timeout in (float("nan"), -1, "5"):  # refused before anything is submitted
         with pytest.raises(InvalidRequestError):

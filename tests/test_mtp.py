@@ -100,17 +100,18 @@ def test_acceptance_counts_no_drafts_past_a_stop_string(qwen3_5_mtp_path):
     async def run():
         async with Engine(qwen3_5_mtp_path, show_progress=False, mtp="on", mtp_depth=3) as engine:
             free = await asyncio.gather(*(engine.complete(p, {"max_tokens": 16}) for p in TRAINED[:8]))
-            base = engine.stats()["mtp"]
+            base = engine.stats()
             # Each row stops at a piece of its own free answer, a few tokens in.
             stops = [[engine.tokenizer.decode(o.token_ids[4:6]).strip() or o.text[-3:]] for o in free]
             outs = await asyncio.gather(*(engine.complete(p, {"max_tokens": 16, "stop": s})
                                           for p, s in zip(TRAINED[:8], stops)))
-            mtp = engine.stats()["mtp"]
-            return outs, {k: mtp[k] - base[k] for k in ("draft_rows", "accepted")}
+            after = engine.stats()
+            mtp = {k: after["mtp"][k] - base["mtp"][k] for k in ("draft_rows", "accepted")}
+            return outs, mtp, after["generation_tokens"] - base["generation_tokens"]
 
-    outs, mtp = asyncio.run(run())
+    outs, mtp, generated = asyncio.run(run())
     assert sum(o.finish_reason == "stop" for o in outs) >= 4
-    assert sum(o.usage.completion_tokens for o in outs) == mtp["draft_rows"] + mtp["accepted"], mtp
+    assert sum(o.usage.completion_tokens for o in outs) == mtp["draft_rows"] + mtp["accepted"] == generated, mtp
 
 
 def test_rows_with_processors_and_seeded_rows_match_plain_decoding(qwen3_5_mtp_path):

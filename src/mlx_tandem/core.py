@@ -467,7 +467,10 @@ class EngineCore:
             if req.detokenizer.stopped:
                 finish = "stop"
                 lane.remove([req.request_id])
+                # A speculative step's tokens past the stop never reach the output: the
+                # stats count what did (generation_tokens as usage counts it).
                 lane.discard_tokens(len(ev.tokens) - i - 1)
+                self.stats.count("generation_tokens", -(len(ev.tokens) - i - 1))
                 break
         finish = finish or ev.finish_reason
         if finish is None:

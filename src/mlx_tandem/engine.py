@@ -28,7 +28,7 @@ from .closing import GrammarProcessor
 from .constraints import GrammarCompiler, TokenBan, after_reasoning, response_format_constraint
 from .tool_call_grammar import LazyToolCallGrammar
 from .core import EngineCore
-from .default_model import DEFAULT_MODEL_NAME, names_default
+from .default_model import DEFAULT_MODEL_NAME, default_model_path, names_default
 from .detokenizer import CallMarkers
 from .errors import (ConstraintError, ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError,
                      UnsupportedContentError)
@@ -62,7 +62,13 @@ def _model_key(model: Optional[str | Path]) -> str:
         path = Path(model).expanduser()
     except RuntimeError:  # "~user/..." with no such user: a hub id, or a path that is not there
         return str(model)
-    return str(path.resolve()) if path.exists() else str(model)
+    if not path.exists():
+        return str(model)
+    # The default model's own directory (what model_info().path reports) is the default: a
+    # caller passing it back got a second engine and a second copy of the weights.
+    default = default_model_path(build=False)
+    resolved = path.resolve()
+    return "<default>" if default is not None and resolved == default.resolve() else str(resolved)
 
 
 class Engine:
@@ -463,45 +469,39 @@ class Engine:
             yield from stream
 
     # ------------------------------------------------------------------ raw prompt API
-    async def complete(self, prompt: str | Sequence[int], params=None, *, response_format=None,
-                       request_id=None) -> RequestOutput:
+    # ``options``: response_format and request_id (checked by _Spec.complete: an unknown
+    # name is an InvalidRequestError, as for chats).
+    async def complete(self, prompt: str | Sequence[int], params=None, **options: Any) -> RequestOutput:
         """Continue a raw prompt (text or token ids), no chat template."""
-        stream = await self._astream(_Spec(prompt=prompt, params=params, response_format=response_format,
-                                           request_id=request_id))
+        stream = await self._astream(_Spec.complete(prompt, params, options))
         return await stream.collect()
 
-    async def stream_complete(self, prompt: str | Sequence[int], params=None, *, response_format=None,
-                              request_id=None) -> AsyncIterator[StreamDelta]:
-        async for delta in self._relay(_Spec(prompt=prompt, params=params, response_format=response_format,
-                                             request_id=request_id)):
+    async def stream_complete(self, prompt: str | Sequence[int], params=None,
+                              **options: Any) -> AsyncIterator[StreamDelta]:
+        async for delta in self._relay(_Spec.complete(prompt, params, options)):
             yield delta
 
-    def complete_sync(self, prompt, params=None, *, response_format=None, request_id=None) -> RequestOutput:
-        return self._sstream(_Spec(prompt=prompt, params=params, response_format=response_format,
-                                   request_id=request_id)).collect()
+    def complete_sync(self, prompt, params=None, **options: Any) -> RequestOutput:
+        return self._sstream(_Spec.complete(prompt, params, options)).collect()
 
-    def stream_complete_sync(self, prompt, params=None, *, response_format=None,
-                             request_id=None) -> Iterator[StreamDelta]:
-        stream = self._sstream(_Spec(prompt=prompt, params=params, response_format=response_format,
-                                     request_id=request_id))
+    def stream_complete_sync(self, prompt, params=None, **options: Any) -> Iterator[StreamDelta]:
+        stream = self._sstream(_Spec.complete(prompt, params, options))
         with stream:
             yield from stream
 
-    async def open_complete_stream(self, prompt: str | Sequence[int], params=None, *, response_format=None,
-                                   request_id=None, timeout: Optional[float] = None) -> "AsyncStream":
+    async def open_complete_stream(self, prompt: str | Sequence[int], params=None, *,
+                                   timeout: Optional[float] = None, **options: Any) -> "AsyncStream":
         """Submit a raw prompt now and return its stream handle (``timeout`` as for chats)."""
         deadline = _deadline(timeout)  # checked before the request is submitted
-        stream = await self._astream(_Spec(prompt=prompt, params=params, response_format=response_format,
-                                           request_id=request_id))
+        stream = await self._astream(_Spec.complete(prompt, params, options))
         stream.deadline = deadline
         return stream
 
-    def open_complete_stream_sync(self, prompt: str | Sequence[int], params=None, *, response_format=None,
-                                  request_id=None, timeout: Optional[float] = None) -> "SyncStream":
+    def open_complete_stream_sync(self, prompt: str | Sequence[int], params=None, *,
+                                  timeout: Optional[float] = None, **options: Any) -> "SyncStream":
         """Submit a raw prompt now; return its blocking stream handle (``timeout`` as for chats)."""
         deadline = _deadline(timeout)  # checked before the request is submitted
-        stream = self._sstream(_Spec(prompt=prompt, params=params, response_format=response_format,
-                                     request_id=request_id))
+        stream = self._sstream(_Spec.complete(prompt, params, options))
         stream.deadline = deadline
         return stream
 
@@ -516,9 +516,11 @@ class Engine:
         return self._renderer.encode(text)
 
     def apply_chat_template(self, messages: Sequence[dict], *, tools=None, tool_choice=None,
-                            response_format=None, reasoning=None, template_kwargs=None) -> list[int]:
+                            response_format=None, reasoning=None, template_kwargs=None, **unknown: Any) -> list[int]:
         """The prompt token ids the engine would use for this chat, each image expanded to the
         tokens it takes (the vision lane's processor, on the owner thread)."""
+        if unknown:
+            raise InvalidRequestError(f"unknown apply_chat_template options {sorted(unknown)}")
         self.start_sync()
         messages = validate_messages(messages)
         plan = plan_chat(
@@ -548,6 +550,7 @@ class Engine:
 
 _CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning",
                  "template_kwargs", "request_id")
+_COMPLETE_OPTIONS = ("response_format", "request_id")  # a raw prompt has no template to shape
 
 
 @dataclasses.dataclass
@@ -573,6 +576,13 @@ class _Spec:
         if messages is None:
             raise InvalidRequestError("messages are required")
         return cls(messages=messages, params=params, **options)
+
+    @classmethod
+    def complete(cls, prompt, params, options: dict) -> "_Spec":
+        unknown = set(options) - set(_COMPLETE_OPTIONS)
+        if unknown:
+            raise InvalidRequestError(f"unknown complete options {sorted(unknown)}; known: {list(_COMPLETE_OPTIONS)}")
+        return cls(prompt=prompt, params=params, **options)
 
 
 def _deadline(timeout: Optional[float]) -> Optional[float]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Optional
 
 from .errors import InvalidRequestError
@@ -81,7 +83,9 @@ class EngineOptions:
         check_keep_pct(self.memory_fraction, "engine option memory_fraction")
         check_keep_pct(self.specprefill_keep_pct, "engine option specprefill_keep_pct")
         if self.specprefill_draft is not None:
-            object.__setattr__(self, "specprefill_draft", str(self.specprefill_draft))
+            # A local draft as its resolved path: Engine.shared keys on the options, and two
+            # spellings of one directory made two engines.
+            object.__setattr__(self, "specprefill_draft", _draft_path(self.specprefill_draft))
         for name in ("prefix_cache_bytes", "prefix_cache_min_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -106,3 +110,14 @@ class EngineOptions:
         if unknown:
             raise InvalidRequestError(f"unknown engine options {sorted(unknown)}; known: {sorted(known)}")
         return cls(**kwargs)
+
+
+def _draft_path(model) -> str:
+    """The draft checkpoint as a string: a local directory as its resolved path, else as given."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise InvalidRequestError(f"engine option specprefill_draft={model!r}: must be a path or hub id")
+    try:
+        path = Path(os.fspath(model)).expanduser()
+    except RuntimeError:  # "~user/..." with no such user
+        return str(model)
+    return str(path.resolve()) if path.exists() else str(model)

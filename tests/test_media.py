@@ -134,6 +134,35 @@ def test_a_photo_is_turned_upright_by_its_exif_orientation_as_mlx_vlm_loads_it(t
         assert ours.size == theirs.size and np.array_equal(np.asarray(ours), np.asarray(theirs.convert("RGB")))
 
 
+def test_one_lazily_opened_pil_image_shared_by_threads_decodes_the_same_in_each(tmp_path):
+    """A caller may pass one ``Image.open`` object to several requests at once; Pillow's lazy
+    load is not thread-safe, so most of them failed ("broken PNG file", "I/O operation on
+    closed file") and some got wrong pixels."""
+    import threading
+
+    from PIL import Image
+
+    path = tmp_path / "shared.png"
+    Image.fromarray((np.random.default_rng(1).random((64, 64, 3)) * 255).astype("uint8")).save(path)
+    expected = np.asarray(load_image(str(path)))
+    for _ in range(10):
+        shared, barrier, results = Image.open(path), threading.Barrier(8), []
+
+        def work():
+            barrier.wait()
+            try:
+                results.append(np.array_equal(np.asarray(load_image(shared)), expected))
+            except InvalidRequestError as exc:
+                results.append(exc)
+
+        threads = [threading.Thread(target=work) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [True] * 8, results
+
+
 def test_remote_schemes_are_read_in_any_case():
     with pytest.raises(UnsupportedContentError, match="remote image URLs are disabled"):
         load_image("HTTPS://example.com/cat.png")

@@ -15,6 +15,7 @@ import base64
 import binascii
 import io
 import os
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -115,6 +116,12 @@ def _bytes_of(source: Any, *, allow_remote: bool) -> Any:
             "image is not bytes, a data URI, base64, an existing file or an http(s) URL") from None
 
 
+#: Pillow's lazy ``load()`` reads the image's file and decoder state and is not thread-safe:
+#: a caller's image passed to several requests at once (one ``Image.open`` object) failed
+#: some ("broken PNG file", "I/O operation on closed file") and gave others wrong pixels.
+_PIL_LOCK = threading.Lock()
+
+
 def load_image(source: Any, *, allow_remote: bool = False, max_pixels: int = 4096 * 4096):
     """A decoded RGB PIL image from any accepted source, turned upright by its EXIF orientation."""
     from PIL import Image, ImageOps
@@ -140,7 +147,12 @@ def load_image(source: Any, *, allow_remote: bool = False, max_pixels: int = 409
     if w < 1 or h < 1:
         raise InvalidRequestError(f"image has no pixels ({w}x{h})")
     try:
-        img.load()
+        if img is data:  # the caller's own object: decoded once, under the lock, then a copy of ours
+            with _PIL_LOCK:
+                img.load()
+                img = img.copy()
+        else:
+            img.load()
         # Upright, as a phone's portrait photo is shown (its pixels are stored sideways with an
         # EXIF orientation): what transformers' and mlx-vlm's load_image give the model.
         return ImageOps.exif_transpose(img).convert("RGB")

@@ -276,12 +276,14 @@ def test_select_chunks_ties_prefer_earlier_chunks():
     assert select_chunks(scores, start=0, end=60, keep_pct=0.6, chunk_size=10) == [(0, 30), (50, 60)]
 
 
-def test_select_chunks_aligns_at_start_and_short_last_chunk():
+def test_select_chunks_aligns_at_the_end_so_the_last_chunk_is_whole():
+    """The last chunk (always kept) is a whole chunk of the prompt's end, where a chat puts
+    its question; aligned at the start it was the remainder, a few template tokens."""
     scores = np.zeros(40)
-    scores[17:22] = 1.0  # chunk [17, 22) of chunks aligned at 7
+    scores[18:23] = 1.0  # chunk [18, 23) of chunks aligned at 33
     runs = select_chunks(scores, start=7, end=33, keep_pct=0.5, chunk_size=5)
-    # chunks: [7,12) [12,17) [17,22) [22,27) [27,32) [32,33); keep ceil(0.5 * 6) = 3
-    assert runs == [(7, 12), (17, 22), (32, 33)]
+    # chunks: [7,8) [8,13) [13,18) [18,23) [23,28) [28,33); keep ceil(0.5 * 6) = 3
+    assert runs == [(7, 8), (18, 23), (28, 33)]
 
 
 def test_select_chunks_full_and_empty():

@@ -195,7 +195,10 @@ class DraftScorer:
 
 def select_chunks(scores: Sequence[float] | np.ndarray, *, start: int, end: int, keep_pct: float,
                   chunk_size: int) -> list[tuple[int, int]]:
-    """Positions [start, end) cut into chunks of chunk_size aligned at `start` (last may be shorter).
+    """Positions [start, end) cut into chunks of chunk_size aligned at `end` (the first may be
+    shorter): the last chunk, which is always kept, is a whole chunk of the prompt's end, where
+    a chat prompt puts its question. Aligned at `start`, it was whatever remained, often only
+    the template's few closing tokens (`<|im_start|>assistant\n`), and the question could go.
     A chunk's score is the mean of its tokens' scores. Keep ceil(keep_pct * n_chunks) chunks with the
     highest scores (ties broken by earlier position), ALWAYS including the first and last chunk.
     Return the kept positions as sorted, merged, non-overlapping half-open runs [(s, e), ...]
@@ -218,8 +221,11 @@ def select_chunks(scores: Sequence[float] | np.ndarray, *, start: int, end: int,
     scores = np.asarray(scores, dtype=np.float64)
     if scores.ndim != 1 or len(scores) < end:
         raise InvalidRequestError(f"scores of shape {scores.shape} do not cover positions [{start}, {end})")
-    starts = np.arange(start, end, chunk_size)
-    ends = np.minimum(starts + chunk_size, end)
+    first = start + (end - start) % chunk_size  # where the first whole chunk starts
+    starts = np.arange(first, end, chunk_size)
+    if first > start:
+        starts = np.concatenate(([start], starts))
+    ends = np.append(starts[1:], end)
     means = np.add.reduceat(scores[start:end], starts - start) / (ends - starts)
     n = len(starts)
     # round(): 0.3 * 10 is 3.0000000000000004 in floating point, and must keep 3 chunks, not 4.

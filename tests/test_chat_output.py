@@ -233,8 +233,8 @@ def test_a_block_of_several_calls_keeps_its_valid_calls_beside_an_invalid_one():
 def test_an_end_marker_inside_a_json_argument_is_argument_text():
     """A JSON call may spell its own end marker in a string (a file's text): read by text,
     the call ended there, was invalid, and its rest leaked into the content (vLLM's and
-    mlx-lm's parsers read it so). A marker in a string that never closes (malformed JSON)
-    still ends the call, as before."""
+    mlx-lm's parsers read it so). A string that never closes (malformed JSON) holds the rest
+    of the answer: one invalid call, read as the stop matcher reads it."""
     args = {"path": "t.txt", "text": 'a</tool_call>b "q" \\ </tool_call>'}
     r = parse_every_split("Saving." + call("write", args) + "Done.", parse_tool_calls=True)
     assert _calls(r) == [("write", args)] and r.content == "Saving.Done." and r.invalid_tool_calls == []
@@ -242,8 +242,8 @@ def test_an_end_marker_inside_a_json_argument_is_argument_text():
     assert _calls(r) == [("write", args)]
     malformed = '<tool_call>\n{"name": "add", "arguments": {"a": "x</tool_call>then text'
     r = parse_every_split(malformed, parse_tool_calls=True)
-    assert r.tool_calls == [] and len(r.invalid_tool_calls) == 1 and r.content == "then text"
-    assert r.invalid_tool_calls[0].text == '{"name": "add", "arguments": {"a": "x'
+    assert r.tool_calls == [] and len(r.invalid_tool_calls) == 1 and r.content == ""
+    assert r.invalid_tool_calls[0].text == malformed.removeprefix("<tool_call>\n")
 
 
 def test_calls_are_numbered_in_the_order_written():

@@ -1007,6 +1007,11 @@ async def test_asked_to_reason_the_model_reasons_then_the_constraint_holds_the_a
     outs = await asyncio.gather(*[engine.chat(chat, SamplingParams(max_tokens=40, temperature=1.0, seed=seed),
                                               response_format=slashed, **options) for seed in range(3)])
     assert all(re.fullmatch("[0-9]+/[0-9]+", out.content) for out in outs), [out.content for out in outs]
+    # A grammar of no string is refused here too: nested after the reasoning it compiled and
+    # ended the answer empty, with "stop".
+    with pytest.raises(ConstraintError, match="matches no string"):
+        await engine.chat(chat, SamplingParams(max_tokens=20), response_format={"type": "regex", "pattern": r"[^\s\S]"},
+                          **options)
 
 
 async def test_tool_choice_none_keeps_the_response_format(qwen3_5_engine):

@@ -94,7 +94,6 @@ class ChatOutputParser:
         #: (detokenizer.JsonStrings; the stop matcher reads calls by the same rule).
         self.json_body = self._parse_tools and (forced_json_calls or fmt.tool_format == "json_tools")
         self._strings = JsonStrings()
-        self._skipped: Optional[int] = None  # where the call's first in-string end marker begins
         self._state = REASONING if (starts_in_reasoning and fmt.has_thinking and not verbatim) else CONTENT
         self._buf = ""
         self._call_buf = ""
@@ -161,8 +160,6 @@ class ChatOutputParser:
                 return out
             i, marker = min(hits)
             if self._state == TOOL_CALL and self.json_body and self._strings.inside_after(self._buf[:i]):
-                if self._skipped is None:
-                    self._skipped = len(self._call_buf) + i
                 self._take(self._buf[:i + len(marker)], out)
                 self._buf = self._buf[i + len(marker):]
                 continue
@@ -180,18 +177,6 @@ class ChatOutputParser:
             return out
         rest, self._buf = self._buf, ""
         self._take(rest, out)
-        if self._state == TOOL_CALL and self._skipped is not None and not any(
-                isinstance(c, ToolCall) for c in self._parse_call(self._call_buf)):
-            # The string that held an end marker never closed: a model's malformed JSON, not
-            # an argument. Its first such marker ends the call after all, and what follows
-            # is read again (as it was read before calls' strings were followed).
-            body, end = self._call_buf, self._skipped + len(self._fmt.tool_call_end)
-            self._call_buf = body[:self._skipped]
-            self._close_call(out)
-            self._fed -= len(body) - end
-            _add(out, self.feed(body[end:]))
-            _add(out, self.finish())
-            return out
         if self._state == TOOL_CALL:  # stopped inside a call: parse what there is
             self._close_call(out)
         if not self.num_tool_calls:
@@ -229,7 +214,7 @@ class ChatOutputParser:
             self._content.drop_pending()
             self._state = TOOL_CALL
             self._call_buf = ""
-            self._strings, self._skipped = JsonStrings(), None
+            self._strings = JsonStrings()
         else:  # tool_call_end
             self._close_call(out)
 
@@ -304,13 +289,6 @@ class ChatOutputParser:
         name, arguments = _readable_parts(text)
         return InvalidToolCall(id=new_tool_call_id(), name=name, arguments=arguments,
                                error=f"{type(exc).__name__}: {exc}", text=text)
-
-
-def _add(out: ParsedDelta, more: ParsedDelta) -> None:
-    out.content += more.content
-    out.reasoning += more.reasoning
-    out.tool_calls += more.tool_calls
-    out.invalid_tool_calls += more.invalid_tool_calls
 
 
 def _item_text(item: Any) -> str:

@@ -314,6 +314,9 @@ class Engine:
                     raise ConstraintError(
                         "reasoning=True with a response_format or a forced tool call needs reasoning markers "
                         f"that are one token each; {fmt.think_start!r} and {fmt.think_end!r} are not")
+                # The answer's grammar alone first: one that matches no string compiles, and
+                # nested after a reasoning it would end the answer empty, with "stop".
+                self._grammar.compile(constraint)
                 constraint = after_reasoning(constraint, self._think_ids, opened=starts_in_reasoning)
             open_call = plan.open_call
             if plan.parse_tool_calls and fmt.tool_call_start:  # Mistral's calls have no end marker

@@ -139,7 +139,9 @@ class _StreamBase:
             return item
         delta_at = self._text_len - len(item.text)
         first = len(self.token_ids) - n
-        if len(item.text_ends) == n:
+        if cut <= delta_at:  # the call ended before this delta: none of it is kept
+            keep = 0
+        elif len(item.text_ends) == n:
             keep = next((k + 1 for k in range(n) if self._text_ends[first + k] >= cut), n)
         else:  # no per-token text: the marker's own ids, where they appear
             ids = list(self._parser.format.tool_call_end_ids)

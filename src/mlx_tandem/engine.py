@@ -12,15 +12,14 @@ import atexit
 import dataclasses
 import functools
 import logging
-import math
 import os
 import threading
-import time
 import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 
 from . import _platform
+from .call_spec import CallSpec, deadline_of
 from .chat_format import ChatFormat
 from .chat_output import ChatOutputParser
 from .chat_plan import plan_chat
@@ -264,7 +263,7 @@ class Engine:
         return self._ensure_core().call(fn).result()
 
     # ------------------------------------------------------------------ front end
-    def _make_request(self, spec: "_Spec", sink) -> tuple[Request, Optional[ChatOutputParser]]:
+    def _make_request(self, spec: CallSpec, sink) -> tuple[Request, Optional[ChatOutputParser]]:
         if spec.request_id is not None and not isinstance(spec.request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {type(spec.request_id).__name__}")
         params = SamplingParams.coerce(spec.params)
@@ -388,7 +387,7 @@ class Engine:
                 "a request cannot be made from the engine's own thread (inside a logits processor or "
                 "run_on_owner_thread): it would wait for itself")
 
-    async def _astream(self, spec: "_Spec") -> "AsyncStream":
+    async def _astream(self, spec: CallSpec) -> "AsyncStream":
         self._not_on_owner_thread()
         await self.start()
         sink = AsyncSink(asyncio.get_running_loop())
@@ -399,13 +398,13 @@ class Engine:
         self._core.submit(req)
         return self._bind_stream(AsyncStream(self._core, req, sink, parser))
 
-    async def _relay(self, spec: "_Spec") -> AsyncIterator[StreamDelta]:
+    async def _relay(self, spec: CallSpec) -> AsyncIterator[StreamDelta]:
         stream = await self._astream(spec)
         async with stream:
             async for delta in stream:
                 yield delta
 
-    def _sstream(self, spec: "_Spec") -> "SyncStream":
+    def _sstream(self, spec: CallSpec) -> "SyncStream":
         self._not_on_owner_thread()
         self.start_sync()
         sink = SyncSink()
@@ -430,13 +429,13 @@ class Engine:
         (thinking on/off; None = the template's default), ``template_kwargs`` (extra chat
         template variables), ``request_id``.
         """
-        stream = await self._astream(_Spec.chat(messages, params, options))
+        stream = await self._astream(CallSpec.chat(messages, params, options))
         return await stream.collect()
 
     async def stream_chat(self, messages: Sequence[dict], params: SamplingParams | dict | None = None,
                           **options: Any) -> AsyncIterator[StreamDelta]:
         """Stream a chat answer as StreamDeltas. Closing or cancelling it aborts the request."""
-        async for delta in self._relay(_Spec.chat(messages, params, options)):
+        async for delta in self._relay(CallSpec.chat(messages, params, options)):
             yield delta
 
     async def open_chat_stream(self, messages: Sequence[dict], params: SamplingParams | dict | None = None, *,
@@ -446,8 +445,8 @@ class Engine:
         With ``timeout`` (seconds, for the whole request) the stream cancels the request and
         raises RequestTimeoutError (a TimeoutError) when the deadline passes.
         """
-        deadline = _deadline(timeout)  # checked before the request is submitted
-        stream = await self._astream(_Spec.chat(messages, params, options))
+        deadline = deadline_of(timeout)  # checked before the request is submitted
+        stream = await self._astream(CallSpec.chat(messages, params, options))
         stream.deadline = deadline
         return stream
 
@@ -458,53 +457,53 @@ class Engine:
         With ``timeout`` (seconds, for the whole request) the stream cancels the request and
         raises RequestTimeoutError (a TimeoutError) when the deadline passes.
         """
-        deadline = _deadline(timeout)  # checked before the request is submitted
-        stream = self._sstream(_Spec.chat(messages, params, options))
+        deadline = deadline_of(timeout)  # checked before the request is submitted
+        stream = self._sstream(CallSpec.chat(messages, params, options))
         stream.deadline = deadline
         return stream
 
     def chat_sync(self, messages, params=None, **options) -> RequestOutput:
-        return self._sstream(_Spec.chat(messages, params, options)).collect()
+        return self._sstream(CallSpec.chat(messages, params, options)).collect()
 
     def stream_chat_sync(self, messages, params=None, **options) -> Iterator[StreamDelta]:
-        stream = self._sstream(_Spec.chat(messages, params, options))
+        stream = self._sstream(CallSpec.chat(messages, params, options))
         with stream:
             yield from stream
 
     # ------------------------------------------------------------------ raw prompt API
-    # ``options``: response_format and request_id (checked by _Spec.complete: an unknown
+    # ``options``: response_format and request_id (checked by CallSpec.complete: an unknown
     # name is an InvalidRequestError, as for chats).
     async def complete(self, prompt: str | Sequence[int], params=None, **options: Any) -> RequestOutput:
         """Continue a raw prompt (text or token ids), no chat template."""
-        stream = await self._astream(_Spec.complete(prompt, params, options))
+        stream = await self._astream(CallSpec.complete(prompt, params, options))
         return await stream.collect()
 
     async def stream_complete(self, prompt: str | Sequence[int], params=None,
                               **options: Any) -> AsyncIterator[StreamDelta]:
-        async for delta in self._relay(_Spec.complete(prompt, params, options)):
+        async for delta in self._relay(CallSpec.complete(prompt, params, options)):
             yield delta
 
     def complete_sync(self, prompt, params=None, **options: Any) -> RequestOutput:
-        return self._sstream(_Spec.complete(prompt, params, options)).collect()
+        return self._sstream(CallSpec.complete(prompt, params, options)).collect()
 
     def stream_complete_sync(self, prompt, params=None, **options: Any) -> Iterator[StreamDelta]:
-        stream = self._sstream(_Spec.complete(prompt, params, options))
+        stream = self._sstream(CallSpec.complete(prompt, params, options))
         with stream:
             yield from stream
 
     async def open_complete_stream(self, prompt: str | Sequence[int], params=None, *,
                                    timeout: Optional[float] = None, **options: Any) -> "AsyncStream":
         """Submit a raw prompt now and return its stream handle (``timeout`` as for chats)."""
-        deadline = _deadline(timeout)  # checked before the request is submitted
-        stream = await self._astream(_Spec.complete(prompt, params, options))
+        deadline = deadline_of(timeout)  # checked before the request is submitted
+        stream = await self._astream(CallSpec.complete(prompt, params, options))
         stream.deadline = deadline
         return stream
 
     def open_complete_stream_sync(self, prompt: str | Sequence[int], params=None, *,
                                   timeout: Optional[float] = None, **options: Any) -> "SyncStream":
         """Submit a raw prompt now; return its blocking stream handle (``timeout`` as for chats)."""
-        deadline = _deadline(timeout)  # checked before the request is submitted
-        stream = self._sstream(_Spec.complete(prompt, params, options))
+        deadline = deadline_of(timeout)  # checked before the request is submitted
+        stream = self._sstream(CallSpec.complete(prompt, params, options))
         stream.deadline = deadline
         return stream
 
@@ -549,52 +548,6 @@ class Engine:
         refuse_media_markers(messages, tools, self._media_markers)
         return load_images(messages, allow_remote=self.options.allow_remote_images,
                            max_pixels=self.options.max_image_pixels)
-
-
-_CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning",
-                 "template_kwargs", "request_id")
-_COMPLETE_OPTIONS = ("response_format", "request_id")  # a raw prompt has no template to shape
-
-
-@dataclasses.dataclass
-class _Spec:
-    """One call's inputs, as given (validated in _make_request)."""
-
-    messages: Optional[Sequence[dict]] = None
-    prompt: Optional[str | Sequence[int]] = None
-    params: Any = None
-    tools: Optional[Sequence[dict]] = None
-    tool_choice: Any = None
-    parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict] = None
-    reasoning: Optional[bool] = None
-    template_kwargs: Optional[dict] = None
-    request_id: Optional[str] = None
-
-    @classmethod
-    def chat(cls, messages, params, options: dict) -> "_Spec":
-        unknown = set(options) - set(_CHAT_OPTIONS)
-        if unknown:
-            raise InvalidRequestError(f"unknown chat options {sorted(unknown)}; known: {list(_CHAT_OPTIONS)}")
-        if messages is None:
-            raise InvalidRequestError("messages are required")
-        return cls(messages=messages, params=params, **options)
-
-    @classmethod
-    def complete(cls, prompt, params, options: dict) -> "_Spec":
-        unknown = set(options) - set(_COMPLETE_OPTIONS)
-        if unknown:
-            raise InvalidRequestError(f"unknown complete options {sorted(unknown)}; known: {list(_COMPLETE_OPTIONS)}")
-        return cls(prompt=prompt, params=params, **options)
-
-
-def _deadline(timeout: Optional[float]) -> Optional[float]:
-    """time.monotonic() at which a request given ``timeout`` seconds is cancelled."""
-    if timeout is None:
-        return None
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout < 0:
-        raise InvalidRequestError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
-    return time.monotonic() + timeout
 
 
 @atexit.register

@@ -529,3 +529,17 @@ def test_image_rows_reserve_no_speculation(qwen3_5_vl_path):
         assert vision["state_bytes_per_row"] < text["state_bytes_per_row"]
     finally:
         engine.close_sync()
+
+
+def test_a_budget_too_small_for_text_rows_only_says_so(qwen3_5_vl_path, caplog):
+    """A vision row (no MTP head, no verify copies) costs less than a text row: a budget
+    between the two serves images, and the start-up warning said every request would fail."""
+    import logging
+
+    ledger = _ledger(qwen3_5_vl_path)
+    text, vision = ledger.alone_bytes("text", 1), ledger.alone_bytes("vision", 1)
+    assert vision < text
+    with caplog.at_level(logging.WARNING, logger="mlx_tandem"):
+        Engine(str(qwen3_5_vl_path), show_progress=False, request_memory_bytes=(text + vision) // 2).start_sync().close_sync()
+    assert "every text request will fail" in caplog.text and "every request" not in caplog.text
+

@@ -93,9 +93,12 @@ def make_ledger(loaded: LoadedModel, opts: EngineOptions, lanes: dict[str, Lane]
     logger.info("request memory budget %.1f MiB: a row costs %d B/token + %d B of state; "
                 "%d full-context rows fit", budget / 2**20, footprint.kv_bytes_per_token,
                 footprint.state_bytes_per_row, budget // max(full_context, 1))
-    if budget < ledger.alone_bytes("text", 1):
+    # Per lane: a vision row (no MTP head, no verify copies) may fit where a text row does not.
+    short = [lane for lane in ("text", "vision") if lane in lanes and budget < ledger.alone_bytes(lane, 1)]
+    if short:
         remedy = ("raise request_memory_bytes" if opts.request_memory_bytes is not None
                   else "lower prefix_cache_bytes or set request_memory_bytes")
-        logger.warning("the request memory budget (%d B) cannot hold one row's cache: every request will "
-                       "fail; %s", budget, remedy)
+        who = "every request" if len(short) == len(lanes) else f"every {short[0]} request"
+        logger.warning("the request memory budget (%d B) cannot hold one row's cache: %s will fail; %s",
+                       budget, who, remedy)
     return ledger

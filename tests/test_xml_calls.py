@@ -404,3 +404,40 @@ def test_edge_schemas_round_trip(grammar, python):
     jsonschema.validate(args, EDGE)
     assert read_arguments({"mode": "auto", "rows": "all", "flag": "auto", "anything": "plain"}, EDGE) == {
         "mode": "auto", "rows": "all", "flag": "auto", "anything": "plain"}
+
+
+def test_a_qwen35_style_template_is_read_as_xml_and_a_call_in_history_reads_back_the_same(qwen3_5_path, tmp_path):
+    """A checkpoint whose template writes Qwen3.5's XML calls is read as ``qwen3_coder`` by
+    mlx-lm's own inference (nothing patched), its forced calls are XML, and a call fed back
+    in the history (the agent loop's next turn) renders as Qwen3.5's template writes it and
+    reads back as the same call. The other tests swap the format on a JSON template."""
+    import shutil
+
+    from mlx_tandem.chat_output import ChatOutputParser
+    from mlx_tandem.testing.chat_template import XML_CALLS_TEMPLATE
+
+    path = shutil.copytree(qwen3_5_path, tmp_path / "xml")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = XML_CALLS_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.jinja").write_text(XML_CALLS_TEMPLATE)
+    engine = Engine(path, show_progress=False).start_sync()
+    try:
+        assert engine._format.tool_format == "qwen3_coder"
+        for choice in ("add", "book", "lookup"):
+            out = engine.chat_sync(USER, SamplingParams(max_tokens=400), tools=XML_TOOLS, tool_choice=choice)
+            [call] = out.tool_calls
+            assert out.text.startswith(f"<tool_call>\n<function={choice}>"), out.text
+            history = USER + [
+                {"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function", "function": {
+                    "name": call.name, "arguments": json.dumps(call.arguments)}}]},
+                {"role": "tool", "tool_call_id": call.id, "content": "ok"}]
+            prompt = engine.tokenizer.decode(engine.apply_chat_template(history, tools=XML_TOOLS))
+            turn = prompt[prompt.index("<|im_start|>assistant\n"):].split("<|im_end|>")[0]  # the call, not the new turn
+            assert render_call(call.name, call.arguments) in turn
+            parser = ChatOutputParser(engine._format, tools=XML_TOOLS, parse_tool_calls=True)
+            again = parser.feed(turn.removeprefix("<|im_start|>assistant\n")).tool_calls + parser.finish().tool_calls
+            assert [(c.name, c.arguments) for c in again] == [(call.name, call.arguments)]
+    finally:
+        engine.close_sync()
+

@@ -58,3 +58,25 @@ CHAT_TEMPLATE = r"""
 {%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}
 {%- endif -%}
 """.strip()
+
+
+# The same template with Qwen3.5's XML calls (mlx-lm reads it as ``qwen3_coder``): strings
+# raw, objects and arrays as JSON, other values as their Python text (True, None).
+XML_CALLS_TEMPLATE = CHAT_TEMPLATE.replace(
+    r"""For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>""",
+    r"""To call a function, reply in this format:\n<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>""",
+).replace(
+    r"""{{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' -}}
+{%- if tool_call.arguments is string -%}{{- tool_call.arguments -}}{%- else -%}{{- tool_call.arguments | tojson -}}{%- endif -%}
+{{- '}\n</tool_call>' -}}""",
+    r"""{{- '<tool_call>\n<function=' + tool_call.name + '>\n' -}}
+{%- for key, value in (tool_call.arguments if tool_call.arguments is mapping else {}).items() -%}
+{{- '<parameter=' + key + '>\n' -}}
+{%- if value is string -%}{{- value -}}{%- elif value is mapping or value is iterable -%}{{- value | tojson -}}
+{%- else -%}{{- value | string -}}{%- endif -%}
+{{- '\n</parameter>\n' -}}
+{%- endfor -%}
+{{- '</function>\n</tool_call>' -}}""",
+)
+assert XML_CALLS_TEMPLATE.count("<function=") == 2, "the JSON call template changed: update XML_CALLS_TEMPLATE"
+

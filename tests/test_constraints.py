@@ -147,6 +147,31 @@ async def test_json_schema_outputs_validate(qwen3_5_engine):
             raise AssertionError(f"schema {name!r}, sampling {s}: {exc!r}\n{out.text!r}") from exc
 
 
+async def test_schema_keywords_llguidance_cannot_hold_no_longer_fail_the_request(qwen3_5_engine):
+    """pydantic's sets (``uniqueItems``), bytes, Path and SecretStr (formats llguidance does
+    not know: binary, path, password) failed every request with a ConstraintError. Unknown
+    formats are annotations, as JSON Schema allows, and uniqueness is not held: pydantic's
+    sets take duplicates and drop them, so the answers validate."""
+    from pathlib import Path
+
+    from pydantic import BaseModel, SecretStr
+
+    class Kinds(BaseModel):
+        tags: set[str]
+        ids: frozenset[int]
+        blob: bytes
+        where: Path
+        secret: SecretStr
+
+    schema = Kinds.model_json_schema()
+    assert '"uniqueItems": true' in json.dumps(schema) and '"format": "binary"' in json.dumps(schema)
+    outs = await asyncio.gather(*[qwen3_5_engine.chat(USER, SamplingParams(max_tokens=120, **s),
+                                                      response_format=rf(schema)) for s in SAMPLINGS])
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        Kinds.model_validate_json(out.content)
+
+
 # Schemas that closing objects by default (additionalProperties: false) must leave as they are.
 UNCLOSABLE = {
     # const/enum/default values are data: a value with a "properties" key is no object schema.

@@ -135,6 +135,9 @@ _FORMAT_PATTERNS = {
     "date-time": rf"^{_DATE}[Tt ][0-9]{{2}}:[0-9]{{2}}:[0-5][0-9].*$",
     "time": r"^[0-9]{2}:[0-9]{2}:[0-5][0-9].*$",
 }
+#: The string formats llguidance 1.x holds; any other name fails its whole grammar.
+_HELD_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+                           "uuid"})
 
 
 def _prepared_schema(schema: Any) -> Any:
@@ -148,6 +151,8 @@ def _prepared_schema(schema: Any) -> Any:
       combined with such subschemas or a ``$ref``, and an object that requires a key it does
       not list.
     - ``date``, ``date-time`` and ``time`` strings also exclude year 0000 and second 60.
+    - A ``format`` llguidance does not hold is dropped (an annotation, as JSON Schema allows
+      validators to treat it), and so is ``uniqueItems``, which it cannot hold.
 
     A ``$defs`` entry that is only a reference back to itself (through other such entries)
     describes no value: a ConstraintError, since llguidance compiled it into a grammar that
@@ -244,6 +249,15 @@ def _prepare(schema: Any, *, open_defs: set[str], keep_open: bool) -> Any:
     fmt = out.get("format")
     if isinstance(fmt, str) and fmt in _FORMAT_PATTERNS and "pattern" not in out:
         out["pattern"] = _FORMAT_PATTERNS[fmt]
+    if isinstance(fmt, str) and fmt not in _HELD_FORMATS:
+        # A format llguidance does not know failed the whole request ("Unknown format:
+        # binary": pydantic's bytes, Path, SecretStr, IP networks). JSON Schema makes an
+        # unknown format an annotation (validators may ignore it), so it is dropped.
+        del out["format"]
+    # llguidance cannot hold uniqueItems and refused the schema (every pydantic set or
+    # frozenset field): the items are held, their uniqueness is not (pydantic's sets take
+    # duplicates and drop them).
+    out.pop("uniqueItems", None)
     properties = out.get("properties")
     required = out.get("required", [])
     if (isinstance(properties, dict) and not keep_open and out.get("type", "object") == "object"

@@ -542,6 +542,28 @@ def test_structured_output_cut_by_max_tokens_is_a_parsing_error_not_a_partial_re
             list(plain.stream("a point"))
 
 
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_a_streamed_answer_that_never_validates_raises_as_invoke_does(method):
+    """Core's stream yields only the partial results that parse: an answer whose document
+    the model (or a validator the schema cannot express) never lets validate ended the
+    stream with nothing and no error, where invoke raises."""
+    from pydantic import field_validator
+
+    class Never(BaseModel):
+        name: str
+
+        @field_validator("name")
+        @classmethod
+        def refuse(cls, value: str) -> str:
+            raise ValueError("no name is good enough")
+
+    structured = make_llm(max_tokens=40).with_structured_output(Never, method=method)
+    with pytest.raises(Exception) as invoked:
+        structured.invoke("a name")
+    with pytest.raises(type(invoked.value)):
+        list(structured.stream("a name"))
+
+
 async def test_structured_output_include_raw_streams_what_invoke_returns():
     llm = make_llm(max_tokens=100).with_structured_output(Joke, include_raw=True)
     want = await llm.ainvoke("tell a joke")

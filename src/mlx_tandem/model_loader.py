@@ -42,6 +42,19 @@ class LoadedModel:
         return self.vlm is not None
 
 
+def checkpoint_key(model: str | os.PathLike) -> str:
+    """One spelling per checkpoint: a local path as its resolved path, a hub id as given.
+
+    Engine.shared keys engines (and their SpecPrefill drafts) on it: two spellings of one
+    directory made two engines and loaded the weights twice.
+    """
+    try:
+        path = Path(os.fspath(model)).expanduser()
+    except RuntimeError:  # "~user/..." with no such user: a hub id, or a path that is not there
+        return str(model)
+    return str(path.resolve()) if path.exists() else str(model)
+
+
 def resolve_model_path(model: Optional[str | os.PathLike]) -> Path:
     """A local checkpoint directory for ``model``: None -> the embedded default model."""
     if model is None:

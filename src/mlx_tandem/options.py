@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Optional
 
 from .errors import InvalidRequestError
@@ -116,8 +115,6 @@ def _draft_path(model) -> str:
     """The draft checkpoint as a string: a local directory as its resolved path, else as given."""
     if not isinstance(model, (str, os.PathLike)):
         raise InvalidRequestError(f"engine option specprefill_draft={model!r}: must be a path or hub id")
-    try:
-        path = Path(os.fspath(model)).expanduser()
-    except RuntimeError:  # "~user/..." with no such user
-        return str(model)
-    return str(path.resolve()) if path.exists() else str(model)
+    from .model_loader import checkpoint_key
+
+    return checkpoint_key(model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import datetime
 import uuid
 from typing import Any, Literal, Optional, Union
@@ -176,6 +177,25 @@ def test_a_value_may_not_spell_the_end_marker(grammar):
 
     assert takes(head + tok("x") + tail)
     assert not takes(head + spelled + tail)
+
+
+@pytest.mark.parametrize("pattern,takes,refuses", [
+    ("^a|b$", ["a", "ab", "xb", "b"], ["x", "ba", "bx"]),  # starts with a, or ends with b
+    ("^x$|^y$", ["x", "y"], ["xy", "yx"]),
+    ("[|]x|^z$", ["|x", "a|xb", "z"], ["zz", "x"]),  # a "|" in a class does not split
+    (r"^a\|b$", ["a|b"], ["a", "b", "xa|b"]),  # nor an escaped one
+])
+def test_a_pattern_anchors_each_top_level_alternative(grammar, pattern, takes, refuses):
+    """JSON Schema reads ``^a|b$`` as "starts with a, or ends with b" (ECMA-262), as the
+    JSON body's grammar does; the XML body read it as ``^(a|b)$`` and refused "xb"."""
+    fmt = ChatFormat(**CODER)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}}}]
+    for value in takes + refuses:
+        assert bool(re.search(pattern, value)) == (value in takes)  # the cases are ECMA-262's too
+        text = f"<tool_call>\n<function=f>\n<parameter=s>\n{value}\n</parameter>\n</function>\n</tool_call>"
+        assert _takes(grammar, tool_call_constraint(fmt, tools, ["f"], parallel=False, marker=grammar.marker),
+                      text) == (value in takes), value
 
 
 def test_tools_the_syntax_cannot_write_keep_a_json_body():

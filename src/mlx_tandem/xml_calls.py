@@ -391,17 +391,50 @@ def _literal(text: str) -> str:
 
 
 def _anchored(pattern: str) -> str:
-    """A JSON Schema pattern (unanchored, ECMA-262) as a whole-value regex. Anchors are
-    read at its ends only (after leading inline flags such as ``(?i)``): ``^a|b$`` is read
-    as ``^(a|b)$``."""
+    """A JSON Schema pattern (unanchored, ECMA-262) as a whole-value regex: each top-level
+    alternative is anchored on its own (``^a|b$``: starts with a, or ends with b), after
+    leading inline flags such as ``(?i)``. Anchors inside a group are left to the regex
+    engine (Lark's regex then holds them only at the value's ends)."""
     flags = re.match(r"\(\?[a-zA-Z]+\)", pattern)
     head = flags.group(0) if flags else ""
-    body = pattern[len(head):]
+    return head + "|".join(_anchored_branch(b) for b in _top_level_branches(pattern[len(head):]))
+
+
+def _anchored_branch(body: str) -> str:
     start = body.startswith("^")
     backslashes = len(body[:-1]) - len(body[:-1].rstrip("\\")) if body.endswith("$") else 0
     end = body.endswith("$") and backslashes % 2 == 0 and len(body) > int(start)
     core = f"({body[int(start):len(body) - int(end)]})"
-    return head + ("" if start else "(.|\\n)*") + core + ("" if end else "(.|\\n)*")
+    return ("" if start else "(.|\\n)*") + core + ("" if end else "(.|\\n)*")
+
+
+def _top_level_branches(body: str) -> list[str]:
+    """``body`` split at its ``|`` outside groups, character classes and escapes."""
+    branches, depth, in_class, i, cut = [], 0, False, 0, 0
+    while i < len(body):
+        ch = body[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            i += 1
+            if body[i:i + 1] == "^":
+                i += 1
+            if body[i:i + 1] == "]":  # a "]" first in a class is a literal
+                i += 1
+            continue
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth = max(depth - 1, 0)
+        elif ch == "|" and depth == 0:
+            branches.append(body[cut:i])
+            cut = i + 1
+        i += 1
+    return branches + [body[cut:]]
 
 
 def lark_regex(pattern: str) -> str:

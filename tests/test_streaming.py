@@ -394,7 +394,8 @@ def test_an_answer_ended_at_its_call_is_the_same_however_its_tokens_are_grouped(
     class Core:
         early = 0
 
-        def finish_early(self, req):
+        def finish_early(self, req, kept_tokens):
+            assert kept_tokens == n
             self.early += 1
 
         def abort(self, req):

@@ -199,7 +199,8 @@ async def _demo_run(requests, mode, params, *, depth=2, chat_options=None, **opt
     await engine.start()
     try:
         outs = await asyncio.gather(*[engine.chat(m, params, tools=t, **(chat_options or {})) for m, t in requests])
-        return outs, engine.stats()["mtp"]
+        stats = engine.stats()
+        return outs, {**stats["mtp"], "generation_tokens": stats["generation_tokens"]}
     finally:
         await engine.close()
 
@@ -230,17 +231,21 @@ def test_mtp_stays_lossless_with_calls():
 def test_an_answer_ended_at_its_call_is_the_same_with_mtp_on_and_off():
     """parallel_tool_calls=False with no call grammar: a speculative step brings the call's
     end and the EOS after it in one delta, a plain step one by one. Tokens, text and usage
-    are the same (the EOS after the call is not counted either way)."""
+    are the same (the EOS after the call is not counted either way), and the engine's
+    generation_tokens counts what the usages count: it counted the tokens the row decoded
+    past its call before the reader cut it."""
     requests = _demo_tool_requests(16, turn=0)
     greedy = SamplingParams(max_tokens=48)
     opts = dict(depth=3, chat_options={"parallel_tool_calls": False}, constrain_tool_calls=False,
                 prefix_cache_bytes=0)
-    ref, _ = asyncio.run(_demo_run(requests, "off", greedy, **opts))
+    ref, plain = asyncio.run(_demo_run(requests, "off", greedy, **opts))
     got, mtp = asyncio.run(_demo_run(requests, "on", greedy, **opts))
     assert sum(o.finish_reason == "tool_calls" for o in ref) >= len(requests) // 2
     assert mtp["accepted"] > 0
     for a, b in zip(ref, got):
         assert (b.token_ids, b.text, b.usage, b.finish_reason) == (a.token_ids, a.text, a.usage, a.finish_reason)
+    for outs, stats in ((ref, plain), (got, mtp)):
+        assert stats["generation_tokens"] == sum(o.usage.completion_tokens for o in outs)
 
 
 @needs_demo

@@ -100,11 +100,13 @@ class EngineCore:
         if not self._closed.is_set():
             self._inbox.put(("timeout", request))
 
-    def finish_early(self, request: Request) -> None:
+    def finish_early(self, request: Request, kept_tokens: int) -> None:
         """``request``'s reader has its whole answer (parallel_tool_calls=False: the answer
-        ends at its call): free its row, and count it finished, not aborted."""
+        ends at its call) in its first ``kept_tokens`` tokens: free its row, count it
+        finished, not aborted, and count only the kept tokens as generated (as its usage
+        does), wherever the row was when the reader cut it."""
         if not self._closed.is_set():
-            self._inbox.put(("finish", request))
+            self._inbox.put(("finish", (request, kept_tokens)))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn`` on the owner thread (for hooks that touch mlx state) and return its future."""
@@ -234,7 +236,7 @@ class EngineCore:
             elif kind == "abort":
                 self._abort(arg)
             elif kind == "finish":
-                self._finish_early(arg)
+                self._finish_early(*arg)
             elif kind == "timeout":
                 if self._take_out(arg):
                     self._fail(arg, RequestTimeoutError(f"request {arg.request_id} exceeded its timeout"))
@@ -272,11 +274,13 @@ class EngineCore:
         if self._take_out(request):
             self._finish_aborted(request)
 
-    def _finish_early(self, request: Request) -> None:
+    def _finish_early(self, request: Request, kept_tokens: int) -> None:
         if self._take_out(request):
             request.finish_time = time.perf_counter()
             self._retire(request)
             self.stats.count("requests_finished")
+        # The row decoded on until now (or ended by itself, past the call, in the same step).
+        self.stats.count("generation_tokens", -max(0, request.num_generated - kept_tokens))
 
     def _take_out(self, request: Request) -> bool:
         """Remove a live request from the queue or its lane; False if it is not live."""

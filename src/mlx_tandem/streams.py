@@ -85,8 +85,7 @@ class _StreamBase:
                 # text) in one delta, so cut there: the output is the same however the
                 # tokens were grouped into deltas (MTP on or off).
                 item = self._cut_after_call(item)
-                if finish is None:
-                    self._core.finish_early(self._req)
+                self._core.finish_early(self._req, len(self.token_ids))
                 finish = "tool_calls"
                 usage = Usage(self._req.num_prompt_tokens, len(self.token_ids), self._req.cached_tokens)
             if finish == "stop" and (self.tool_calls or parsed.tool_calls):

@@ -279,16 +279,27 @@ def test_arguments_given_as_a_json_string_are_decoded():
     ('{"arguments": {"a": 1}}', None, '{"a": 1}'),  # no name
     ('{"name": 7}', None, None),
     ('[1, 2]', None, None),
+    # Cut off (max_tokens): the name and the arguments written so far, as OpenAI reports it.
+    ('{"name": "add", "arguments": {"a": 1, ', "add", '{"a": 1,'),
+    ('{"name": "add", "arguments": {"a": 1}', "add", '{"a": 1}'),
+    ('{"name": "add", ', "add", ""),
+    ('{"arguments": {"a": [1, ', None, '{"a": [1,'),  # no name written yet
+    # Broken, not cut: the arguments cannot be told apart; the whole body, no name.
+    ('{"name": "add", "arguments": {"a": }, "b": [', None, None),
+    ('{"name": "add" "arguments": {"a": 1}}', None, None),
+    ('{"name": "add", "arguments": {"a": 1}} junk', None, None),
 ])
 def test_unparsable_call_is_kept_as_invalid_with_its_raw_text(body, name, arguments):
     """An invalid call keeps its whole body, and its arguments' text where the body is a
-    JSON object (what OpenAI and LangChain call an invalid call's arguments)."""
+    JSON object or one cut off after its name (what OpenAI and LangChain call an invalid
+    call's arguments; a cut call's arguments were the whole body, name and all)."""
     text = "before " + f"<tool_call>\n{body}\n</tool_call>"
     r = parse_every_split(text, parse_tool_calls=True)
     assert r.tool_calls == []
     assert len(r.invalid_tool_calls) == 1
     bad = r.invalid_tool_calls[0]
-    assert bad.text == body and bad.arguments == (arguments or body) and bad.name == name and bad.error
+    assert bad.text == body.strip() and bad.arguments == (body if arguments is None else arguments)
+    assert bad.name == name and bad.error
     assert bad.id.startswith("call_")
     assert r.content == "before"
 
@@ -302,7 +313,9 @@ def test_a_call_nested_past_the_recursion_limit_is_an_invalid_call(body, forced_
     """A RecursionError from the JSON parser escaped the fallback and lost the answer."""
     r = parse(["ok " + f"<tool_call>\n{body}\n</tool_call>"], parse_tool_calls=True, forced_json_calls=forced_json)
     assert r.tool_calls == [] and r.content == "ok"
-    assert [c.text for c in r.invalid_tool_calls] == [body] and r.invalid_tool_calls[0].name is None
+    assert [c.text for c in r.invalid_tool_calls] == [body]
+    # Too deep to read: its name, and the rest of the text as its arguments.
+    assert (r.invalid_tool_calls[0].name, r.invalid_tool_calls[0].arguments) == ("add", body[body.index('{"a"'):])
 
 
 def test_valid_and_invalid_calls_in_one_answer():
@@ -320,7 +333,9 @@ def test_unterminated_call_at_finish():
     cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro'
     r = parse_every_split(cut, parse_tool_calls=True)
     assert r.tool_calls == []
-    assert [c.arguments for c in r.invalid_tool_calls] == [cut[len("<tool_call>"):].strip()]
+    # The tool's name and the arguments written so far, as OpenAI reports a cut call.
+    assert [(c.name, c.arguments) for c in r.invalid_tool_calls] == [("get_weather", '{"city": "Ro')]
+    assert r.invalid_tool_calls[0].text == cut[len("<tool_call>"):].strip()
     assert r.content == ""
 
 

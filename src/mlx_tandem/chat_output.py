@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -300,19 +301,75 @@ def _item_text(item: Any) -> str:
 
 
 def _readable_parts(body: str) -> tuple[Optional[str], str]:
-    """The name and the arguments' text of a call body that failed to parse, where it is a
-    JSON object; else no name and the whole body. Arguments that are not an object stay
-    their JSON text, so a stream's consumer (LangChain merges chunks by parsing their
-    arguments) keeps the call invalid; a body cut off mid-JSON keeps no name, so it cannot
-    pass for a call of a real tool."""
+    """The name and the arguments' text of a call body that failed to parse, as OpenAI
+    reports an invalid call: where the body is a JSON object, or one cut off (by
+    ``max_tokens``), or an XML call with its ``<function=NAME>`` tag; else no name and the
+    whole body. Arguments that are not an object stay their JSON text, so a
+    stream's consumer (LangChain merges chunks by parsing their arguments) keeps the call
+    invalid; cut-off arguments are the text written so far, which LangChain's stream merges
+    into a call of that tool with the complete fields, as it does OpenAI's."""
     try:
         item = json.loads(body)
-        if not isinstance(item, dict):
-            return None, body
-        name = item.get("name") if isinstance(item.get("name"), str) else None
-        if "arguments" not in item:
-            return name, body
-        args = item["arguments"]
-        return name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
     except (ValueError, RecursionError):  # nested past Python's limit: a looping model's "[[[["
+        return _cut_parts(body) or (None, body)
+    if not isinstance(item, dict):
         return None, body
+    name = item.get("name") if isinstance(item.get("name"), str) else None
+    if "arguments" not in item:
+        return name, body
+    args = item["arguments"]
+    return name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*)", re.DOTALL)
+_BLANK = re.compile(r"\s*")
+
+
+def _cut_parts(body: str) -> Optional[tuple[Optional[str], str]]:
+    """(name, arguments' text) of a call that does not parse: an XML call's function tag
+    and the parameters after it, or a JSON object cut off (by ``max_tokens``), read key by
+    key to where the text ends (no name, or no arguments, where none was written yet).
+    None where the JSON is broken rather than cut: its arguments could not be told from the
+    rest, and LangChain's stream would merge them into a call with fewer."""
+    xml = _XML_FUNCTION.match(body)
+    if xml:
+        return xml.group(1), xml.group(2)
+    text = body.strip()
+    if not text.startswith("{"):
+        return None
+    decoder, at, name, args = json.JSONDecoder(), 1, None, ""
+    try:
+        while text[(at := _BLANK.match(text, at).end()):at + 1] == '"':
+            key, at = json.decoder.scanstring(text, at + 1)
+            at = _BLANK.match(text, at).end()
+            if text[at:at + 1] != ":":
+                break
+            at = _BLANK.match(text, at + 1).end()
+            try:
+                value, end = decoder.raw_decode(text, at)
+            except RecursionError:  # a looping model's "[[[[", cut at the budget
+                at, args = len(text), (text[at:] if key == "arguments" else args)
+                break
+            except json.JSONDecodeError as exc:
+                if not _cut_at_end(exc, text):
+                    return None
+                at, args = len(text), (text[at:] if key == "arguments" else args)
+                break
+            if key == "name" and isinstance(value, str):
+                name = value
+            elif key == "arguments":
+                args = value if isinstance(value, str) else text[at:end]
+            at = _BLANK.match(text, end).end()
+            if text[at:at + 1] != ",":
+                break
+            at += 1
+    except json.JSONDecodeError as exc:  # a key's string
+        if not _cut_at_end(exc, text):
+            return None
+        at = len(text)
+    return (name, args) if at >= len(text) else None
+
+
+def _cut_at_end(exc: json.JSONDecodeError, text: str) -> bool:
+    """The JSON failed because the text ran out (a cut), not because it is malformed."""
+    return exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string")

@@ -359,6 +359,36 @@ def test_a_malformed_call_is_invalid_streamed_as_invoked():
     assert [(c["name"], c["args"]) for c in streamed.invalid_tool_calls] == [("add", "[3, 4]")]
 
 
+def test_a_call_cut_by_max_tokens_names_its_tool_streamed_as_invoked():
+    """A call cut off by ``max_tokens`` is invalid with its tool's name and the arguments
+    written so far, as OpenAI reports one; the stream merges into that tool's call with the
+    complete fields, as LangChain merges OpenAI's. Its arguments were the whole call text,
+    so the stream merged into a call with no name whose arguments were the call itself."""
+    from langchain_core.utils.json import parse_partial_json
+
+    llm = make_llm()
+    llm.engine.start_sync()
+    marker = llm.engine._grammar.marker
+    body = '{"name": "add", "arguments": {"a": 3, "b": 4}}'
+    grammar = f"start: {marker('<tool_call>')} {json.dumps(chr(10) + body + chr(10))} {marker('</tool_call>')}"
+    bound = llm.bind_tools([add]).bind(response_format={"type": "lark", "grammar": grammar})
+    whole = len(llm.engine.encode("<tool_call>\n" + body))
+    named = 0
+    for cut in range(2, whole):
+        invoked = bound.invoke("add 3 and 4", max_tokens=cut)
+        chunks = list(bound.stream("add 3 and 4", max_tokens=cut))
+        streamed = chunks[0]
+        for c in chunks[1:]:
+            streamed = streamed + c
+        assert invoked.response_metadata["finish_reason"] == "length" and invoked.tool_calls == []
+        [bad] = invoked.invalid_tool_calls
+        assert bad["name"] in (None, "add") and '{"a": 3, "b": 4}'.startswith(bad["args"]), bad
+        named += bad["name"] == "add"
+        assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [
+            (bad["name"] or "", parse_partial_json(bad["args"]) if bad["args"] else {})]
+    assert named >= 5
+
+
 def test_streamed_call_chunks_are_numbered_in_the_order_written():
     """A malformed call, then a valid one: each chunk's index is the call's place in the
     answer, from the engine (the adapter used to number a delta's valid calls before its

@@ -217,6 +217,42 @@ async def test_stream_deadlines_cancel_and_free_the_slot(llama_engine):
     assert (await stream.collect()).text == ref.text
 
 
+def test_a_reader_timed_out_during_the_last_step_counts_failed(llama_path):
+    """The reader's deadline passed while the engine ran the step that finished the
+    request: the caller got RequestTimeoutError, and stats() counted the request finished."""
+    import threading
+    import time
+
+    release, calls = threading.Event(), []
+
+    def blocks(tokens, logits):
+        # The first call samples the only token; the second runs in the step that emits it
+        # (mlx-lm computes the next token before it yields this one): that step waits.
+        calls.append(len(calls))
+        if len(calls) > 1:
+            release.wait(30)
+        return logits
+
+    engine = Engine(llama_path, show_progress=False, prefix_cache_bytes=0).start_sync()
+    try:
+        before = engine.stats()
+        stream = engine.open_complete_stream_sync("go on", SamplingParams(max_tokens=1, logits_processors=[blocks]),
+                                                  timeout=0.3)
+        with pytest.raises(RequestTimeoutError):
+            stream.collect()
+        release.set()
+        deadline = time.monotonic() + 30
+        while engine.stats()["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        engine.run_on_owner_thread(lambda: None)  # the reader's command is handled by then
+        after = engine.stats()
+        assert {k: after[k] - before[k] for k in ("requests", "finished", "failed", "aborted")} == {
+            "requests": 1, "finished": 0, "failed": 1, "aborted": 0}
+    finally:
+        release.set()
+        engine.close_sync()
+
+
 async def test_output_that_arrived_in_time_is_read_after_the_deadline(llama_engine):
     """A deadline cancels a request still running at it. One that finished in time gives
     its output however late it is read, async as sync (asyncio.wait_for with no time left

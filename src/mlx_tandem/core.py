@@ -238,8 +238,7 @@ class EngineCore:
             elif kind == "finish":
                 self._finish_early(*arg)
             elif kind == "timeout":
-                if self._take_out(arg):
-                    self._fail(arg, RequestTimeoutError(f"request {arg.request_id} exceeded its timeout"))
+                self._time_out(arg)
             elif kind == "call":
                 fn, fut = arg
                 if fut.set_running_or_notify_cancel():
@@ -278,9 +277,24 @@ class EngineCore:
         if self._take_out(request):
             request.finish_time = time.perf_counter()
             self._retire(request)
-            self.stats.count("requests_finished")
+            self._count(request, "finished")
         # The row decoded on until now (or ended by itself, past the call, in the same step).
         self.stats.count("generation_tokens", -max(0, request.num_generated - kept_tokens))
+
+    def _time_out(self, request: Request) -> None:
+        if self._take_out(request):
+            self._fail(request, RequestTimeoutError(f"request {request.request_id} exceeded its timeout"))
+        elif request.outcome == "finished":
+            # It finished in the step that ran while its reader's deadline passed: the caller
+            # got RequestTimeoutError, not the answer, so it counts as the caller saw it.
+            self._count(request, "failed", was="finished")
+
+    def _count(self, request: Request, outcome: str, *, was: Optional[str] = None) -> None:
+        request.outcome = outcome
+        if was is None:
+            self.stats.count(f"requests_{outcome}")
+        else:
+            self.stats.recount(f"requests_{was}", f"requests_{outcome}")
 
     def _take_out(self, request: Request) -> bool:
         """Remove a live request from the queue or its lane; False if it is not live."""
@@ -489,7 +503,7 @@ class EngineCore:
             req.request_id, text, tuple(new_ids), finish_reason=finish,
             usage=Usage(req.num_prompt_tokens, req.num_generated, req.cached_tokens), text_ends=tuple(ends)))
         self._retire(req)
-        self.stats.count("requests_finished")
+        self._count(req, "finished")
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, req: Request, item) -> None:
@@ -517,13 +531,13 @@ class EngineCore:
         clear_frames(exc)
         self._emit(req, exc)
         self._retire(req)
-        self.stats.count("requests_failed")
+        self._count(req, "failed")
 
     def _finish_aborted(self, req: Request) -> None:
         self._emit(req, StreamDelta(req.request_id, "", (), finish_reason="abort",
                                     usage=Usage(req.num_prompt_tokens, req.num_generated, req.cached_tokens)))
         self._retire(req)
-        self.stats.count("requests_aborted")
+        self._count(req, "aborted")
 
     def _fail_everything(self, exc: BaseException) -> None:
         for req in list(self._waiting) + list(self._running.values()):

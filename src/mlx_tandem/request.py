@@ -114,6 +114,8 @@ class Request:
     finish_time: Optional[float] = None
     num_generated: int = 0
     max_tokens: int = 0
+    # How stats() counted it once retired: "finished", "failed" or "aborted".
+    outcome: Optional[str] = None
     # Set by the owner thread when admitted: per-request state the lane and output processor keep.
     lane_state: Any = None
     detokenizer: Any = None

@@ -66,6 +66,13 @@ class EngineStats:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
 
+    def recount(self, was: str, now: str) -> None:
+        """One request moves from counter ``was`` to ``now``, in one update: no snapshot
+        sees it in neither or in both."""
+        with self._lock:
+            setattr(self, was, getattr(self, was) - 1)
+            setattr(self, now, getattr(self, now) + 1)
+
     def set_queue(self, *, running: int, waiting: int, memory: dict) -> None:
         """The queue's counts and the memory ledger's section, in one update: a snapshot
         never pairs counts with a ledger from another moment."""

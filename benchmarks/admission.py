@@ -57,12 +57,15 @@ def run(model_path: Path, prompts, max_tokens: int, budget) -> dict:
         engine.complete_sync(prompts[-1], SamplingParams(max_tokens=2))  # warm-up
         base = engine.run_on_owner_thread(lambda: (mx.clear_cache(), mx.reset_peak_memory(),
                                                    mx.get_active_memory())[-1])
-        reserved, caches = [], []
+        reserved, caches, batches, sizes = [], [], [], []
         lane = engine._core._lanes["text"]
         lane_step = lane.step
 
         def step():  # after every step, on the owner thread: the reservation and the real caches
             out = lane_step()
+            sizes.append(out[1].batch_size)
+            if out[1].generation_tokens:  # a decode step, as stats() averages its batch sizes
+                batches.append(out[1].batch_size)
             reserved.append(engine._core._memory.reserved())
             caches.append(sum(c.nbytes for batch in (lane._gen._generation_batch, lane._gen._prompt_batch)
                               for c in (batch.prompt_cache or [])))
@@ -81,9 +84,11 @@ def run(model_path: Path, prompts, max_tokens: int, budget) -> dict:
     tokens = sum(len(o.token_ids) for o in outs)
     return {"budget_bytes": stats["memory"]["budget_bytes"], "peak_bytes_over_weights": peak,
             "max_reserved_bytes": max(reserved), "max_cache_bytes": max(caches), "wall_s": wall, "generated_tokens": tokens,
-            "tokens_per_s": tokens / wall, "max_batch_size": stats["max_batch_size"],
-            "mean_batch_size": stats["mean_batch_size"], "memory_waits": stats["memory"]["waits"],
-            "mean_ttft_s": stats["mean_ttft_s"], "token_ids": [o.token_ids for o in outs]}
+            # The burst's own batch sizes and TTFTs: stats() counts the warm-up request too.
+            "tokens_per_s": tokens / wall, "max_batch_size": max(sizes),
+            "mean_batch_size": sum(batches) / len(batches), "memory_waits": stats["memory"]["waits"],
+            "mean_ttft_s": sum(o.time_to_first_token for o in outs) / len(outs),
+            "token_ids": [o.token_ids for o in outs]}
 
 
 def bench(args) -> dict:

@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     ap = report.arguments(__doc__, "smaller model and fewer prompts")
     ap.add_argument("--model", help="a checkpoint with an MTP head to benchmark instead of the bench model")
     ap.add_argument("--depth", type=int, default=2, choices=(1, 2, 3), help="draft tokens per step")
-    args = ap.parse_args(argv)
+    args = report.parse(ap, argv)
     results = asyncio.run(bench(args))
     results["machine"] = report.machine()
     print(f"\nMTP depth {results['depth']}, greedy, {results['max_tokens']} new tokens per request")

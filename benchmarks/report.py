@@ -20,9 +20,30 @@ def arguments(doc: str, quick: str) -> argparse.ArgumentParser:
     return ap
 
 
+def parse(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``ap.parse_args(argv)``, with the output path checked before anything runs: a
+    directory failed only after the whole benchmark, and ``X.png`` was overwritten by its
+    own plot."""
+    args = ap.parse_args(argv)
+    out = Path(args.output)
+    if out.suffix.lower() == ".png":
+        ap.error(f"output {out} is the plot's name: give the JSON path (the PNG is written beside it)")
+    if out.is_dir():
+        ap.error(f"output {out} is a directory: give the JSON file's path")
+    return args
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for counts that must be at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def measure(doc: str, quick: str, bench: Callable, argv=None) -> tuple[argparse.Namespace, dict]:
     """Parse the common options, run ``bench(args)`` and add the machine to its results."""
-    args = arguments(doc, quick).parse_args(argv)
+    args = parse(arguments(doc, quick), argv)
     results = bench(args)
     results["machine"] = machine()
     return args, results

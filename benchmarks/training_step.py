@@ -84,10 +84,10 @@ def torch_step_fn(init_dir: Path, bf16: bool = False):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("output", nargs="?", default="benchmarks/results/training_step.json")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per framework (after one warm-up)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--length", type=int, default=400)
-    args = p.parse_args(argv)
+    p.add_argument("--steps", type=report.positive_int, default=6, help="timed steps per framework (after one warm-up)")
+    p.add_argument("--batch", type=report.positive_int, default=8)
+    p.add_argument("--length", type=report.positive_int, default=400)
+    args = report.parse(p, argv)
     from tqdm.auto import tqdm
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -186,6 +186,23 @@ def test_stop_matcher_reads_reasoning_as_the_parser_does(pieces, markers, expect
     assert _feed(m, pieces) == (expected, hit)
 
 
+@pytest.mark.parametrize("stop,expected", [
+    ("</think>\n\n", "<think>\nhi\n"),  # begins with the marker, ends after it
+    (">\n", "<think"),  # inside the marker
+    ("<think>\nhi", ""),  # begins with the opening marker
+    ("hi\n</think>\n\nThe", "<think>\n"),  # reasoning, the marker and the answer
+])
+def test_a_stop_string_runs_on_past_a_reasoning_marker_with_tools_as_without(stop, expected):
+    """Reasoning markers are text to stop strings. With tools (a matcher that knows the
+    markers) a completed marker was let out at once, so a stop that began before or inside
+    it and ended after it was never found, unless the text came in one piece."""
+    text = "<think>\nhi\n</think>\n\nThe answer."
+    pieces = ["<think>", "\n", "hi", "\n", "</think>", "\n\n", "The", " answer", "."]
+    for split in (pieces, list(text), [text]):
+        for markers in (None, THINKING):
+            assert _feed(StopStringMatcher([stop], exempt=markers), split) == (expected, True), (split, markers)
+
+
 @pytest.mark.parametrize("text", [
     'Sure.<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> after <b>',
     '<think>hmm, a <tool_call> in thought</think>Then <tool_call>{"x": 1}</tool_call> tail',

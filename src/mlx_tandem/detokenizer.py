@@ -82,6 +82,9 @@ class StopStringMatcher:
         self._state = _REASONING if thinks and self._m.starts_in_reasoning else _TEXT
         self._text_seen = False  # text or a call came before: <think> opens nothing any more
         self._buffer = ""
+        # The buffer's first ``_done`` characters were read for markers already: the tail
+        # of a reasoning marker held back because a stop string may run on past it.
+        self._done = 0
         self._strings = JsonStrings() if self._m is not None and self._m.json_body else None
 
     def _markers(self) -> tuple[str, ...]:
@@ -104,12 +107,12 @@ class StopStringMatcher:
         self._buffer += text
         out = ""
         while True:
-            buf = self._buffer
+            buf, done = self._buffer, self._done
             markers = self._markers()
-            found = [(i, mk) for mk in markers if (i := buf.find(mk)) >= 0]
+            found = [(i, mk) for mk in markers if (i := buf.find(mk, done)) >= 0]
             # <think> counts only with nothing but whitespace before it (the parser's rule).
             found = [(i, mk) for i, mk in found if not (mk == self._m.think_start and self._state == _TEXT
-                                                        and buf[:i].strip())]
+                                                        and buf[done:i].strip())]
             marker = min(found, default=None)
             if marker is not None and self._state == _CALL and self._strings is not None \
                     and self._strings.inside_after(buf[:marker[0]]):
@@ -137,18 +140,24 @@ class StopStringMatcher:
                     # out, as it would have come whole from a one-token marker.
                     forming = len(buf) - partial_marker_length(buf, calls) if marker is None else len(buf)
                     if hit[0] < forming:
-                        self._buffer = ""
+                        self._buffer, self._done = "", 0
                         return out + buf[:hit[0]], True
                     return out + self._hold(buf, forming), False
             if marker is not None:
                 i, mk = marker
                 end = i + len(mk)
-                if self._state == _TEXT and buf[:i].strip():
+                if self._state == _TEXT and buf[done:i].strip():
                     self._text_seen = True
                 if self._state == _CALL and self._strings is not None:
                     self._strings.feed(buf[:i])
-                out += buf[:end]
-                self._buffer = buf[end:]
+                # Reasoning markers are text to stop strings: a stop may begin before or
+                # inside one and end after it ("</think>\n\n"), so what could begin a stop
+                # is held back, as a request without tools holds it. A call's markers end
+                # stop matching (a stop wins only before the call).
+                keep = 0 if self._state == _CALL or mk == self._m.call_start else \
+                    partial_marker_length(buf[:end], self._stop)
+                out += buf[:end - keep]
+                self._buffer, self._done = buf[end - keep:], keep
                 self._switch(mk)
                 continue
             held = markers if self._state == _CALL else self._stop + markers
@@ -156,11 +165,11 @@ class StopStringMatcher:
 
     def _hold(self, buf: str, cut: int) -> str:
         """Emit ``buf[:cut]``; hold the rest back."""
-        if self._state == _TEXT and buf[:cut].strip():
+        if self._state == _TEXT and buf[self._done:cut].strip():
             self._text_seen = True
         if self._state == _CALL and self._strings is not None:
             self._strings.feed(buf[:cut])
-        self._buffer = buf[cut:]
+        self._buffer, self._done = buf[cut:], max(0, self._done - cut)
         return buf[:cut]
 
     def _switch(self, marker: str) -> None:
@@ -176,7 +185,7 @@ class StopStringMatcher:
     def flush(self) -> tuple[str, bool]:
         """The end of the text: what was held back, cut at a stop string in it (a marker
         that was still forming can no longer complete)."""
-        buf, self._buffer = self._buffer, ""
+        buf, self._buffer, self._done = self._buffer, "", 0
         if self._stop and self._state != _CALL:
             hit = min((i for s in self._stop if (i := buf.find(s)) >= 0), default=None)
             if hit is not None:

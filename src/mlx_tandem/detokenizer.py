@@ -210,9 +210,10 @@ class RequestDetokenizer:
 
     Incremental decoding by prefix window (the scheme vLLM uses): decode a short window
     of already-emitted tokens with and without the new ones and emit the difference. It
-    works for any tokenizer family (byte-level BPE, SentencePiece) because both decodes
-    see the same leading context, and it holds back text ending in an incomplete UTF-8
-    sequence. (mlx-lm 0.32's BPEStreamingDetokenizer drops the first token's leading
+    works for byte-level BPE and SentencePiece alike because both decodes see the same
+    leading context, and it holds back text ending in an incomplete UTF-8 sequence. (A
+    byte-fallback run of invalid UTF-8 is the exception: HF's decoder then replaces the
+    valid bytes before it too, which the stream had already sent; see docs/design.md.) (mlx-lm 0.32's BPEStreamingDetokenizer drops the first token's leading
     space, which ``decode`` keeps, so it is not used here.)
     """
 

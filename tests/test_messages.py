@@ -259,3 +259,99 @@ def test_mistral_templates_get_their_nine_character_call_ids():
     short = re.findall(r"\[CALL (\w+)\]", text)
     assert len(short[0]) == 9 and short[0].isalnum() and short[1] == "a1B2c3D4e"
     assert re.findall(r"\[RESULT (\w+):", text) == short  # each result still names its call
+
+
+class _JinjaTokenizer:
+    """A tokenizer stand-in that renders ``source`` (a chat template written for a test)."""
+
+    def __init__(self, source: str):
+        import jinja2
+
+        def fail(msg):
+            raise jinja2.TemplateError(msg)
+
+        self._template = jinja2.Environment().from_string(source)
+        self._raise = fail
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(ch) for ch in text]
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kw):
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **{"raise": self._raise})
+
+
+# Llama 3.1's way with calls: a call turn prints its one call and nothing else, and two
+# calls in one turn raise. (Written for this test, after the behaviour of Meta's template.)
+CALLS_ONLY = (
+    "{% for m in messages %}<{{ m.role }}>"
+    "{% if m.tool_calls %}{% if m.tool_calls|length != 1 %}{{ raise('only single tool-calls at once') }}{% endif %}"
+    "CALL {{ m.tool_calls[0].function.name }}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+# Mistral v3's: only user turns and assistant turns without calls must alternate, and a
+# call turn prints only its calls.
+ALTERNATING = (
+    "{% set ns = namespace(i=0) %}{% for m in messages %}"
+    "{% if m.role == 'user' or (m.role == 'assistant' and not m.tool_calls) %}"
+    "{% if (m.role == 'user') != (ns.i % 2 == 0) %}{{ raise('roles must alternate') }}{% endif %}"
+    "{% set ns.i = ns.i + 1 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<{{ m.role }}>{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }} "
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+# Qwen's: a call turn prints its text, then each of its calls.
+TEXT_AND_CALLS = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}"
+    "{% endfor %}{% endfor %}")
+
+
+def _call(i: int, name: str) -> dict:
+    return {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("source,turns", [
+    (CALLS_ONLY, (False, False)), (ALTERNATING, (False, True)), (TEXT_AND_CALLS, (True, True)),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", (True, True)),  # no calls at all: merges stay on
+])
+def test_text_and_calls_merge_only_where_the_template_renders_the_turn_whole(source, turns):
+    """Responses-style and LangGraph histories give an assistant's text and each call their
+    own message. Merged into one turn, Llama 3.1's template dropped the text and raised on
+    two calls, and Mistral v3's refused the history (it counts only text turns when it
+    checks that roles alternate). The renderer finds out what the template does with a call
+    turn, and merges only where the turn renders whole; the history as given renders."""
+    from mlx_tandem.prompt import PromptRenderer
+
+    renderer = PromptRenderer(_JinjaTokenizer(source))
+    assert (renderer.call_turns.text, renderer.call_turns.several) == turns
+    history = [{"role": "user", "content": "Weather in Paris and Rome?"},
+               {"role": "assistant", "content": "Let me check."},
+               {"role": "assistant", "content": None, "tool_calls": [_call(1, "weather_paris")]},
+               {"role": "assistant", "content": None, "tool_calls": [_call(2, "weather_rome")]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+               {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+               {"role": "assistant", "content": "Sunny, and rain."},
+               {"role": "user", "content": "thanks"}]
+    if "CALL" not in source:
+        return
+    # The history as a client sends it mid-loop (the answer still to come): nothing is lost,
+    # the text and both calls are in the prompt.
+    mid_loop = history[:6]
+    text, _ = renderer.render_with_text(mid_loop)
+    assert "Let me check." in text and "CALL weather_paris" in text and "CALL weather_rome" in text
+    merged = normalize_messages(mid_loop, renderer.call_turns)
+    assert len([m for m in merged if m["role"] == "assistant"]) == {
+        (True, True): 1, (False, True): 2, (False, False): 3}[turns]
+    # With the answer after the results, Mistral v3's check sees two text turns in a row:
+    # kept apart the history would raise, so it is merged as that template's design wants
+    # (it prints a call turn's calls only).
+    text, _ = renderer.render_with_text(history)
+    assert "CALL weather_paris" in text and "CALL weather_rome" in text and "Sunny, and rain." in text
+    assert ("Let me check." in text) == (source is not ALTERNATING)
+
+
+def test_hoisted_system_messages_keep_the_fields_they_share():
+    """The merged system message was built from role and content only: a ``name`` every
+    system message carried was lost. Fields they disagree on cannot be kept."""
+    same = normalize_messages([{"role": "system", "name": "policy", "content": "a"}, {"role": "user", "content": "q"},
+                               {"role": "developer", "name": "policy", "content": "b"}])
+    assert same[0] == {"role": "system", "name": "policy", "content": "a\n\nb"}
+    differ = normalize_messages([{"role": "system", "name": "policy", "content": "a"},
+                                 {"role": "system", "name": "other", "content": "b"}, {"role": "user", "content": "q"}])
+    assert differ[0] == {"role": "system", "content": "a\n\nb"}

@@ -542,7 +542,7 @@ class Engine:
                 "video or audio part")
         refuse_media_markers(messages, tools, self._media_markers)
         return load_images(messages, allow_remote=self.options.allow_remote_images,
-                           max_pixels=self.options.max_image_pixels)
+                           max_pixels=self.options.max_image_pixels, turns=self._renderer.call_turns)
 
 
 @atexit.register

@@ -22,7 +22,7 @@ import urllib.request
 from typing import Any, Iterable
 
 from .errors import InvalidRequestError, UnsupportedContentError
-from .messages import hoisted_order
+from .messages import CallTurns, hoisted_order
 
 IMAGE_PART_TYPES = frozenset({"image", "image_url", "input_image"})
 # The processor attributes that name the strings it expands into media features.
@@ -160,12 +160,13 @@ def load_image(source: Any, *, allow_remote: bool = False, max_pixels: int = 409
         raise InvalidRequestError(f"could not decode image: {type(exc).__name__}: {exc}") from exc
 
 
-def load_images(messages: Iterable[dict], *, allow_remote: bool, max_pixels: int) -> list:
+def load_images(messages: Iterable[dict], *, allow_remote: bool, max_pixels: int,
+                turns: CallTurns = CallTurns()) -> list:
     """The images of a conversation in the order the chat template renders them: system (and
-    developer) messages first, as ``normalize_messages`` hoists them. Errors name the
-    caller's message index."""
+    developer) messages first, as ``normalize_messages`` hoists them (with the template's
+    ``turns``). Errors name the caller's message index."""
     images = []
-    for i, m in hoisted_order(list(messages)):
+    for i, m in hoisted_order(list(messages), turns):
         content = m.get("content")
         if not isinstance(content, list):
             continue

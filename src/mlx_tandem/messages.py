@@ -10,6 +10,7 @@ dropped.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from .errors import InvalidRequestError, UnsupportedContentError
@@ -100,22 +101,40 @@ def text_of(content: Any) -> str:
     return "".join(p.get("text", "") for p in content if p.get("type") in TEXT_PART_TYPES)
 
 
+@dataclass(frozen=True)
+class CallTurns:
+    """What a chat template makes of an assistant turn with calls, which decides the
+    merges that keep its history whole (``PromptRenderer.call_turns`` finds out by rendering).
+
+    ``text``: the turn's text is rendered beside its calls. Llama 3.1's and Mistral v3's
+    templates print only the calls, so text merged into a call turn was dropped (and Mistral
+    v3 counts only text turns when it checks that roles alternate, so the merge broke that).
+    ``several``: a turn takes more than one call (Llama 3.1 raises on two).
+    """
+
+    text: bool = True
+    several: bool = True
+
+
 def _is_plain(m: Message) -> bool:
     return not m.get("tool_calls") and not m.get("tool_call_id") and m["role"] != "tool"
 
 
-def _mergeable(prev: Message, m: Message) -> bool:
+def _mergeable(prev: Message, m: Message, turns: CallTurns) -> bool:
     """Whether ``m`` can join ``prev`` whole: same role, no tool result, the same extra
     fields. Assistant calls join (the ids kept, in order), as text then calls or calls then
-    calls; text after calls stays apart (alone or with calls of its own), since templates
-    print a turn's text before its calls."""
+    calls, where the template renders such a turn whole (``turns``); text after calls stays
+    apart (alone or with calls of its own), since templates print a turn's text before its
+    calls."""
     if prev["role"] != m["role"] or prev["role"] in ("system", "tool") or not _same_extras(prev, m):
         return False
     if _is_plain(prev) and _is_plain(m):
         return True
     if prev["role"] != "assistant" or prev.get("tool_call_id") or m.get("tool_call_id") or not m.get("tool_calls"):
         return False
-    return not prev.get("tool_calls") or not text_of(m.get("content")).strip()
+    if prev.get("tool_calls"):
+        return turns.several and not text_of(m.get("content")).strip()
+    return turns.text or not text_of(prev.get("content")).strip()
 
 
 def _in_call_order(out: list[tuple[Message, list[int]]]) -> list[tuple[Message, list[int]]]:
@@ -147,11 +166,11 @@ def _is_system(m: Message) -> bool:
     return ROLE_ALIASES.get(m.get("role"), m.get("role")) == "system"
 
 
-def hoisted_order(messages: Sequence[Message]) -> list[tuple[int, Message]]:
+def hoisted_order(messages: Sequence[Message], turns: CallTurns = CallTurns()) -> list[tuple[int, Message]]:
     """(index, message) of the caller's messages in the order ``normalize_messages``
     renders their content: system and developer messages first, tool results in call order."""
     messages = list(messages)
-    return [(i, messages[i]) for _, sources in _normalized(validate_messages(messages)) for i in sources]
+    return [(i, messages[i]) for _, sources in _normalized(validate_messages(messages), turns) for i in sources]
 
 
 _MERGED_FIELDS = frozenset({"role", "content", "reasoning_content", "tool_calls"})
@@ -193,7 +212,7 @@ def _no_content(c: Any) -> bool:
     return isinstance(c, list) and all(p.get("type") in TEXT_PART_TYPES and not p.get("text") for p in c)
 
 
-def normalize_messages(messages: Iterable[Message]) -> list[Message]:
+def normalize_messages(messages: Iterable[Message], turns: CallTurns = CallTurns()) -> list[Message]:
     """Return a normalized deep copy; the caller's messages are never modified.
 
     1. ``developer`` becomes ``system``.
@@ -201,16 +220,18 @@ def normalize_messages(messages: Iterable[Message]) -> list[Message]:
     3. Consecutive messages of the same role are merged when their ``name`` is the same
        and they carry no other field that differs; their ``content`` and
        ``reasoning_content`` are joined, and an assistant's ``tool_calls`` are concatenated
-       (text then calls, or calls then calls; see ``_mergeable``). Strict templates (Gemma,
-       Mistral) refuse two assistant turns in a row, and a Responses-style history often
-       has one for the text and one per call. Tool results are never merged. Nothing else
-       is dropped: messages that cannot be merged whole stay apart.
+       (text then calls, or calls then calls; see ``_mergeable``), where the template
+       renders such a turn whole (``turns``, found by ``PromptRenderer.call_turns``).
+       Strict templates (Gemma, Mistral) refuse two assistant turns in a row, and a
+       Responses-style history often has one for the text and one per call. Tool results
+       are never merged. Nothing else is dropped: messages that cannot be merged whole stay
+       apart.
     4. Each run of tool results follows the order of the calls it answers (``_in_call_order``).
     """
-    return [m for m, _ in _normalized(validate_messages(messages))]
+    return [m for m, _ in _normalized(validate_messages(messages), turns)]
 
 
-def _normalized(messages: list[Message]) -> list[tuple[Message, list[int]]]:
+def _normalized(messages: list[Message], turns: CallTurns = CallTurns()) -> list[tuple[Message, list[int]]]:
     """``normalize_messages``, each message with the caller's indices it was made from."""
     try:
         msgs = [_copy(m) for m in messages]
@@ -222,7 +243,11 @@ def _normalized(messages: list[Message]) -> list[tuple[Message, list[int]]]:
     out: list[tuple[Message, list[int]]] = []
     system = [i for i, m in enumerate(msgs) if _is_system(m)]
     if system:
-        head = {"role": "system", "content": None}
+        # The fields every system message shares (a ``name``) stay; a template takes one
+        # system message, so fields they disagree on cannot.
+        extras = [{k: v for k, v in msgs[i].items() if k not in ("role", "content")} for i in system]
+        head = {"role": "system", "content": None,
+                **{k: v for k, v in extras[0].items() if all(k in e and e[k] == v for e in extras[1:])}}
         for i in system:
             head["content"] = _merge_content(head["content"], msgs[i].get("content"))
         if head["content"] is None:
@@ -233,7 +258,7 @@ def _normalized(messages: list[Message]) -> list[tuple[Message, list[int]]]:
         if _is_system(m):
             continue
         prev = out[-1][0] if out else None
-        if prev is not None and _mergeable(prev, m):
+        if prev is not None and _mergeable(prev, m, turns):
             prev["content"] = _merge_content(prev.get("content"), m.get("content"))
             if m.get("reasoning_content"):
                 prev["reasoning_content"] = _merge_content(prev.get("reasoning_content"), m["reasoning_content"])

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 from .errors import InvalidRequestError, TemplateError
-from .messages import Message, normalize_messages, text_of, TEXT_PART_TYPES
+from .messages import CallTurns, Message, normalize_messages, text_of, TEXT_PART_TYPES
 
 
 # Part types as templates spell them (the adapters already write "image").
@@ -112,6 +112,40 @@ class PromptRenderer:
         self._short_ids = short_call_ids  # the template wants Mistral's 9-character call ids
         self.lock = threading.Lock()
         self._system_prefixes: OrderedDict[str, list[int]] = OrderedDict()
+        self._call_turns: Optional[CallTurns] = None
+
+    @property
+    def call_turns(self) -> CallTurns:
+        """What the template makes of an assistant turn with calls (``CallTurns``), found
+        once by rendering small probe histories: whether the turn's text is printed beside
+        its calls, and whether it takes two calls. Normalization merges an assistant's text
+        and calls into one turn only where the template keeps both. Where a probe cannot
+        render at all (a template with no calls), the merges stay on."""
+        if self._call_turns is None:
+            self._call_turns = self._probe_call_turns()
+        return self._call_turns
+
+    def _probe_call_turns(self) -> CallTurns:
+        def render(turn: dict, results: int) -> Optional[str]:
+            msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", **turn},
+                    *({"role": "tool", "tool_call_id": f"probecall{k}", "content": "R"} for k in range(results)),
+                    {"role": "assistant", "content": "A"}]
+            try:
+                return self._apply(_template_ready(msgs, short_ids=self._short_ids), None, False, None)
+            except TemplateError:
+                return None
+
+        def calls(n: int) -> list[dict]:
+            return [{"id": f"probecall{k}", "type": "function",
+                     "function": {"name": f"probe_tool_{k}", "arguments": {}}} for k in range(n)]
+
+        one = render({"content": None, "tool_calls": calls(1)}, 1)
+        if one is None or "probe_tool_0" not in one:
+            return CallTurns()
+        marked = render({"content": "PROBE_TEXT_BESIDE_CALLS", "tool_calls": calls(1)}, 1)
+        two = render({"content": None, "tool_calls": calls(2)}, 2)
+        return CallTurns(text=marked is not None and "PROBE_TEXT_BESIDE_CALLS" in marked,
+                         several=two is not None and "probe_tool_1" in two)
 
     def render(
         self,
@@ -139,10 +173,24 @@ class PromptRenderer:
         steers the answer); by default a final assistant message is history, closed, and a
         new assistant turn follows, as OpenAI's API does.
         """
-        msgs = _template_ready(normalize_messages(messages), short_ids=self._short_ids)
+        turns = self.call_turns
+        msgs = _template_ready(normalize_messages(messages, turns), short_ids=self._short_ids)
         if (template_kwargs or {}).get("continue_final_message") and (not msgs or msgs[-1]["role"] != "assistant"):
             raise InvalidRequestError("continue_final_message needs a chat that ends with an assistant message")
-        text = self._apply(msgs, tools, add_generation_prompt, template_kwargs)
+        try:
+            text = self._apply(msgs, tools, add_generation_prompt, template_kwargs)
+        except TemplateError as first:
+            if turns == CallTurns():
+                raise
+            # Kept apart, the text and calls broke the template's own rules (Mistral v3: an
+            # assistant's text, its calls, the results and its answer are two text turns in
+            # a row to its alternation check). Merged, as the template's design wants, the
+            # history renders; the text it does not print is its choice.
+            merged = _template_ready(normalize_messages(messages), short_ids=self._short_ids)
+            try:
+                text = self._apply(merged, tools, add_generation_prompt, template_kwargs)
+            except TemplateError:
+                raise first from None
         return text, self.encode(text)
 
     def continued_text(self, messages: Sequence[Message], text: str, *, tools: Optional[Sequence[dict]] = None,
@@ -152,7 +200,7 @@ class PromptRenderer:
         follows the rest of the chat rendered with its generation prompt."""
         if not (template_kwargs or {}).get("continue_final_message"):
             return ""
-        msgs = _template_ready(normalize_messages(messages), short_ids=self._short_ids)
+        msgs = _template_ready(normalize_messages(messages, self.call_turns), short_ids=self._short_ids)
         kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "continue_final_message"}
         head = self._apply(msgs[:-1], tools, True, kwargs) if len(msgs) > 1 else ""
         n = 0
@@ -198,7 +246,7 @@ class PromptRenderer:
         No ChatML (or other) markers are searched for. A boundary that the actual prompt does
         not share is cut back to the common prefix.
         """
-        msgs = _template_ready(normalize_messages(messages), short_ids=self._short_ids)
+        msgs = _template_ready(normalize_messages(messages, self.call_turns), short_ids=self._short_ids)
         # The probes and the history end elsewhere than the prompt: no final message to continue.
         template_kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "continue_final_message"}
         points = []

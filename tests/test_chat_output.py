@@ -339,6 +339,45 @@ def test_unterminated_call_at_finish():
     assert r.content == ""
 
 
+@pytest.mark.parametrize("arguments", [
+    '{"flag": tru', '{"x": nul', '{"x": -', '{"x": 1.', '{"x": 2e+', '{"x": "\\u00', '{"x": [1, {"y": fals',
+])
+def test_a_call_cut_inside_a_literal_a_number_or_an_escape_keeps_its_name(arguments):
+    """A cut inside ``true``, a number or a ``\\u`` escape read as broken JSON (the decoder
+    fails before the end of the text), so the call lost its name."""
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": ' + arguments
+    r = parse_every_split(cut, parse_tool_calls=True)
+    assert [(c.name, c.arguments) for c in r.invalid_tool_calls] == [("get_weather", arguments)]
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "add", "arguments": {"n": ' + "1" * 5000 + "}}",  # past Python's int digits: a ValueError
+    '{"name": "add", "arguments": {"n": ' + "1" * 5000,
+])
+def test_an_integer_python_cannot_read_is_an_invalid_call(body):
+    """json refuses integers past 4300 digits with a plain ValueError, which the reading of
+    a cut call did not catch: it escaped the parser and the whole answer was lost."""
+    r = parse(["ok <tool_call>\n" + body], parse_tool_calls=True)
+    assert r.tool_calls == [] and [c.name for c in r.invalid_tool_calls] == [None] and r.content == "ok"
+
+
+def test_only_a_call_open_at_max_tokens_is_marked_truncated():
+    """``truncated``: the answer reached max_tokens inside the call, so its arguments are
+    those written so far; the adapters never run such a call."""
+    def finish(text, truncated):
+        p = ChatOutputParser(FMT, tools=TOOLS, parse_tool_calls=True)
+        r = Result()
+        r.add(p.feed(text))
+        r.add(p.finish(truncated=truncated))
+        return r.invalid_tool_calls
+
+    cut = '<tool_call>\n{"name": "add", "arguments": {"a": 1'
+    assert [c.truncated for c in finish(cut, True)] == [True]
+    assert [c.truncated for c in finish(cut, False)] == [False]  # ended otherwise (EOS): not cut
+    closed = '<tool_call>\n{"name": "add", "arguments": [1]}\n</tool_call>'
+    assert [c.truncated for c in finish(closed + "\n" + cut, True)] == [False, True]
+
+
 def test_call_ids_are_unique_and_prefixed():
     text = "\n".join(call("add", {"a": i, "b": i}) for i in range(20))
     ids = []

@@ -355,3 +355,24 @@ def test_hoisted_system_messages_keep_the_fields_they_share():
     differ = normalize_messages([{"role": "system", "name": "policy", "content": "a"},
                                  {"role": "system", "name": "other", "content": "b"}, {"role": "user", "content": "q"}])
     assert differ[0] == {"role": "system", "content": "a\n\nb"}
+
+
+def test_the_continued_message_follows_the_history_the_prompt_rendered():
+    """Where the history kept apart breaks the template (Mistral v3 style) the prompt is
+    rendered merged; the continued message (and the cache points, given the same ``turns``)
+    read the history the same way (they normalized it apart: the continued text ran from
+    the call on, and a "<think>" in a tool result then read the answer as reasoning)."""
+    from mlx_tandem.messages import CallTurns
+    from mlx_tandem.prompt import PromptRenderer
+
+    renderer = PromptRenderer(_JinjaTokenizer(ALTERNATING))
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "Let me check."},
+               {"role": "assistant", "content": None, "tool_calls": [_call(1, "weather_paris")]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "docs mention <think> tags"},
+               {"role": "assistant", "content": "Sunny"}]
+    kwargs = {"continue_final_message": True}
+    text, _, turns = renderer.render_chat(history, template_kwargs=kwargs)
+    assert turns == CallTurns() and text.endswith("Sunny")  # merged: the default
+    # This template writes no generation prompt: the continued part is the final turn.
+    assert renderer.continued_text(history, text, template_kwargs=kwargs, turns=turns) == "<assistant>Sunny"

@@ -172,14 +172,16 @@ class ChatOutputParser:
                 self._buf = ""
                 return out
 
-    def finish(self) -> ParsedDelta:
+    def finish(self, truncated: bool = False) -> ParsedDelta:
+        """The end of the answer; ``truncated``: it reached ``max_tokens`` (a call still open
+        then is cut off, its invalid call marked so)."""
         out = ParsedDelta()
         if self.calls_exhausted:
             return out
         rest, self._buf = self._buf, ""
         self._take(rest, out)
         if self._state == TOOL_CALL:  # stopped inside a call: parse what there is
-            self._close_call(out)
+            self._close_call(out, truncated=truncated)
         if not self.num_tool_calls:
             out.content += self._content.take_pending()
         return out
@@ -219,11 +221,12 @@ class ChatOutputParser:
         else:  # tool_call_end
             self._close_call(out)
 
-    def _close_call(self, out: ParsedDelta) -> None:
+    def _close_call(self, out: ParsedDelta, truncated: bool = False) -> None:
         body, self._call_buf = self._call_buf, ""
         self._state = CONTENT
         self._content.strip_leading = True
-        for item in self._parse_call(body):
+        items = self._parse_call(body)
+        for k, item in enumerate(items):
             if self.calls_exhausted:
                 break
             item = dataclasses.replace(item, index=self._calls_written)
@@ -233,7 +236,8 @@ class ChatOutputParser:
                 self.num_tool_calls += 1
                 self.calls_exhausted = self._max_calls is not None and self.num_tool_calls >= self._max_calls
             else:
-                out.invalid_tool_calls.append(item)
+                # Of a block of several calls only the last can be the one cut off.
+                out.invalid_tool_calls.append(dataclasses.replace(item, truncated=truncated and k == len(items) - 1))
 
     def _call_id(self, given: Any) -> str:
         """The id the model wrote (Mistral's templates want their own 9-character ids back
@@ -355,6 +359,8 @@ def _cut_parts(body: str) -> Optional[tuple[Optional[str], str]]:
                     return None
                 at, args = len(text), (text[at:] if key == "arguments" else args)
                 break
+            except ValueError:  # not JSON's own error: an integer past Python's 4300 digits
+                return None
             if key == "name" and isinstance(value, str):
                 name = value
             elif key == "arguments":
@@ -367,9 +373,20 @@ def _cut_parts(body: str) -> Optional[tuple[Optional[str], str]]:
         if not _cut_at_end(exc, text):
             return None
         at = len(text)
+    except ValueError:
+        return None
     return (name, args) if at >= len(text) else None
 
 
 def _cut_at_end(exc: json.JSONDecodeError, text: str) -> bool:
-    """The JSON failed because the text ran out (a cut), not because it is malformed."""
-    return exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string")
+    """The JSON failed because the text ran out (a cut), not because it is malformed: at
+    its end, in an open string, or in a literal, a number or an escape still being written
+    (``tru``, ``-``, ``1.``, ``\\u00``)."""
+    rest = text[exc.pos:].rstrip()
+    if not rest or exc.msg.startswith("Unterminated string"):
+        return True
+    if exc.msg == "Expecting value" and any(word.startswith(rest) for word in ("true", "false", "null", "-")):
+        return True
+    if exc.msg.startswith("Invalid \\uXXXX escape") and re.fullmatch(r"\\?u[0-9a-fA-F]{0,3}", rest):
+        return True
+    return text[exc.pos - 1:exc.pos].isdigit() and re.fullmatch(r"(\.[0-9]*)?([eE][+-]?[0-9]*)?", rest) is not None

@@ -274,9 +274,9 @@ class Engine:
             messages = validate_messages(spec.messages)
             if has_media(messages):
                 # Routing: media goes to the vision lane, everything else to the text lane
-                # (MTP and the caches live there). Images are decoded here, so a bad image
-                # fails this call before anything is queued.
-                media = {"images": self._images(messages, spec.tools)}
+                # (MTP and the caches live there). Images are decoded below, on this thread,
+                # so a bad image fails this call before anything is queued.
+                self._check_media(messages, spec.tools)
                 lane = "vision"
             plan = plan_chat(
                 self._format, tools=spec.tools, tool_choice=spec.tool_choice,
@@ -284,17 +284,17 @@ class Engine:
                 parallel_tool_calls=spec.parallel_tool_calls, template_kwargs=spec.template_kwargs,
                 marker=self._grammar.marker, encode=renderer.encode,
                 constrain_calls=self.options.constrain_tool_calls)
-            text, prompt_ids = renderer.render_with_text(
+            text, prompt_ids, turns = renderer.render_chat(
                 messages, tools=plan.tools, template_kwargs=plan.template_kwargs)
-            if media is not None:
-                media["text"] = text
+            if lane == "vision":
+                media = {"images": self._load_images(messages, turns), "text": text}
             elif self.options.prefix_cache_bytes or self.options.specprefill_draft is not None:
                 # The prefix cache's snapshot points; SpecPrefill keeps the system prompt dense.
                 cache_points = renderer.cache_points(
-                    messages, prompt_ids, tools=plan.tools, template_kwargs=plan.template_kwargs)
+                    messages, prompt_ids, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns)
             fmt = self._format
             starts_in_reasoning = fmt.opens_in_reasoning(text, renderer.continued_text(
-                messages, text, tools=plan.tools, template_kwargs=plan.template_kwargs))
+                messages, text, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns))
             parser = ChatOutputParser(
                 fmt, tools=plan.tools, parse_tool_calls=plan.parse_tool_calls,
                 forced_json_calls=plan.forced_json_calls, max_tool_calls=plan.max_tool_calls,
@@ -524,25 +524,32 @@ class Engine:
             self._format, tools=tools, tool_choice=tool_choice, response_format=response_format,
             reasoning=reasoning, parallel_tool_calls=None, template_kwargs=template_kwargs,
             marker=self._grammar.marker, encode=self._renderer.encode)
-        images = self._images(messages, tools) if has_media(messages) else None
-        text, ids = self._renderer.render_with_text(messages, tools=plan.tools, template_kwargs=plan.template_kwargs)
-        if images is None:
+        if has_media(messages):
+            self._check_media(messages, tools)
+        text, ids, turns = self._renderer.render_chat(messages, tools=plan.tools,
+                                                      template_kwargs=plan.template_kwargs)
+        if not has_media(messages):
             return ids
+        images = self._load_images(messages, turns)
         from .lanes.vision import expand_images
 
         vlm, processor = self.loaded.vlm, self.loaded.processor
         return self.run_on_owner_thread(lambda: expand_images(vlm, processor, images, text)[0])
 
-    def _images(self, messages: list, tools) -> list:
-        """A request's images, read and checked on the caller's thread (PIL only), so a bad
-        image fails its call before anything is queued."""
+    def _check_media(self, messages: list, tools) -> None:
+        """Media this model can take, before the chat is rendered."""
         if not self.loaded.supports_images:
             raise UnsupportedContentError(
                 f"{self.loaded.path.name} is a text-only model; this request carries an image, "
                 "video or audio part")
         refuse_media_markers(messages, tools, self._media_markers)
+
+    def _load_images(self, messages: list, turns) -> list:
+        """A request's images in the order its rendered prompt shows them (``turns``: what
+        the history was normalized with), read and checked on the caller's thread (PIL
+        only), so a bad image fails its call before anything is queued."""
         return load_images(messages, allow_remote=self.options.allow_remote_images,
-                           max_pixels=self.options.max_image_pixels, turns=self._renderer.call_turns)
+                           max_pixels=self.options.max_image_pixels, turns=turns)
 
 
 @atexit.register

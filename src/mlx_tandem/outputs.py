@@ -46,7 +46,8 @@ class InvalidToolCall:
 
     ``arguments`` is the arguments' text where the body is a JSON object (as OpenAI and
     LangChain keep an invalid call's arguments), else the whole body; ``text`` is always the
-    whole body."""
+    whole body. ``truncated``: the answer reached ``max_tokens`` inside this call, so its
+    arguments are only those written so far: never run it (the adapters do not)."""
 
     id: str
     name: Optional[str]
@@ -54,6 +55,7 @@ class InvalidToolCall:
     error: str
     text: str = ""
     index: int = 0  # as ToolCall.index
+    truncated: bool = False
 
 
 @dataclass(frozen=True)

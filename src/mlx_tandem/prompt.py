@@ -13,7 +13,7 @@ import operator
 import re
 import threading
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from .errors import InvalidRequestError, TemplateError
 from .messages import CallTurns, Message, normalize_messages, text_of, TEXT_PART_TYPES
@@ -104,6 +104,12 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+class RenderedChat(NamedTuple):
+    text: str
+    ids: list[int]
+    turns: CallTurns
+
+
 class PromptRenderer:
     """Renders chats to token ids with one tokenizer, safely from many threads."""
 
@@ -166,7 +172,22 @@ class PromptRenderer:
         add_generation_prompt: bool = True,
         template_kwargs: Optional[dict[str, Any]] = None,
     ) -> tuple[str, list[int]]:
-        """The rendered prompt text and its token ids.
+        """The rendered prompt text and its token ids (``render_chat``'s first two)."""
+        rendered = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    template_kwargs=template_kwargs)
+        return rendered.text, rendered.ids
+
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Optional[Sequence[dict]] = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Optional[dict[str, Any]] = None,
+    ) -> "RenderedChat":
+        """The rendered prompt text, its token ids, and the ``CallTurns`` its history was
+        normalized with (``cache_points``, ``continued_text`` and the images' order must
+        use the same).
 
         ``template_kwargs={"continue_final_message": True}`` (as in transformers and vLLM)
         leaves a final assistant message open, so the answer continues it (a prefill that
@@ -186,21 +207,23 @@ class PromptRenderer:
             # assistant's text, its calls, the results and its answer are two text turns in
             # a row to its alternation check). Merged, as the template's design wants, the
             # history renders; the text it does not print is its choice.
-            merged = _template_ready(normalize_messages(messages), short_ids=self._short_ids)
+            turns = CallTurns()
+            merged = _template_ready(normalize_messages(messages, turns), short_ids=self._short_ids)
             try:
                 text = self._apply(merged, tools, add_generation_prompt, template_kwargs)
             except TemplateError:
                 raise first from None
-        return text, self.encode(text)
+        return RenderedChat(text, self.encode(text), turns)
 
     def continued_text(self, messages: Sequence[Message], text: str, *, tools: Optional[Sequence[dict]] = None,
-                       template_kwargs: Optional[dict[str, Any]] = None) -> str:
+                       template_kwargs: Optional[dict[str, Any]] = None, turns: Optional[CallTurns] = None) -> str:
         """Under ``continue_final_message``, the part of the prompt ``text`` that renders the
         final assistant message (what the answer goes on from); "" otherwise. Found as what
-        follows the rest of the chat rendered with its generation prompt."""
+        follows the rest of the chat rendered with its generation prompt. ``turns``: what
+        ``render_chat`` normalized ``text``'s history with."""
         if not (template_kwargs or {}).get("continue_final_message"):
             return ""
-        msgs = _template_ready(normalize_messages(messages, self.call_turns), short_ids=self._short_ids)
+        msgs = _template_ready(normalize_messages(messages, turns or self.call_turns), short_ids=self._short_ids)
         kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "continue_final_message"}
         head = self._apply(msgs[:-1], tools, True, kwargs) if len(msgs) > 1 else ""
         n = 0
@@ -234,6 +257,7 @@ class PromptRenderer:
         *,
         tools: Optional[Sequence[dict]] = None,
         template_kwargs: Optional[dict[str, Any]] = None,
+        turns: Optional[CallTurns] = None,
     ) -> list[tuple[int, str]]:
         """Prompt lengths worth a prefix-cache snapshot, found for any chat template.
 
@@ -244,9 +268,10 @@ class PromptRenderer:
           next turn of the conversation starts with it.
 
         No ChatML (or other) markers are searched for. A boundary that the actual prompt does
-        not share is cut back to the common prefix.
+        not share is cut back to the common prefix. ``turns``: what ``render_chat``
+        normalized the prompt's history with.
         """
-        msgs = _template_ready(normalize_messages(messages, self.call_turns), short_ids=self._short_ids)
+        msgs = _template_ready(normalize_messages(messages, turns or self.call_turns), short_ids=self._short_ids)
         # The probes and the history end elsewhere than the prompt: no final message to continue.
         template_kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "continue_final_message"}
         points = []

@@ -73,7 +73,7 @@ class _StreamBase:
             if self._reasoning_left_at is None and self._parser.reasoned and not self._parser.in_reasoning:
                 self._reasoning_left_at = len(self.token_ids)
             if finish is not None:
-                end = self._parser.finish()
+                end = self._parser.finish(truncated=finish == "length")
                 parsed.content += end.content
                 parsed.reasoning += end.reasoning
                 parsed.tool_calls += end.tool_calls

@@ -359,11 +359,13 @@ def test_a_malformed_call_is_invalid_streamed_as_invoked():
     assert [(c["name"], c["args"]) for c in streamed.invalid_tool_calls] == [("add", "[3, 4]")]
 
 
-def test_a_call_cut_by_max_tokens_names_its_tool_streamed_as_invoked():
+def test_a_call_cut_by_max_tokens_keeps_its_arguments_and_is_never_run_from_a_stream():
     """A call cut off by ``max_tokens`` is invalid with its tool's name and the arguments
-    written so far, as OpenAI reports one; the stream merges into that tool's call with the
-    complete fields, as LangChain merges OpenAI's. Its arguments were the whole call text,
-    so the stream merged into a call with no name whose arguments were the call itself."""
+    written so far, as OpenAI reports one (its arguments were the whole call text, so the
+    stream merged into a call whose arguments were the call itself). Its stream chunk
+    carries no name: LangChain merges a streamed call by parsing its arguments, and a named
+    one would become a valid call of that tool with the fields written so far, which a
+    ToolNode under LangGraph's streaming runs."""
     from langchain_core.utils.json import parse_partial_json
 
     llm = make_llm()
@@ -385,8 +387,14 @@ def test_a_call_cut_by_max_tokens_names_its_tool_streamed_as_invoked():
         assert bad["name"] in (None, "add") and '{"a": 3, "b": 4}'.startswith(bad["args"]), bad
         named += bad["name"] == "add"
         assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [
-            (bad["name"] or "", parse_partial_json(bad["args"]) if bad["args"] else {})]
+            ("", parse_partial_json(bad["args"]) if bad["args"] else {})]
     assert named >= 5
+    # The engine marks the call it cut (and only at max_tokens).
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    out = llm.engine.chat_sync([{"role": "user", "content": "add 3 and 4"}], {"max_tokens": whole - 3},
+                               tools=[convert_to_openai_tool(add)], response_format={"type": "lark", "grammar": grammar})
+    assert out.finish_reason == "length" and [c.truncated for c in out.invalid_tool_calls] == [True]
 
 
 def test_streamed_call_chunks_are_numbered_in_the_order_written():

@@ -409,8 +409,10 @@ def test_a_call_that_failed_to_parse_goes_to_the_agent():
     its turn with nothing said. One call in all unless parallel calls are allowed."""
     llm = make_llm()
     tool = FunctionTool.from_defaults(fn=add)
-    bad = [{"id": "c9", "name": "add", "arguments": '{"a": 2, "b": ', "error": "cut off"},
-           {"id": "c8", "name": None, "arguments": "<tool_call>{", "error": "no name"}]
+    bad = [{"id": "c9", "name": "add", "arguments": '{"a": 2, "b": ', "error": "broken"},
+           {"id": "c8", "name": None, "arguments": "<tool_call>{", "error": "no name"},
+           # Cut off by max_tokens: never run with the fields written so far.
+           {"id": "c7", "name": "add", "arguments": '{"a": 2, "b": ', "error": "cut off", "truncated": True}]
 
     def response(blocks):
         return ChatResponse(message=ChatMessage(role="assistant", blocks=blocks,

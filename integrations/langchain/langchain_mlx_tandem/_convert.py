@@ -262,7 +262,13 @@ class ChunkBuilder:
     def chunk(self, delta) -> Optional[AIMessageChunk]:
         written = sorted([*((c.index, c, c.arguments_json) for c in delta.tool_calls),
                           *((c.index, c, c.arguments) for c in delta.invalid_tool_calls)], key=lambda e: e[0])
-        chunks = [tool_call_chunk(name=c.name, args=args, id=c.id, index=i) for i, c, args in written]
+        # A call cut off by max_tokens carries no name here: LangChain merges a streamed call
+        # by parsing its arguments, and a named one would merge into a valid call of that
+        # tool with the fields written so far, which an agent (a ToolNode under LangGraph's
+        # streaming) would run. Unnamed it is an error message to the agent instead;
+        # invoke keeps the name in invalid_tool_calls.
+        chunks = [tool_call_chunk(name=None if getattr(c, "truncated", False) else c.name, args=args, id=c.id,
+                                  index=i) for i, c, args in written]
         last = delta.finish_reason is not None
         if not (delta.content or delta.reasoning or chunks or last):
             return None

@@ -262,7 +262,8 @@ def _call_kwargs(calls: Sequence[Any], invalid: Sequence[Any]) -> dict:
                                  "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]
     if invalid:
         kwargs["invalid_tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error,
-                                         "index": c.index} for c in invalid]
+                                         "index": c.index, **({"truncated": True} if c.truncated else {})}
+                                        for c in invalid]
     return kwargs
 
 

@@ -349,9 +349,11 @@ class MLXTandemLLM(FunctionCallingLLM):
         # A call that failed to parse but names a tool is returned too, its arguments read
         # leniently (as the OpenAI LLM reads any): the agent runs it, the tool's error goes
         # back to the model, which can correct it. Dropped, it ended the agent's turn with
-        # nothing said.
+        # nothing said. Not one cut off by max_tokens: it would run with only the fields
+        # written so far (a missing flag taking its default).
         for c in response.message.additional_kwargs.get("invalid_tool_calls") or []:
-            if isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] and c.get("id"):
+            if isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] and c.get("id") \
+                    and not c.get("truncated"):
                 calls.append(ToolSelection(tool_id=c["id"], tool_name=c["name"],
                                            tool_kwargs=_kwargs_dict(c.get("arguments") or "")))
         if not calls and error_on_no_tool_call:

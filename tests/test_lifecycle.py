@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import threading
 import time
 import weakref
@@ -359,3 +360,97 @@ def test_requests_failed_together_each_get_their_own_error(llama_path):
     assert type(copied) is ContextLengthError and copied is not original
     assert (str(copied), copied.prompt_tokens, copied.max_context, copied.__cause__) == (
         "too long", 9, 8, original.__cause__)
+
+
+def test_ctrl_c_right_after_a_sync_submit_aborts_the_request(llama_path, monkeypatch):
+    """A KeyboardInterrupt that lands right after the request went in (Ctrl-C in a sync
+    call) unwound the call before the stream that would cancel it existed: the request went
+    on generating with no reader, holding its slot."""
+    engine = Engine(llama_path, show_progress=False).start_sync()
+    try:
+        submit = engine._core.submit
+
+        def submit_then_interrupt(req):
+            submit(req)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(engine._core, "submit", submit_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            engine.complete_sync("go on", {"max_tokens": 100_000})
+        monkeypatch.undo()
+        gc.collect()
+        deadline = time.monotonic() + 20
+        while engine.stats()["running"] + engine.stats()["waiting"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = engine.stats()
+        assert (stats["running"], stats["aborted"]) == (0, 1) and _counted(stats)
+    finally:
+        engine.close_sync()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+def test_a_child_forked_after_the_engine_started_gets_typed_errors_not_a_hang(llama_path):
+    """MLX does not survive a fork, and the engine's thread is not in the child: a request
+    on the inherited engine waited for good on an inbox nobody reads, and a new engine hung
+    loading its weights. Both are typed errors now; the parent goes on."""
+    from mlx_tandem import ModelLoadError
+
+    engine = Engine(llama_path, show_progress=False).start_sync()
+    try:
+        ref = engine.complete_sync("go on", {"max_tokens": 4})
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report both outcomes through the pipe, then leave at once
+            outcomes = []
+            for attempt in (lambda: engine.complete_sync("go on", {"max_tokens": 4}),
+                            lambda: Engine(llama_path, show_progress=False).start_sync()):
+                try:
+                    attempt()
+                    outcomes.append("ran")
+                except BaseException as exc:  # noqa: BLE001
+                    outcomes.append(type(exc).__name__)
+            os.write(write, ",".join(outcomes + [str(engine.closed)]).encode())
+            os._exit(0)
+        os.close(write)
+        deadline = time.monotonic() + 60
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                pytest.fail("the forked child hung")
+            time.sleep(0.05)
+        got = os.read(read, 1000).decode()
+        os.close(read)
+        assert got == f"{EngineClosedError.__name__},{ModelLoadError.__name__},True"
+        assert engine.complete_sync("go on", {"max_tokens": 4}).token_ids == ref.token_ids
+    finally:
+        engine.close_sync()
+
+
+def test_exit_waits_for_a_long_step_instead_of_aborting(tmp_path, llama_path):
+    """Exit gave the engine's thread 5 s; a step still running MLX then met the
+    interpreter's finalization and the process aborted ("terminate called without an
+    active exception", status 134)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_mid_step.py"
+    script.write_text(f'''
+import threading, time
+from mlx_tandem import Engine  # before mlx: it loads OpenBLAS under it
+import mlx.core as mx
+
+def heavy(tokens, logits):  # one step of about 7 s of MLX work
+    a, t = mx.random.normal((256, 256)), time.time()
+    while time.time() - t < 7:
+        a = (a @ a) / 256.0
+        mx.eval(a)
+    return logits
+
+engine = Engine({str(llama_path)!r}, show_progress=False).start_sync()
+threading.Thread(target=lambda: engine.complete_sync("go on", {{"max_tokens": 4, "logits_processors": [heavy]}}),
+                 daemon=True).start()
+time.sleep(1.0)
+''')
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exit waits for the engine's step in progress" in proc.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import logging
+import os
 import queue
 import threading
 import time
@@ -21,8 +22,8 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from .detokenizer import RequestDetokenizer
-from .errors import (EngineClosedError, EngineStepError, InvalidRequestError, QueueFullError, own_copy,
-                     RequestTimeoutError, RequestTooLargeError, TandemError)
+from .errors import (EngineClosedError, EngineStepError, InvalidRequestError, ModelLoadError, QueueFullError,
+                     own_copy, RequestTimeoutError, RequestTooLargeError, TandemError)
 from .lanes import Lane, TokenEvent
 from .memory import CacheFootprint, MemoryLedger
 from .model_loader import LoadedModel, load_text_model, resolve_model_path
@@ -38,6 +39,13 @@ logger = logging.getLogger(__name__)
 OWNER_THREAD_NAME = "mlx-tandem-engine"
 
 _STOP = object()
+
+# The process whose engine threads started MLX. A child forked after that has none of its
+# threads, and MLX itself does not survive the fork: a request on an inherited engine waited
+# for good on an inbox nobody reads, and a new engine hung loading its weights.
+_MLX_STARTED_IN_PID: Optional[int] = None
+_FORKED = ("this process was forked from one whose engine had started, and MLX does not survive a "
+           "fork: use the 'spawn' or 'forkserver' start method, or fork before the first request")
 
 
 class EngineCore:
@@ -64,10 +72,20 @@ class EngineCore:
         # Held while checking "closed" and putting in the inbox, and while closing before
         # the last drain of the inbox: nothing can land in an inbox that nobody reads.
         self._inbox_lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child sees another: the engine is not its own
 
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:
+        global _MLX_STARTED_IN_PID
+        if _MLX_STARTED_IN_PID not in (None, os.getpid()):
+            raise ModelLoadError(_FORKED)
+        _MLX_STARTED_IN_PID = os.getpid()
         self._thread.start()
+
+    def _forked(self) -> bool:
+        """This engine's thread lives in a parent process: checked before any lock, which
+        may have been held by a parent thread at the fork."""
+        return os.getpid() != self._pid
 
     @property
     def owner_thread(self) -> threading.Thread:
@@ -75,16 +93,22 @@ class EngineCore:
 
     @property
     def closed(self) -> bool:
-        return self._closed.is_set()
+        return self._closed.is_set() or self._forked()
 
     def submit(self, request: Request) -> None:
+        if self._forked():
+            raise EngineClosedError(f"the engine belongs to the parent process: {_FORKED}")
         with self._inbox_lock:
             if self._closed.is_set():
                 raise EngineClosedError("the engine is closed")
             # Counted before the put: once it is in, the owner thread may finish it at once,
             # and stats() must never show more finished than submitted.
             self.stats.count("requests_submitted")
-            self._inbox.put(("add", request))
+            try:
+                self._inbox.put(("add", request))
+            except BaseException:  # a KeyboardInterrupt between the two: it was never submitted
+                self.stats.count("requests_submitted", -1)
+                raise
 
     def abort(self, request: Request) -> None:
         """Abort ``request`` (the object, not its id: a refused duplicate id aborts nothing).
@@ -118,6 +142,9 @@ class EngineCore:
                 fut.set_result(fn())
             except BaseException as exc:  # noqa: BLE001
                 fut.set_exception(exc)
+            return fut
+        if self._forked():
+            fut.set_exception(EngineClosedError(f"the engine belongs to the parent process: {_FORKED}"))
             return fut
         with self._inbox_lock:
             if not self._closed.is_set():

@@ -390,8 +390,9 @@ class Engine:
         # fetching) images take milliseconds to seconds, and every other stream on this loop
         # would wait for them. No mlx here (the owner thread makes the arrays).
         req, parser = await asyncio.to_thread(self._make_request, spec, sink)
+        stream = self._bind_stream(AsyncStream(self._core, req, sink, parser))  # as in _sstream
         self._core.submit(req)
-        return self._bind_stream(AsyncStream(self._core, req, sink, parser))
+        return stream
 
     async def _relay(self, spec: CallSpec) -> AsyncIterator[StreamDelta]:
         stream = await self._astream(spec)
@@ -404,8 +405,12 @@ class Engine:
         self.start_sync()
         sink = SyncSink()
         req, parser = self._make_request(spec, sink)
+        # The stream first: a KeyboardInterrupt right after the submit (Ctrl-C in a sync
+        # call) unwinds this frame, and the stream's finalizer aborts the request. Submitted
+        # first, it was left generating with no reader, holding its slot.
+        stream = self._bind_stream(SyncStream(self._core, req, sink, parser))
         self._core.submit(req)
-        return self._bind_stream(SyncStream(self._core, req, sink, parser))
+        return stream
 
     def _bind_stream(self, stream):
         # A stream keeps its engine alive: an engine nobody holds is closed (see _ensure_core).
@@ -552,12 +557,21 @@ class Engine:
                            max_pixels=self.options.max_image_pixels, turns=turns)
 
 
+# How long exit waits for a step in progress. Past it the interpreter finalizes under a
+# thread still running MLX, which aborts the process ("terminate called without an active
+# exception"); 5 s did for a step that long (a big prefill chunk on a CPU).
+_EXIT_WAIT_S = 120.0
+
+
 @atexit.register
 def _close_live_engines() -> None:
     cores = {id(c): c for c in _live_cores}
     cores.update({id(e._core): e._core for e in list(_live_engines) if e._core is not None})
     for core in cores.values():
         try:
-            core.shutdown(timeout=5.0)
+            core.shutdown(timeout=2.0)
+            if core.owner_thread.is_alive():
+                logger.warning("exit waits for the engine's step in progress to end (up to %.0f s)", _EXIT_WAIT_S)
+                core.shutdown(timeout=_EXIT_WAIT_S)
         except Exception:  # noqa: BLE001
             pass

@@ -164,17 +164,10 @@ class PromptRenderer:
         return self.render_with_text(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                      template_kwargs=template_kwargs)[1]
 
-    def render_with_text(
-        self,
-        messages: Sequence[Message],
-        *,
-        tools: Optional[Sequence[dict]] = None,
-        add_generation_prompt: bool = True,
-        template_kwargs: Optional[dict[str, Any]] = None,
-    ) -> tuple[str, list[int]]:
-        """The rendered prompt text and its token ids (``render_chat``'s first two)."""
-        rendered = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                    template_kwargs=template_kwargs)
+    def render_with_text(self, messages: Sequence[Message], **options: Any) -> tuple[str, list[int]]:
+        """The rendered prompt text and its token ids (``render_chat``'s first two; the same
+        options)."""
+        rendered = self.render_chat(messages, **options)
         return rendered.text, rendered.ids
 
     def render_chat(

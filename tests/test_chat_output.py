@@ -378,6 +378,26 @@ def test_only_a_call_open_at_max_tokens_is_marked_truncated():
     assert [c.truncated for c in finish(closed + "\n" + cut, True)] == [False, True]
 
 
+def test_a_call_a_lenient_parser_reads_before_its_end_is_still_cut_off():
+    """GLM's parser reads an unfinished call as a call: at max_tokens it came back valid,
+    with the arguments written so far (the flag being written dropped), and the adapters
+    would run it. With its end marker never written it is a truncated invalid call."""
+    from mlx_lm.tool_parsers import glm47
+
+    glm = ChatFormat(tool_call_start="<tool_call>", tool_call_end="</tool_call>", tool_format="glm47",
+                     tool_parser=glm47.parse_tool_call)
+    tools = [{"type": "function", "function": {"name": "delete", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}, "dry_run": {"type": "boolean"}}, "required": ["path"]}}}]
+    text = "<tool_call>delete<arg_key>path</arg_key><arg_value>/data</arg_value><arg_key>dry_run</arg_key><arg_value>tr"
+    for truncated, expected in ((True, ([], [("delete", True)])), (False, ([("delete", {"path": "/data"})], []))):
+        p = ChatOutputParser(glm, tools=tools, parse_tool_calls=True)
+        r = Result()
+        r.add(p.feed(text))
+        r.add(p.finish(truncated=truncated))
+        assert ([(c.name, c.arguments) for c in r.tool_calls], [(c.name, c.truncated) for c in r.invalid_tool_calls]) \
+            == expected
+
+
 def test_call_ids_are_unique_and_prefixed():
     text = "\n".join(call("add", {"a": i, "b": i}) for i in range(20))
     ids = []

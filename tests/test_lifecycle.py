@@ -454,3 +454,46 @@ time.sleep(1.0)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "exit waits for the engine's step in progress" in proc.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+def test_a_child_forked_while_the_engine_loads_gets_a_typed_error(llama_path, monkeypatch):
+    """Forked while the parent's engine was still loading, the child waited for good on the
+    load that only the parent's thread can finish."""
+    import mlx_tandem.core as core_module
+
+    load = core_module.load_text_model
+
+    def slow_load(*args, **kwargs):
+        time.sleep(2.0)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(core_module, "load_text_model", slow_load)
+    engine = Engine(llama_path, show_progress=False)
+    loader = threading.Thread(target=engine.start_sync, daemon=True)
+    loader.start()
+    time.sleep(0.3)  # the load is under way on the engine's thread
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            engine.complete_sync("go on", {"max_tokens": 4})
+            outcome = "ran"
+        except BaseException as exc:  # noqa: BLE001
+            outcome = type(exc).__name__
+        os.write(write, outcome.encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        deadline = time.monotonic() + 30
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                pytest.fail("the forked child hung")
+            time.sleep(0.05)
+        assert os.read(read, 1000).decode() == EngineClosedError.__name__
+        loader.join(30)
+        assert engine.complete_sync("go on", {"max_tokens": 4}).finish_reason in ("length", "stop")
+    finally:
+        os.close(read)
+        engine.close_sync()

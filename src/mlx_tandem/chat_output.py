@@ -226,6 +226,14 @@ class ChatOutputParser:
         self._state = CONTENT
         self._content.strip_leading = True
         items = self._parse_call(body)
+        if truncated and self._fmt.tool_call_end and items and isinstance(items[-1], ToolCall):
+            # Its end marker never came, yet a lenient parser (GLM's) read what was written
+            # as a call: with the arguments written so far, a flag being written dropped.
+            # It is cut off like any other (a format with no end marker, Mistral's, ends its
+            # calls with the answer: a body that parses is whole there).
+            cut = items[-1]
+            items[-1] = InvalidToolCall(id=cut.id, name=cut.name, arguments=cut.arguments_json,
+                                        error="the answer reached max_tokens inside this call", text=body.strip())
         for k, item in enumerate(items):
             if self.calls_exhausted:
                 break

@@ -44,7 +44,7 @@ _STOP = object()
 # threads, and MLX itself does not survive the fork: a request on an inherited engine waited
 # for good on an inbox nobody reads, and a new engine hung loading its weights.
 _MLX_STARTED_IN_PID: Optional[int] = None
-_FORKED = ("this process was forked from one whose engine had started, and MLX does not survive a "
+FORKED = ("this process was forked from one whose engine had started, and MLX does not survive a "
            "fork: use the 'spawn' or 'forkserver' start method, or fork before the first request")
 
 
@@ -78,11 +78,11 @@ class EngineCore:
     def start(self) -> None:
         global _MLX_STARTED_IN_PID
         if _MLX_STARTED_IN_PID not in (None, os.getpid()):
-            raise ModelLoadError(_FORKED)
+            raise ModelLoadError(FORKED)
         _MLX_STARTED_IN_PID = os.getpid()
         self._thread.start()
 
-    def _forked(self) -> bool:
+    def forked(self) -> bool:
         """This engine's thread lives in a parent process: checked before any lock, which
         may have been held by a parent thread at the fork."""
         return os.getpid() != self._pid
@@ -93,11 +93,11 @@ class EngineCore:
 
     @property
     def closed(self) -> bool:
-        return self._closed.is_set() or self._forked()
+        return self._closed.is_set() or self.forked()
 
     def submit(self, request: Request) -> None:
-        if self._forked():
-            raise EngineClosedError(f"the engine belongs to the parent process: {_FORKED}")
+        if self.forked():
+            raise EngineClosedError(f"the engine belongs to the parent process: {FORKED}")
         with self._inbox_lock:
             if self._closed.is_set():
                 raise EngineClosedError("the engine is closed")
@@ -143,8 +143,8 @@ class EngineCore:
             except BaseException as exc:  # noqa: BLE001
                 fut.set_exception(exc)
             return fut
-        if self._forked():
-            fut.set_exception(EngineClosedError(f"the engine belongs to the parent process: {_FORKED}"))
+        if self.forked():
+            fut.set_exception(EngineClosedError(f"the engine belongs to the parent process: {FORKED}"))
             return fut
         with self._inbox_lock:
             if not self._closed.is_set():

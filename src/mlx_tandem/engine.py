@@ -26,7 +26,7 @@ from .chat_plan import plan_chat
 from .closing import GrammarProcessor
 from .constraints import GrammarCompiler, TokenBan, after_reasoning, response_format_constraint
 from .tool_call_grammar import LazyToolCallGrammar
-from .core import EngineCore
+from .core import FORKED, EngineCore
 from .default_model import DEFAULT_MODEL_NAME, default_model_path, names_default
 from .detokenizer import CallMarkers
 from .errors import (ConstraintError, ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError,
@@ -102,6 +102,9 @@ class Engine:
             return engine
 
     def _ensure_core(self) -> EngineCore:
+        core = self._core
+        if core is not None and core.forked():  # before the lock, which a parent thread may hold
+            raise EngineClosedError(f"the engine belongs to the parent process: {FORKED}")
         with self._lock:
             if self._closed:
                 raise EngineClosedError("the engine is closed")

@@ -388,6 +388,20 @@ def test_ctrl_c_right_after_a_sync_submit_aborts_the_request(llama_path, monkeyp
         engine.close_sync()
 
 
+def _child_report(pid: int, read: int, *, timeout: float) -> str:
+    """What a forked child wrote to its pipe, once it exited; the test fails if it hangs."""
+    deadline = time.monotonic() + timeout
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                pytest.fail("the forked child hung")
+            time.sleep(0.05)
+        return os.read(read, 1000).decode()
+    finally:
+        os.close(read)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 def test_a_child_forked_after_the_engine_started_gets_typed_errors_not_a_hang(llama_path):
     """MLX does not survive a fork, and the engine's thread is not in the child: a request
@@ -412,14 +426,7 @@ def test_a_child_forked_after_the_engine_started_gets_typed_errors_not_a_hang(ll
             os.write(write, ",".join(outcomes + [str(engine.closed)]).encode())
             os._exit(0)
         os.close(write)
-        deadline = time.monotonic() + 60
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                pytest.fail("the forked child hung")
-            time.sleep(0.05)
-        got = os.read(read, 1000).decode()
-        os.close(read)
+        got = _child_report(pid, read, timeout=60)
         assert got == f"{EngineClosedError.__name__},{ModelLoadError.__name__},True"
         assert engine.complete_sync("go on", {"max_tokens": 4}).token_ids == ref.token_ids
     finally:
@@ -485,15 +492,8 @@ def test_a_child_forked_while_the_engine_loads_gets_a_typed_error(llama_path, mo
         os._exit(0)
     os.close(write)
     try:
-        deadline = time.monotonic() + 30
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                pytest.fail("the forked child hung")
-            time.sleep(0.05)
-        assert os.read(read, 1000).decode() == EngineClosedError.__name__
+        assert _child_report(pid, read, timeout=30) == EngineClosedError.__name__
         loader.join(30)
         assert engine.complete_sync("go on", {"max_tokens": 4}).finish_reason in ("length", "stop")
     finally:
-        os.close(read)
         engine.close_sync()

@@ -22,8 +22,9 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from .detokenizer import RequestDetokenizer
-from .errors import (EngineClosedError, EngineStepError, InvalidRequestError, ModelLoadError, QueueFullError,
-                     own_copy, RequestTimeoutError, RequestTooLargeError, TandemError)
+from .errors import (EngineClosedError, EngineStepError, InvalidRequestError, QueueFullError, own_copy,
+                     RequestTimeoutError, RequestTooLargeError, TandemError)
+from .fork_guard import claim_process, inherited_engine_error
 from .lanes import Lane, TokenEvent
 from .memory import CacheFootprint, MemoryLedger
 from .model_loader import LoadedModel, load_text_model, resolve_model_path
@@ -39,13 +40,6 @@ logger = logging.getLogger(__name__)
 OWNER_THREAD_NAME = "mlx-tandem-engine"
 
 _STOP = object()
-
-# The process whose engine threads started MLX. A child forked after that has none of its
-# threads, and MLX itself does not survive the fork: a request on an inherited engine waited
-# for good on an inbox nobody reads, and a new engine hung loading its weights.
-_MLX_STARTED_IN_PID: Optional[int] = None
-FORKED = ("this process was forked from one whose engine had started, and MLX does not survive a "
-           "fork: use the 'spawn' or 'forkserver' start method, or fork before the first request")
 
 
 class EngineCore:
@@ -76,15 +70,12 @@ class EngineCore:
 
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:
-        global _MLX_STARTED_IN_PID
-        if _MLX_STARTED_IN_PID not in (None, os.getpid()):
-            raise ModelLoadError(FORKED)
-        _MLX_STARTED_IN_PID = os.getpid()
+        claim_process()
         self._thread.start()
 
     def forked(self) -> bool:
-        """This engine's thread lives in a parent process: checked before any lock, which
-        may have been held by a parent thread at the fork."""
+        """This engine's thread lives in a parent process (``fork_guard``): checked before
+        any lock, which a parent thread may have held at the fork."""
         return os.getpid() != self._pid
 
     @property
@@ -97,7 +88,7 @@ class EngineCore:
 
     def submit(self, request: Request) -> None:
         if self.forked():
-            raise EngineClosedError(f"the engine belongs to the parent process: {FORKED}")
+            raise inherited_engine_error()
         with self._inbox_lock:
             if self._closed.is_set():
                 raise EngineClosedError("the engine is closed")
@@ -144,7 +135,7 @@ class EngineCore:
                 fut.set_exception(exc)
             return fut
         if self.forked():
-            fut.set_exception(EngineClosedError(f"the engine belongs to the parent process: {FORKED}"))
+            fut.set_exception(inherited_engine_error())
             return fut
         with self._inbox_lock:
             if not self._closed.is_set():

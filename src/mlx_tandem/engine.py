@@ -26,7 +26,8 @@ from .chat_plan import plan_chat
 from .closing import GrammarProcessor
 from .constraints import GrammarCompiler, TokenBan, after_reasoning, response_format_constraint
 from .tool_call_grammar import LazyToolCallGrammar
-from .core import FORKED, EngineCore
+from .core import EngineCore
+from .fork_guard import inherited_engine_error
 from .default_model import DEFAULT_MODEL_NAME, default_model_path, names_default
 from .detokenizer import CallMarkers
 from .errors import (ConstraintError, ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError,
@@ -104,7 +105,7 @@ class Engine:
     def _ensure_core(self) -> EngineCore:
         core = self._core
         if core is not None and core.forked():  # before the lock, which a parent thread may hold
-            raise EngineClosedError(f"the engine belongs to the parent process: {FORKED}")
+            raise inherited_engine_error()
         with self._lock:
             if self._closed:
                 raise EngineClosedError("the engine is closed")

@@ -376,3 +376,26 @@ def test_the_continued_message_follows_the_history_the_prompt_rendered():
     assert turns == CallTurns() and text.endswith("Sunny")  # merged: the default
     # This template writes no generation prompt: the continued part is the final turn.
     assert renderer.continued_text(history, text, template_kwargs=kwargs, turns=turns) == "<assistant>Sunny"
+
+
+@pytest.mark.parametrize("source,assistant_turns", [(CALLS_ONLY, 3), (ALTERNATING, 2), (TEXT_AND_CALLS, 1)])
+def test_one_message_with_text_and_calls_is_split_where_the_template_cannot_print_it_whole(source, assistant_turns):
+    """LangChain's AIMessage carries an assistant's text and its calls in one message. A
+    template that prints only a call turn's one call (Llama 3.1 style) dropped the text and
+    raised on two calls, as transformers does; split into turns it can print, nothing is
+    lost. The results follow the calls' order across the split turns."""
+    from mlx_tandem.prompt import PromptRenderer
+
+    renderer = PromptRenderer(_JinjaTokenizer(source))
+    several = [_call(1, "weather_paris"), _call(2, "weather_rome")] if source is not ALTERNATING else \
+        [_call(1, "weather_paris")]
+    history = [{"role": "user", "content": "Weather in Paris and Rome?"},
+               {"role": "assistant", "content": "Let me check.", "tool_calls": several},
+               *({"role": "tool", "tool_call_id": c["id"], "content": c["function"]["name"]} for c in reversed(several))]
+    text, _ = renderer.render_with_text(history)
+    assert "Let me check." in text and all(f"CALL {c['function']['name']}" in text for c in several)
+    merged = normalize_messages(history, renderer.call_turns)
+    assert len([m for m in merged if m["role"] == "assistant"]) == assistant_turns
+    assert [m["tool_call_id"] for m in merged if m["role"] == "tool"] == [c["id"] for c in several]
+    # Each caller's message once (the split turns share one), the results in call order.
+    assert [i for i, _ in hoisted_order(history, renderer.call_turns)] == [0, 1, *range(1 + len(several), 1, -1)]

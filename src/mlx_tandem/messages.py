@@ -143,7 +143,7 @@ def _in_call_order(out: list[tuple[Message, list[int]]]) -> list[tuple[Message, 
     Clients match a result to its call by id, in any order (OpenAI, LangChain); templates
     in the Qwen and Hermes style pair them by position, so a run answered out of order
     would read each result against the wrong call. A run is reordered only when its ids
-    answer distinct calls of the assistant message just before it.
+    answer distinct calls of the assistant call turns just before it.
     """
     out = list(out)
     i = 0
@@ -151,7 +151,12 @@ def _in_call_order(out: list[tuple[Message, list[int]]]) -> list[tuple[Message, 
         j = i
         while j < len(out) and out[j][0]["role"] == "tool":
             j += 1
-        calls = out[i - 1][0].get("tool_calls") if j > i + 1 and i > 0 else None
+        # The calls of the assistant turns just before the run (one turn, or one a call
+        # where the template takes one a turn).
+        calls, k = [], i - 1
+        while j > i + 1 and k >= 0 and out[k][0]["role"] == "assistant" and out[k][0].get("tool_calls"):
+            calls[:0] = out[k][0]["tool_calls"]
+            k -= 1
         if calls:
             order = {c["id"]: k for k, c in enumerate(calls)
                      if isinstance(c, dict) and isinstance(c.get("id"), str)}
@@ -267,4 +272,27 @@ def _normalized(messages: list[Message], turns: CallTurns = CallTurns()) -> list
             out[-1][1].append(i)
             continue
         out.append((m, [i]))
+    if not (turns.text and turns.several):
+        out = [piece for item in out for piece in _split_call_turn(item, turns)]
     return _in_call_order(out)
+
+
+def _split_call_turn(item: tuple[Message, list[int]], turns: CallTurns) -> list[tuple[Message, list[int]]]:
+    """An assistant turn the template cannot print whole, as turns it can: its text (and
+    reasoning) apart from its calls where it drops a call turn's text, and one call a turn
+    where it takes one (Llama 3.1's dropped the text and raised on two calls). The caller's
+    indices go with the first piece only, so the images are read once."""
+    m, sources = item
+    calls = m.get("tool_calls") or []
+    if m["role"] != "assistant" or not calls or (turns.several or len(calls) == 1) and (
+            turns.text or _no_content(m.get("content"))):
+        return [item]
+    pieces = []
+    head = {k: v for k, v in m.items() if k != "tool_calls"}
+    if not turns.text and not _no_content(m.get("content")):
+        pieces.append(head)
+        head = {k: v for k, v in head.items() if k not in ("content", "reasoning_content")}
+    for group in ([calls] if turns.several else [[c] for c in calls]):
+        pieces.append({**head, "tool_calls": group})
+        head = {k: v for k, v in head.items() if k not in ("content", "reasoning_content")}
+    return [(piece, sources if k == 0 else []) for k, piece in enumerate(pieces)]

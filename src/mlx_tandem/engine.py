@@ -533,11 +533,12 @@ class Engine:
             self._format, tools=tools, tool_choice=tool_choice, response_format=response_format,
             reasoning=reasoning, parallel_tool_calls=None, template_kwargs=template_kwargs,
             marker=self._grammar.marker, encode=self._renderer.encode)
-        if has_media(messages):
+        media = has_media(messages)
+        if media:
             self._check_media(messages, tools)
         text, ids, turns = self._renderer.render_chat(messages, tools=plan.tools,
                                                       template_kwargs=plan.template_kwargs)
-        if not has_media(messages):
+        if not media:
             return ids
         images = self._load_images(messages, turns)
         from .lanes.vision import expand_images

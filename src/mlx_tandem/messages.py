@@ -120,21 +120,19 @@ def _is_plain(m: Message) -> bool:
     return not m.get("tool_calls") and not m.get("tool_call_id") and m["role"] != "tool"
 
 
-def _mergeable(prev: Message, m: Message, turns: CallTurns) -> bool:
+def _mergeable(prev: Message, m: Message) -> bool:
     """Whether ``m`` can join ``prev`` whole: same role, no tool result, the same extra
     fields. Assistant calls join (the ids kept, in order), as text then calls or calls then
-    calls, where the template renders such a turn whole (``turns``); text after calls stays
-    apart (alone or with calls of its own), since templates print a turn's text before its
-    calls."""
+    calls; text after calls stays apart (alone or with calls of its own), since templates
+    print a turn's text before its calls. A turn the template cannot print whole is split
+    afterwards (``_split_call_turn``)."""
     if prev["role"] != m["role"] or prev["role"] in ("system", "tool") or not _same_extras(prev, m):
         return False
     if _is_plain(prev) and _is_plain(m):
         return True
     if prev["role"] != "assistant" or prev.get("tool_call_id") or m.get("tool_call_id") or not m.get("tool_calls"):
         return False
-    if prev.get("tool_calls"):
-        return turns.several and not text_of(m.get("content")).strip()
-    return turns.text or not text_of(prev.get("content")).strip()
+    return not prev.get("tool_calls") or not text_of(m.get("content")).strip()
 
 
 def _in_call_order(out: list[tuple[Message, list[int]]]) -> list[tuple[Message, list[int]]]:
@@ -225,12 +223,12 @@ def normalize_messages(messages: Iterable[Message], turns: CallTurns = CallTurns
     3. Consecutive messages of the same role are merged when their ``name`` is the same
        and they carry no other field that differs; their ``content`` and
        ``reasoning_content`` are joined, and an assistant's ``tool_calls`` are concatenated
-       (text then calls, or calls then calls; see ``_mergeable``), where the template
-       renders such a turn whole (``turns``, found by ``PromptRenderer.call_turns``).
-       Strict templates (Gemma, Mistral) refuse two assistant turns in a row, and a
-       Responses-style history often has one for the text and one per call. Tool results
-       are never merged. Nothing else is dropped: messages that cannot be merged whole stay
-       apart.
+       (text then calls, or calls then calls; see ``_mergeable``). Strict templates (Gemma,
+       Mistral) refuse two assistant turns in a row, and a Responses-style history often
+       has one for the text and one per call. Tool results are never merged. Nothing else
+       is dropped: messages that cannot be merged whole stay apart. A turn the template
+       cannot print whole (``turns``, found by ``PromptRenderer.call_turns``) is then split
+       into turns it can (``_split_call_turn``).
     4. Each run of tool results follows the order of the calls it answers (``_in_call_order``).
     """
     return [m for m, _ in _normalized(validate_messages(messages), turns)]
@@ -263,7 +261,7 @@ def _normalized(messages: list[Message], turns: CallTurns = CallTurns()) -> list
         if _is_system(m):
             continue
         prev = out[-1][0] if out else None
-        if prev is not None and _mergeable(prev, m, turns):
+        if prev is not None and _mergeable(prev, m):
             prev["content"] = _merge_content(prev.get("content"), m.get("content"))
             if m.get("reasoning_content"):
                 prev["reasoning_content"] = _merge_content(prev.get("reasoning_content"), m["reasoning_content"])

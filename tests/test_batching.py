@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from mlx_tandem import SamplingParams
+from mlx_tandem import Engine, SamplingParams
 
 from .numerics import same_greedy
 from .prompts import chat_prompts
@@ -68,6 +68,23 @@ async def test_seeded_sampling_is_reproducible_in_any_batch(engine):
     assert together.token_ids == alone.token_ids
     other_seed = await engine.chat(prompt, params.with_updates(seed=99))
     assert other_seed.token_ids != alone.token_ids
+
+
+async def test_unseeded_sampling_differs_between_engines_in_one_process(llama_path):
+    """Each owner thread draws from a key of its own: mlx 0.32 starts every new thread from
+    the same key, so a second engine (beside the first, or after it closed) gave the same
+    "random" answers."""
+    prompts = chat_prompts(4)
+    params = SamplingParams(max_tokens=12, temperature=1.0)
+
+    async def answers(engine):
+        return [out.token_ids for out in await asyncio.gather(*[engine.chat(p, params) for p in prompts])]
+
+    async with Engine(llama_path, show_progress=False) as engine:
+        first = await answers(engine)
+    async with Engine(llama_path, show_progress=False) as b, Engine(llama_path, show_progress=False, mtp="off") as c:
+        second, third = await asyncio.gather(answers(b), answers(c))
+    assert first != second and first != third and second != third
 
 
 async def test_per_request_temperatures_in_one_batch(engine, model_path):

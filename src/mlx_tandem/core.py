@@ -30,6 +30,7 @@ from .memory import CacheFootprint, MemoryLedger
 from .model_loader import LoadedModel, load_text_model, resolve_model_path
 from .options import EngineOptions
 from .outputs import StreamDelta, Usage
+from .owner_random import restore_key, seed_from_os
 from .teardown import clear_frames, drain_device, release_arrays
 from .request import Request, RequestState, dispatch
 from .startup import build_lanes, make_ledger
@@ -159,6 +160,7 @@ class EngineCore:
     # ------------------------------------------------------------------ owner thread
     def _run(self) -> None:
         try:
+            seed_from_os()  # this thread's own key: a new thread starts from the process's
             self._build_lanes()
             # The owner thread decodes with its own tokenizer copy: HF fast tokenizers raise
             # "Already borrowed" when one instance is used from several threads at once.
@@ -434,14 +436,11 @@ class EngineCore:
             self.stats.count("memory_waits")
 
     def _step_lane(self, lane: Lane) -> None:
-        # A sampler compiled with the global PRNG state as input and output (mlx-lm's) that
-        # raises mid-trace leaves a placeholder in mx.random.state (mlx 0.32), failing every
-        # later unseeded draw: a failed step puts the state back.
-        rng_key = mx.random.state[0]
+        rng_key = mx.random.state[0]  # a failed step puts it back (owner_random.restore_key)
         try:
             events, st = lane.step()
         except BaseException as exc:  # noqa: BLE001 - fail the step's requests, keep serving
-            _restore_random_key(rng_key)
+            restore_key(rng_key)
             logger.exception("step of lane %r failed; failing its requests and recovering", lane.name)
             self.stats.count("step_errors")
             error = EngineStepError(f"the forward step failed: {type(exc).__name__}: {exc}")
@@ -585,13 +584,3 @@ class EngineCore:
         self.stats.set_queue(running=len(self._running), waiting=len(self._waiting),
                              memory={**self._memory.snapshot(), "waiting_for_memory": self._held_for_memory})
 
-
-def _restore_random_key(key: mx.array) -> None:
-    """Make ``key`` mlx's global PRNG key again. The state cannot be assigned to, but
-    ``mx.random.seed(s)`` sets the key to ``[s >> 32, s & 0xffffffff]``."""
-    try:
-        hi, lo = (int(v) for v in key.tolist())
-        mx.random.seed((hi << 32) | lo)
-    except Exception:  # noqa: BLE001 - the saved key itself unusable: any fresh state beats a broken one
-        logger.warning("could not restore the PRNG key after a failed step; reseeding", exc_info=True)
-        mx.random.seed(time.time_ns() % 2**64)

@@ -12,6 +12,9 @@ Side by side in one run (the machines are noisy), time to first token (TTFT), gr
      target and on a hybrid qwen3_5 (GatedDeltaNet + attention) model: miss (cache off) vs hit.
      Multi-turn: an agent conversation with tool results, TTFT of turn 5 with and without the
      prefix cache.
+     A burst: several requests with one new system prompt submitted at once, on the hybrid
+     model: each prefilling its own copy (``prefix_cache_wait_for_prefill=False``) vs the
+     others waiting for the first one's snapshot; mean and last TTFT, tokens prefilled.
 
 Prompts are natural text (Python standard-library docstrings) in the factory tokenizer.
 
@@ -45,7 +48,7 @@ FULL = dict(
                 linear_key_head_dim=64, linear_value_head_dim=64, full_attention_interval=4),
     draft=dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
                num_key_value_heads=2),
-    lengths=(2048, 8192), reps=2, system_tokens=4096, cache_reps=3, turns=5)
+    lengths=(2048, 8192), reps=2, system_tokens=4096, cache_reps=3, turns=5, burst=8, burst_reps=2)
 QUICK = dict(
     target=dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1408, num_attention_heads=8,
                 num_key_value_heads=2),
@@ -54,7 +57,7 @@ QUICK = dict(
                 linear_key_head_dim=64, linear_value_head_dim=64, full_attention_interval=2),
     draft=dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
                num_key_value_heads=1),
-    lengths=(2048,), reps=1, system_tokens=2048, cache_reps=2, turns=5)
+    lengths=(2048,), reps=1, system_tokens=2048, cache_reps=2, turns=5, burst=4, burst_reps=2)
 KEEP = 0.2
 AGREEMENT_TOKENS = 32
 CONTEXT = 20_000
@@ -220,6 +223,45 @@ async def bench_turns(cfg, path: Path, name: str, bar) -> dict:
     return out
 
 
+async def bench_burst(cfg, path: Path, name: str, bar) -> dict:
+    """One new system prompt, ``burst`` requests at once: each prefills its own copy, or the
+    others wait for the first one's snapshot. Alternated, a new system prompt each repeat."""
+    engines = {label: Engine(path, show_progress=False, max_model_len=CONTEXT, mtp="off",
+                             prefix_cache_wait_for_prefill=wait)
+               for label, wait in (("separate", False), ("shared", True))}
+    for engine in engines.values():
+        await engine.start()
+    encode = engines["shared"]._renderer.encode
+    params = {"max_tokens": 4}
+    runs = {label: [] for label in engines}
+    same = True
+    for rep in range(cfg["burst_reps"]):
+        system = engines["shared"].tokenizer.decode(natural_tokens(cfg["system_tokens"], encode, offset=11 + 5 * rep))
+        chats = [[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: what does "
+                  f"{corpus()[i].split(':')[0]} return?"}] for i in range(cfg["burst"])]
+        outputs = {}
+        for label, engine in engines.items():
+            before = engine.stats()["prefill_tokens"]
+            t0 = time.perf_counter()
+            done = await asyncio.gather(*[ttft(engine, messages=c, params=params) for c in chats])
+            wall = time.perf_counter() - t0
+            firsts = [t for t, _ in done]
+            outputs[label] = [ids for _, ids in done]
+            runs[label].append({"mean_ttft_s": sum(firsts) / len(firsts), "last_ttft_s": max(firsts),
+                                "wall_s": wall, "prefill_tokens": engine.stats()["prefill_tokens"] - before})
+            bar.update()
+        same &= outputs["separate"] == outputs["shared"]
+    prompt_tokens = len(engines["shared"].apply_chat_template(chats[0]))
+    waits = engines["shared"].stats()["prefix_cache"]["prefill_waits"]
+    for engine in engines.values():
+        await engine.close()
+    best = {label: min(r, key=lambda x: x["wall_s"]) for label, r in runs.items()}
+    return {"model": name, "requests": cfg["burst"], "prompt_tokens": prompt_tokens, **best,
+            "speedup_mean_ttft": best["separate"]["mean_ttft_s"] / best["shared"]["mean_ttft_s"],
+            "speedup_wall": best["separate"]["wall_s"] / best["shared"]["wall_s"],
+            "prefill_waits": waits, "identical_outputs": same}
+
+
 async def bench(args) -> dict:
     from tqdm.auto import tqdm
 
@@ -236,7 +278,8 @@ async def bench(args) -> dict:
         if not (paths[role] / "config.json").exists():
             print(f"building the {role} model ({kind}) at {paths[role]} ...", flush=True)
             make_tiny_model(kind, paths[role], seed=0, max_position_embeddings=CONTEXT, **sizes)
-    total = 2 * len(cfg["lengths"]) * cfg["reps"] + 2 * cfg["cache_reps"] + 4 * cfg["turns"]
+    total = (2 * len(cfg["lengths"]) * cfg["reps"] + 2 * cfg["cache_reps"] + 4 * cfg["turns"]
+             + 2 * cfg["burst_reps"])
     bar = tqdm(total=total, desc="long-prompt benchmark", unit="run")
     results = {
         "models": {role: {"kind": models[role][0], **models[role][1]} for role in models},
@@ -245,13 +288,14 @@ async def bench(args) -> dict:
                          await bench_system_cache(cfg, paths["hybrid"], "qwen3_5", bar)],
         "multi_turn": [await bench_turns(cfg, paths["target"], "llama", bar),
                        await bench_turns(cfg, paths["hybrid"], "qwen3_5", bar)],
+        "burst": await bench_burst(cfg, paths["hybrid"], "qwen3_5", bar),
     }
     bar.close()
     return results
 
 
 def plot(results: dict, plt):
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
     bars = [
         (axes[0], "SpecPrefill (keep 20%)",
          [(f"{r['prompt_tokens'] // 1024}K", r["ttft_full_s"], r["ttft_specprefill_s"]) for r in results["specprefill"]],
@@ -261,6 +305,9 @@ def plot(results: dict, plt):
         (axes[2], "agent turn 5",
          [(r["model"], r["without_cache"]["ttft_per_turn_s"][-1], r["with_cache"]["ttft_per_turn_s"][-1])
           for r in results["multi_turn"]], ("no prefix cache", "prefix cache")),
+        (axes[3], f"{results['burst']['requests']} at once, one system prompt",
+         [(what, results["burst"]["separate"][key], results["burst"]["shared"][key])
+          for what, key in (("mean", "mean_ttft_s"), ("last", "last_ttft_s"))], ("each prefills it", "prefilled once")),
     ]
     for ax, title, rows, names in bars:
         x = range(len(rows))
@@ -296,8 +343,17 @@ def main(argv=None) -> int:
         print(f"{r['model']:>8}: {r['without_cache']['ttft_per_turn_s'][-1]:.3f}s without the prefix cache, "
               f"{r['with_cache']['ttft_per_turn_s'][-1]:.3f}s with it: {r['turn5_speedup']:.1f}x "
               f"({r['with_cache']['prompt_tokens_last_turn']} prompt tokens)")
+    b = results["burst"]
+    print(f"\nA burst of {b['requests']} requests with one new system prompt ({b['model']}, "
+          f"{b['prompt_tokens']} prompt tokens each)")
+    for label, what in (("separate", "each prefills it"), ("shared", "prefilled once")):
+        r = b[label]
+        print(f"{what:>17}: mean TTFT {r['mean_ttft_s']:.3f}s, last {r['last_ttft_s']:.3f}s, "
+              f"{r['prefill_tokens']} tokens prefilled")
+    print(f"{'':>17}  mean TTFT {b['speedup_mean_ttft']:.2f}x, burst {b['speedup_wall']:.2f}x, identical "
+          f"{b['identical_outputs']}")
     report.write(results, args.output, plot)
-    if not all(r["identical_outputs"] for r in results["system_cache"]):
+    if not all(r["identical_outputs"] for r in results["system_cache"]) or not b["identical_outputs"]:
         print("FAILED: a prefix-cache hit answered differently from a miss (the cache must be exact)",
               file=sys.stderr)
         return 1

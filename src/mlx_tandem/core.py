@@ -349,8 +349,8 @@ class EngineCore:
 
     def _admit(self) -> None:
         """Start waiting requests, in arrival order, on lanes with a free slot while their
-        caches fit the memory budget (memory.py). A full lane does not hold back requests for
-        another lane; a request waiting for memory holds back every later one (memory is
+        caches fit the memory budget (memory.py). A full lane, or a request its lane defers,
+        holds back no other; one waiting for memory holds back every later one (memory is
         shared, and letting small requests pass would starve a large one)."""
         full: set[str] = set()
         kept: deque[Request] = deque()
@@ -361,6 +361,9 @@ class EngineCore:
             lane = self._lanes.get(req.lane)
             if lane is not None and not held and (req.lane in full or lane.num_active >= self.options.max_batch_size):
                 full.add(req.lane)
+                kept.append(req)
+                continue
+            if lane is not None and not held and lane.defer(req):
                 kept.append(req)
                 continue
             if lane is not None and not held and not self._prepared(lane, req):

@@ -54,6 +54,10 @@ class EngineOptions:
     prefix_cache_bytes: int = 1 << 30
     #: Shortest prefix worth storing or reusing, in tokens.
     prefix_cache_min_tokens: int = 32
+    #: A request whose prompt shares a prefix that a running request is about to store (one
+    #: system prompt, several requests at once) waits for that snapshot instead of
+    #: prefilling the same tokens beside it. Off: each prefills its own copy.
+    prefix_cache_wait_for_prefill: bool = True
     #: SpecPrefill draft: a checkpoint with the target's tokenizer (a small model). None
     #: turns SpecPrefill off. Long prompts are then scored by the draft and the target
     #: prefills only their important chunks (lossy: the answer may differ from a full prefill).
@@ -89,7 +93,7 @@ class EngineOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 0")
-        for name in ("constrain_tool_calls", "show_progress", "allow_remote_images"):
+        for name in ("constrain_tool_calls", "show_progress", "allow_remote_images", "prefix_cache_wait_for_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"engine option {name}={getattr(self, name)!r}: must be True or False")
         if not isinstance(self.coalesce_ms, (int, float)) or not 0 <= self.coalesce_ms <= 1000:

@@ -60,6 +60,7 @@ class PrefixCache:
         self.stored = 0
         self.evicted = 0
         self.hits_by_kind = {k: 0 for k in KINDS}
+        self.prefill_waits = 0  # requests that waited for a row in prefill to store their prefix
 
     def __len__(self) -> int:
         return sum(len(d) for d in self._lru.values())
@@ -88,6 +89,12 @@ class PrefixCache:
         self.hit_tokens += n
         self.hits_by_kind[entry.kind] += 1
         return cache, n
+
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        """How many tokens of ``tokens`` a fetch would reuse now (no copy, not counted)."""
+        tokens = list(tokens)
+        found = self._find(tokens[:-1]) if len(tokens) > 1 else None
+        return found[1] if found is not None else 0
 
     def _find(self, tokens: list[int]) -> Optional[tuple[_Entry, int]]:
         if not tokens:
@@ -185,6 +192,7 @@ class PrefixCache:
             "hits_by_kind": dict(self.hits_by_kind),
             "stored": self.stored,
             "evicted": self.evicted,
+            "prefill_waits": self.prefill_waits,
             "entries": len(self),
             "bytes": self.nbytes,
             "budget_bytes": self.budget_bytes,

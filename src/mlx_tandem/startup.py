@@ -37,6 +37,7 @@ def build_lanes(loaded: LoadedModel, opts: EngineOptions, lanes: dict[str, Lane]
         prefix_cache=(PrefixCache(opts.prefix_cache_bytes, min_tokens=opts.prefix_cache_min_tokens)
                       if opts.prefix_cache_bytes else None),
         specprefill=_load_specprefill(loaded, opts),
+        wait_for_shared_prefill=opts.prefix_cache_wait_for_prefill,
     )
     if loaded.vlm is not None:
         from .lanes.vision import VisionLane

@@ -121,6 +121,7 @@ class EngineStats:
                 "step_errors": self.step_errors,
                 "constrained_requests": self.constrained_requests,
                 "prompt_tokens": self.prompt_tokens,
+                "prefill_tokens": self.prefill_tokens,
                 "generation_tokens": self.generation_tokens,
                 "prompt_tokens_per_s": (self.prefill_tokens / self.prompt_time) if self.prompt_time else 0.0,
                 "generation_tokens_per_s": (self.generation_tokens / self.decode_time) if self.decode_time else 0.0,

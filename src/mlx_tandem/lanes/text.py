@@ -9,6 +9,10 @@ With a PrefixCache, a request starts from the longest cached prefix of its promp
 rest of its prompt is inserted as segments that end at its cache points, so mlx-lm reports
 when each boundary is reached and the row's exact state there (recurrent state included)
 is snapshotted. A finished request's full cache (prompt + answer) is kept too.
+
+Requests that arrive together with one system prompt wait for the first one's snapshot
+instead of each prefilling it (``defer``, claims.py). A request waits no longer than the
+claiming row takes to prefill tokens it would otherwise have prefilled itself.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..specprefill import SpecPrefillConfig, SpecPrefillStats
 from ..specprefill.job import SparsePrefill
 from ..specprefill.positions import positioned
 from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
+from .claims import Claim, PrefillClaims
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,7 @@ class _RowCaching:
     start: int
     points: list[tuple[int, str]] = field(default_factory=list)  # (prompt length, kind), ascending
     store_final: bool = True
+    claimed: list[Claim] = field(default_factory=list)  # one per point, same order
 
 
 @dataclass
@@ -54,6 +60,7 @@ class _Sparse:
     job: SparsePrefill
     sampler: object
     processors: list
+    claimed: Optional[Claim] = None  # the system prefix its dense part will store
 
 
 def split_at(tokens: list[int], cuts: Sequence[int]) -> list[list[int]]:
@@ -86,6 +93,7 @@ class TextLane:
         mtp_depth: int = 2,
         prefix_cache: Optional[PrefixCache] = None,
         specprefill: Optional[SpecPrefillConfig] = None,
+        wait_for_shared_prefill: bool = True,
     ):
         self.model = model
         self.prefix_cache = prefix_cache
@@ -111,6 +119,8 @@ class TextLane:
         self._rows = RowIds()
         self._errors: list[tuple[str, BaseException]] = []
         self._caching: dict[int, _RowCaching] = {}
+        self._claims = PrefillClaims()
+        self._wait_for_shared = wait_for_shared_prefill and prefix_cache is not None
 
     def _new_generator(self) -> BatchGenerator:
         if self.spec is not None:
@@ -153,6 +163,26 @@ class TextLane:
     def prepare(self, request: Request) -> None:  # a text prompt is known from the start
         pass
 
+    def defer(self, request: Request) -> bool:
+        """Should the request wait for a row in prefill to store a prefix of its prompt?
+
+        Only when that prefix gives at least ``prefix_cache_min_tokens`` more than the cache
+        gives now (the bar for storing one at all): the wait costs the request a step. Only
+        for claims older than its first wait (claims.py).
+        """
+        if not (self._wait_for_shared and self._claims):
+            return False
+        since = request.extra.get("prefill_wait_since", self._claims.serial)
+        prompt = request.prompt_ids
+        claimed = max((p for p, _ in request.cache_points
+                       if p < len(prompt) and self._claims.held_since(prompt[:p], since)), default=0)
+        if claimed - self.prefix_cache.cached_length(prompt) < self.prefix_cache.min_tokens:
+            return False
+        if "prefill_wait_since" not in request.extra:
+            request.extra["prefill_wait_since"] = since
+            self.prefix_cache.prefill_waits += 1
+        return True
+
     def add(self, request: Request) -> None:
         rid = request.request_id
         sampler = make_request_sampler(request.params)
@@ -175,7 +205,9 @@ class TextLane:
         except Exception as exc:  # noqa: BLE001 - setting up SpecPrefill is the engine's part
             raise EngineStepError(f"SpecPrefill failed: {type(exc).__name__}: {exc}") from exc
         if job is not None:
-            self._sparse[rid] = _Sparse(request, job, sampler, processors)
+            pending = self._sparse[rid] = _Sparse(request, job, sampler, processors)
+            if self._wait_for_shared and (job.dense_end, "system") in self._snapshot_points(request, start):
+                pending.claimed = self._claims.take(request.prompt_ids[: job.dense_end])
             return
         # Every row gets PositionedKVCaches, so any batch can take a sparse-prefilled row.
         points = self._snapshot_points(request, start)
@@ -208,6 +240,8 @@ class TextLane:
             logits_processors=[processors],
         )
         if self.prefix_cache is not None:
+            if self._wait_for_shared:
+                caching.claimed = [self._claims.take(request.prompt_ids[:p]) for p, _ in caching.points]
             self._caching[uid] = caching
         self._rows.add(uid, request.request_id)
         if self.spec is not None:
@@ -254,7 +288,9 @@ class TextLane:
             if job.at_dense_end and self.prefix_cache is not None and \
                     (job.dense_end, "system") in request.cache_points:
                 self.prefix_cache.store(request.prompt_ids[: job.dense_end], job.dense_snapshot(), "system")
+                self._release_sparse(pending)
             if job.done:
+                self._release_sparse(pending)
                 del self._sparse[rid]
                 self.sp_stats.record(job)
                 prompt = list(request.prompt_ids)
@@ -263,21 +299,29 @@ class TextLane:
                              pending.processors, _RowCaching(len(prompt), store_final=False))
         except Exception as exc:  # noqa: BLE001 - this request fails, the lane goes on
             logger.exception("SpecPrefill of %s failed", rid)
+            self._release_sparse(pending)
             self._sparse.pop(rid, None)
             error = EngineStepError(f"SpecPrefill failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
             return [TokenEvent(rid, [], "error", error)], 0, 0.0
         return [], fed, time.perf_counter() - tic
 
+    def _release_sparse(self, pending: _Sparse) -> None:
+        if pending.claimed is not None:
+            self._claims.give_back([pending.claimed])
+            pending.claimed = None
+
     def specprefill_stats(self) -> dict | None:
         return self.sp_stats.snapshot() if self.specprefill is not None else None
 
     def remove(self, request_ids: Sequence[str]) -> None:
         for r in request_ids:
-            self._sparse.pop(r, None)
+            pending = self._sparse.pop(r, None)
+            if pending is not None:
+                self._release_sparse(pending)
         uids = [uid for uid in map(self._rows.pop, request_ids) if uid is not None]
         for uid in uids:
-            self._caching.pop(uid, None)
+            self._drop_caching(uid)
         if uids:
             self._gen.remove(uids)
             if self.spec is not None:
@@ -315,7 +359,7 @@ class TextLane:
                 self._rows.pop(rid)
                 if self.spec is not None:
                     self.spec.rows.pop(r.uid, None)
-                caching = self._caching.pop(r.uid, None)
+                caching = self._drop_caching(r.uid)
                 if caching is not None and caching.store_final and r.prompt_cache is not None:
                     self.prefix_cache.store(r.all_tokens, r.prompt_cache, "final")
         events = sparse_events + list(by_rid.values())
@@ -343,6 +387,15 @@ class TextLane:
         if due:
             for uid, (cache, tokens) in self._gen.extract_cache(list(due)).items():
                 self.prefix_cache.store(tokens, cache, due[uid])
+            for uid in due:  # stored (or refused by the budget): its waiters go on either way
+                self._claims.give_back(self._caching[uid].claimed[:1])
+                del self._caching[uid].claimed[:1]
+
+    def _drop_caching(self, uid: int) -> Optional[_RowCaching]:
+        caching = self._caching.pop(uid, None)
+        if caching is not None:
+            self._claims.give_back(caching.claimed)
+        return caching
 
     def prefix_cache_stats(self) -> dict | None:
         return self.prefix_cache.snapshot() if self.prefix_cache is not None else None
@@ -354,6 +407,7 @@ class TextLane:
         dropped += list(self._sparse)
         self._sparse.clear()
         self._caching.clear()
+        self._claims.clear()
         self._gen.close()
         self._gen = self._new_generator()
         return dropped

@@ -87,6 +87,9 @@ class VisionLane:
     def has_work(self) -> bool:
         return bool(self._rows)
 
+    def defer(self, request: Request) -> bool:  # no prefix cache here: nothing to wait for
+        return False
+
     def prepare(self, request: Request) -> None:
         """Expand the images so admission measures the real prompt. The processor's outputs
         wait here for ``add``, which comes next unless the request does not fit and waits;

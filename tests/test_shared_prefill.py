@@ -1,0 +1,139 @@
+"""Requests that arrive together with one system prompt prefill it once.
+
+A row in prefill claims the prefixes it will store; a request sharing one waits for the
+snapshot and starts from it. Each answer is compared with a cold one-request reference, and
+the claims must always be given back (a leaked claim would hold its waiters for good).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mlx_tandem import Engine, SamplingParams
+from mlx_tandem.request import Request
+
+from .reference import reference_greedy
+from .test_prefix_cache import SYSTEM, TOOLS, _user
+
+
+def _chats(n: int) -> list[list[dict]]:
+    return [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user(i)}] for i in range(n)]
+
+
+async def _wave(path, n: int, **options):
+    """``n`` chats sharing a system prompt, submitted at once (one coalesced admission)."""
+    chats = _chats(n)
+    async with Engine(path, show_progress=False, prefix_cache_min_tokens=8, coalesce_ms=300,
+                      **options) as engine:
+        ids = [engine.apply_chat_template(c, tools=TOOLS) for c in chats]
+        system = {k: p for p, k in engine._renderer.cache_points(chats[0], ids[0], tools=TOOLS)}["system"]
+        outs = await asyncio.gather(*[engine.chat(c, SamplingParams(max_tokens=8), tools=TOOLS) for c in chats])
+        stats = engine.stats()
+        claims = engine.run_on_owner_thread(lambda: len(engine._core._lanes["text"]._claims))
+    return ids, system, outs, stats, claims
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+async def test_concurrent_requests_prefill_their_shared_system_prompt_once(kind, request):
+    path = request.getfixturevalue(f"{kind}_path")
+    ids, system, outs, stats, claims = await _wave(path, 5)
+    for i, (out, p) in enumerate(zip(outs, ids)):
+        assert out.token_ids == reference_greedy(path, p, 8), f"chat {i} diverged from its cold run"
+    cached = sorted(out.usage.cached_tokens for out in outs)
+    # One request prefilled the system prompt; every other one started from its snapshot.
+    assert cached[0] < system <= cached[1]
+    assert stats["prefix_cache"]["prefill_waits"] >= 1
+    # What the forward passes prefilled: each prompt less its cached tokens and its last one
+    # (mlx-lm feeds that as the first decode input).
+    assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids) - sum(cached)
+    assert claims == 0
+
+
+async def test_without_waiting_each_request_prefills_its_own_copy(qwen3_5_path):
+    ids, system, outs, stats, claims = await _wave(qwen3_5_path, 3, prefix_cache_wait_for_prefill=False)
+    for out, p in zip(outs, ids):
+        assert out.token_ids == reference_greedy(qwen3_5_path, p, 8)
+    assert stats["prefix_cache"]["prefill_waits"] == 0
+    assert all(out.usage.cached_tokens < system for out in outs)  # all admitted together, all missed
+    assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids)
+
+
+async def test_a_claim_is_given_back_when_its_row_leaves_before_storing(qwen3_5_path):
+    """A waiter goes on when the row it waits for is removed (cancelled, failed) mid-prefill,
+    or the lane is reset; it then prefills the prefix itself."""
+    chats = _chats(2)
+    async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8) as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        points = [engine._renderer.cache_points(c, p) for c, p in zip(chats, ids)]
+        lane = engine._core._lanes["text"]
+
+        def requests():
+            return [Request(f"r{i}", p, SamplingParams(), sink=None, max_tokens=4, cache_points=pts)
+                    for i, (p, pts) in enumerate(zip(ids, points))]
+
+        def check(leave):
+            first, second = requests()
+            assert not lane.defer(second)  # nothing claimed yet
+            lane.add(first)  # inserted, not stepped: its prefill has not started
+            waits = lane.defer(second)
+            leave(first)
+            return waits, lane.defer(second), len(lane._claims)
+
+        removed = engine.run_on_owner_thread(lambda: check(lambda r: lane.remove([r.request_id])))
+        reset = engine.run_on_owner_thread(lambda: check(lambda r: lane.reset()))
+        # The engine goes on: the claimed prefix was never stored, so this is a cold prefill.
+        out = await engine.chat(chats[1], SamplingParams(max_tokens=6))
+    assert removed == (True, False, 0) and reset == (True, False, 0)
+    assert out.usage.cached_tokens == 0 and out.token_ids == reference_greedy(qwen3_5_path, ids[1], 6)
+
+
+async def test_a_request_waits_only_when_the_claim_adds_enough(qwen3_5_path):
+    """Waiting costs a step: a claimed prefix no longer than the cached one by
+    ``prefix_cache_min_tokens`` is not worth it."""
+    chats = _chats(2)
+    async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8) as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        points = [engine._renderer.cache_points(c, p) for c, p in zip(chats, ids)]
+        system = {k: p for p, k in points[0]}["system"]
+        await engine.chat(chats[0], SamplingParams(max_tokens=2))  # stores the system prompt
+        lane = engine._core._lanes["text"]
+
+        def probe():
+            # A row about to store a prefix 4 tokens past the cached system prompt.
+            first = Request("a", ids[1], SamplingParams(), sink=None, max_tokens=2,
+                            cache_points=[(system + 4, "turn")])
+            second = Request("b", ids[1], SamplingParams(), sink=None, max_tokens=2,
+                             cache_points=[(system, "system"), (system + 4, "turn")])
+            lane.add(first)
+            waits = lane.defer(second)
+            lane.remove(["a"])
+            return waits
+
+        assert engine.run_on_owner_thread(probe) is False
+
+
+async def test_where_the_budget_refuses_the_snapshot_the_waiters_go_on_together(qwen3_5_path):
+    """Each request waits once: released without a snapshot, the waiters all start in the
+    next admission, instead of each waiting for the one before it to prefill the prefix."""
+    chats = _chats(4)
+    async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8, coalesce_ms=300,
+                      prefix_cache_bytes=1) as engine:  # nothing fits: every store is refused
+        ids = [engine.apply_chat_template(c) for c in chats]
+        lane, core = engine._core._lanes["text"], engine._core
+        added_at = {}
+        real_add = lane.add
+
+        def add(request):
+            added_at[request.request_id] = core.stats.steps
+            return real_add(request)
+
+        lane.add = add
+        outs = await asyncio.gather(*[engine.chat(c, SamplingParams(max_tokens=6)) for c in chats])
+        stats = engine.stats()["prefix_cache"]
+    for out, p in zip(outs, ids):
+        assert out.token_ids == reference_greedy(qwen3_5_path, p, 6) and out.usage.cached_tokens == 0
+    assert stats["entries"] == 0 and stats["prefill_waits"] == 3
+    first, *waiters = sorted(added_at.values())
+    assert first < waiters[0] == waiters[-1]  # one wait, then all three at once

@@ -198,7 +198,9 @@ async def _demo_run(requests, mode, params, *, depth=2, chat_options=None, **opt
     engine = Engine(None, show_progress=False, mtp=mode, mtp_depth=depth, **options)
     await engine.start()
     try:
-        outs = await asyncio.gather(*[engine.chat(m, params, tools=t, **(chat_options or {})) for m, t in requests])
+        each = params if isinstance(params, list) else [params] * len(requests)
+        outs = await asyncio.gather(*[engine.chat(m, p, tools=t, **(chat_options or {}))
+                                      for (m, t), p in zip(requests, each)])
         stats = engine.stats()
         return outs, {**stats["mtp"], "generation_tokens": stats["generation_tokens"]}
     finally:
@@ -246,6 +248,22 @@ def test_an_answer_ended_at_its_call_is_the_same_with_mtp_on_and_off():
         assert (b.token_ids, b.text, b.usage, b.finish_reason) == (a.token_ids, a.text, a.usage, a.finish_reason)
     for outs, stats in ((ref, plain), (got, mtp)):
         assert stats["generation_tokens"] == sum(o.usage.completion_tokens for o in outs)
+
+
+@needs_demo
+def test_drafts_past_a_call_that_ends_the_answer_are_not_counted_accepted():
+    """mtp.accepted counts the drafts that reached the output: a row ended at its call
+    (parallel_tool_calls=False) counts what the same row stopped by max_tokens at that
+    length counts. The drafts it verified past its call (the EOS, more text) counted too."""
+    requests = _demo_tool_requests(16, turn=0)
+    opts = dict(depth=3, constrain_tool_calls=False, prefix_cache_bytes=0)
+    cut, at_call = asyncio.run(_demo_run(requests, "on", SamplingParams(max_tokens=48),
+                                         chat_options={"parallel_tool_calls": False}, **opts))
+    assert sum(o.finish_reason == "tool_calls" for o in cut) >= len(requests) // 2
+    budgets = [SamplingParams(max_tokens=o.usage.completion_tokens) for o in cut]
+    same, at_budget = asyncio.run(_demo_run(requests, "on", budgets, **opts))
+    assert [o.token_ids for o in same] == [o.token_ids for o in cut]
+    assert at_call["accepted"] == at_budget["accepted"] > 0
 
 
 @needs_demo

@@ -298,8 +298,12 @@ class EngineCore:
             request.finish_time = time.perf_counter()
             self._retire(request)
             self._count(request, "finished")
-        # The row decoded on until now (or ended by itself, past the call, in the same step).
+        # The row decoded on until now (or ended by itself, past the call, in the same step):
+        # count what the answer kept, MTP's accepted drafts included.
         self.stats.count("generation_tokens", -max(0, request.num_generated - kept_tokens))
+        if (lane := self._lanes.get(request.lane)) is not None:
+            lane.discard_tokens(sum(max(0, s + n - max(s, kept_tokens)) for s, n in request.draft_spans))
+            self._publish_lane_stats(lane)
 
     def _time_out(self, request: Request) -> None:
         if self._take_out(request):
@@ -494,6 +498,7 @@ class EngineCore:
             self.stats.record_ttft(now - req.arrival)
         eos = self._eos
         text, new_ids, ends, finish = "", [], [], None
+        start = req.num_generated
         for i, tok in enumerate(ev.tokens):
             req.num_generated += 1
             if tok in eos:
@@ -510,6 +515,8 @@ class EngineCore:
                 lane.discard_tokens(len(ev.tokens) - i - 1)
                 self.stats.count("generation_tokens", -(len(ev.tokens) - i - 1))
                 break
+        if req.num_generated - start > 1:  # a speculative step: its tokens after the first are drafts
+            req.draft_spans.append((start + 1, req.num_generated - start - 1))
         finish = finish or ev.finish_reason
         if finish is None:
             if text or new_ids:

@@ -113,6 +113,8 @@ class Request:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     num_generated: int = 0
+    # (first index, count) of the generated tokens that were MTP's accepted drafts.
+    draft_spans: list = field(default_factory=list)
     max_tokens: int = 0
     # How stats() counted it once retired: "finished", "failed" or "aborted".
     outcome: Optional[str] = None

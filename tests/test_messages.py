@@ -399,3 +399,10 @@ def test_one_message_with_text_and_calls_is_split_where_the_template_cannot_prin
     assert [m["tool_call_id"] for m in merged if m["role"] == "tool"] == [c["id"] for c in several]
     # Each caller's message once (the split turns share one), the results in call order.
     assert [i for i, _ in hoisted_order(history, renderer.call_turns)] == [0, 1, *range(1 + len(several), 1, -1)]
+    # One call a turn: each result follows its own call, as such a model calls tools in turn.
+    steps = [m.get("tool_call_id") or m["tool_calls"][0]["id"] for m in merged if m.get("tool_calls") or
+             m["role"] == "tool"]
+    assert steps == {3: ["call_1", "call_1", "call_2", "call_2"], 2: ["call_1", "call_1"],
+                     1: ["call_1", "call_1", "call_2"]}[assistant_turns]
+    if assistant_turns == 3:
+        assert text.index("<tool>weather_paris") < text.index("CALL weather_rome")

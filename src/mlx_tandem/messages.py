@@ -141,7 +141,10 @@ def _in_call_order(out: list[tuple[Message, list[int]]]) -> list[tuple[Message, 
     Clients match a result to its call by id, in any order (OpenAI, LangChain); templates
     in the Qwen and Hermes style pair them by position, so a run answered out of order
     would read each result against the wrong call. A run is reordered only when its ids
-    answer distinct calls of the assistant call turns just before it.
+    answer distinct calls of the assistant call turns just before it. Where those are
+    turns of one call each (a template that takes one call a turn, ``_split_call_turn``)
+    and the run answers each once, each result follows its call: call, result, call,
+    result, as such a model calls tools one after another.
     """
     out = list(out)
     i = 0
@@ -161,6 +164,9 @@ def _in_call_order(out: list[tuple[Message, list[int]]]) -> list[tuple[Message, 
             ids = [m.get("tool_call_id") for m, _ in out[i:j]]
             if all(isinstance(x, str) and x in order for x in ids) and len(set(ids)) == len(ids):
                 out[i:j] = sorted(out[i:j], key=lambda item: order[item[0]["tool_call_id"]])
+                turns = out[k + 1:i]
+                if len(turns) == len(calls) == j - i and len(order) == len(calls):
+                    out[k + 1:j] = [item for pair in zip(turns, out[i:j]) for item in pair]
         i = max(j, i + 1)
     return out
 

@@ -137,3 +137,39 @@ async def test_where_the_budget_refuses_the_snapshot_the_waiters_go_on_together(
     assert stats["entries"] == 0 and stats["prefill_waits"] == 3
     first, *waiters = sorted(added_at.values())
     assert first < waiters[0] == waiters[-1]  # one wait, then all three at once
+
+
+async def test_a_specprefill_job_claims_its_system_prompt_once_it_prefills_it(llama_path, draft_path):
+    """Jobs advance one at a time, oldest first, each scoring its whole prompt before its
+    dense part: a request waiting on a job still queued or scoring waited for all of that
+    (an audit measured 25 times its TTFT). The claim comes when the dense part starts, and
+    is given back when it is stored."""
+    from .test_specprefill import _engine, _gauge_reports
+
+    long_chat = _gauge_reports()[0]
+    short_chat = [long_chat[0], {"role": "user", "content": "Any floods?"}]
+    async with _engine(llama_path, draft_path, specprefill_keep_pct=0.5) as engine:
+        ids = [engine.apply_chat_template(c) for c in (long_chat, short_chat)]
+        points = [engine._renderer.cache_points(c, p) for c, p in zip((long_chat, short_chat), ids)]
+        system = {k: p for p, k in points[0]}["system"]
+        lane = engine._core._lanes["text"]
+
+        def walk():
+            job_req = Request("s", ids[0], SamplingParams(), sink=None, max_tokens=2, cache_points=points[0])
+            waiter = Request("w", ids[1], SamplingParams(), sink=None, max_tokens=2, cache_points=points[1])
+            lane.add(job_req)
+            job = lane._sparse["s"].job
+            seen = []  # (scored, dense part pending, claims, would the waiter wait)
+            while "s" in lane._sparse:
+                seen.append((job.runs is not None, job.dense_pending, len(lane._claims), lane.defer(waiter)))
+                lane._advance_sparse()
+            lane.remove(["s"])
+            return seen, lane.prefix_cache.contains(ids[0][:system])
+
+        seen, stored = engine.run_on_owner_thread(walk)
+    assert stored
+    scoring = [s for s in seen if not s[0]]
+    dense = [s for s in seen if s[0] and s[1]]
+    assert scoring and all(claims == 0 and not waits for _, _, claims, waits in scoring)
+    assert dense and all(claims == 1 and waits for _, _, claims, waits in dense)
+    assert all(claims == 0 for scored, pending, claims, _ in seen if scored and not pending)

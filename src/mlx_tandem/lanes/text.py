@@ -60,7 +60,7 @@ class _Sparse:
     job: SparsePrefill
     sampler: object
     processors: list
-    claimed: Optional[Claim] = None  # the system prefix its dense part will store
+    claimed: Optional[Claim] = None  # the system prefix its dense part will store (once it is prefilling it)
 
 
 def split_at(tokens: list[int], cuts: Sequence[int]) -> list[list[int]]:
@@ -205,9 +205,7 @@ class TextLane:
         except Exception as exc:  # noqa: BLE001 - setting up SpecPrefill is the engine's part
             raise EngineStepError(f"SpecPrefill failed: {type(exc).__name__}: {exc}") from exc
         if job is not None:
-            pending = self._sparse[rid] = _Sparse(request, job, sampler, processors)
-            if self._wait_for_shared and (job.dense_end, "system") in self._snapshot_points(request, start):
-                pending.claimed = self._claims.take(request.prompt_ids[: job.dense_end])
+            self._sparse[rid] = _Sparse(request, job, sampler, processors)
             return
         # Every row gets PositionedKVCaches, so any batch can take a sparse-prefilled row.
         points = self._snapshot_points(request, start)
@@ -297,6 +295,12 @@ class TextLane:
                 # The answer's cache is not exact (sparse), so it is not kept for reuse.
                 self._insert(request, [prompt[-1:]], job.row_cache(), prompt[:-1], pending.sampler,
                              pending.processors, _RowCaching(len(prompt), store_final=False))
+            elif pending.claimed is None and self._wait_for_shared and job.dense_pending and \
+                    (job.dense_end, "system") in self._snapshot_points(request, job.start):
+                # Claimed only now: jobs advance one at a time, oldest first, each scoring
+                # its whole prompt before its dense part, and a request waiting on a job
+                # still queued or scoring waited for all of that (an audit: 25x its TTFT).
+                pending.claimed = self._claims.take(request.prompt_ids[: job.dense_end])
         except Exception as exc:  # noqa: BLE001 - this request fails, the lane goes on
             logger.exception("SpecPrefill of %s failed", rid)
             self._release_sparse(pending)

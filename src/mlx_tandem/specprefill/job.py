@@ -57,6 +57,12 @@ class SparsePrefill:
         self.kept_tokens = sum(e - s for s, e in self.runs) if self.runs is not None else 0
 
     @property
+    def dense_pending(self) -> bool:
+        """Scored, with its dense part (exact, so worth storing) still being prefilled: what is
+        left of it comes in the next steps."""
+        return self.runs is not None and self.start < self.dense_end and self._pos < self.dense_end
+
+    @property
     def sparse_tokens(self) -> int:
         """Prompt tokens the sparse part covers (the denominator of the keep ratio)."""
         return len(self.prompt) - 1 - self.dense_end

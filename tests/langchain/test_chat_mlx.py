@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+from decimal import Decimal
 from typing import Optional
 
 import jsonschema
@@ -868,3 +869,31 @@ def test_mtp_takes_no_coerced_values(value):
     one rule for both, a wrong option is never reinterpreted."""
     with pytest.raises(ValueError):
         ChatMLX(mtp=value) if value != "1" else make_llm().invoke("hi", mtp=value)
+
+
+class Price(BaseModel):
+    """A price."""
+
+    amount: Decimal
+    currency: str
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_a_decimal_is_held_to_what_a_decimal_takes(method):
+    """Pydantic writes a Decimal as a number or any string: held to that, sampled answers
+    wrote ``"amount": "<any text>"`` and failed their own model. The engine's schema holds
+    the string branch to a decimal's pattern; a tool taking one is held the same way."""
+    from langchain_core.tools import tool
+
+    outs = [make_llm(max_tokens=60, temperature=1.0, seed=seed).with_structured_output(Price, method=method).invoke(
+        "a price") for seed in range(6)]
+    assert all(isinstance(p, Price) for p in outs), outs
+
+    @tool
+    def pay(price: Price) -> str:
+        """Pay a price."""
+        return "paid"
+
+    for seed in range(4):
+        msg = make_llm(max_tokens=60, temperature=1.0, seed=seed).bind_tools([pay], tool_choice="pay").invoke("pay")
+        Price.model_validate(msg.tool_calls[0]["args"]["price"])

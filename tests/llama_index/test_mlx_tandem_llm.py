@@ -6,8 +6,10 @@ import asyncio
 import base64
 import json
 import time
+from decimal import Decimal
 
 import pytest
+from pydantic import BaseModel
 from llama_index.core.base.llms.types import (
     CachePoint,
     CacheControl,
@@ -616,3 +618,35 @@ def test_mtp_takes_no_coerced_values(value):
     """The field took 1 as True (pydantic's lax mode) where a call's ``mtp=1`` is refused."""
     with pytest.raises(ValueError):
         MLXTandemLLM(mtp=value)
+
+
+class Price(BaseModel):
+    """A price."""
+
+    amount: Decimal
+    currency: str
+
+
+class PayArgs(BaseModel):  # this module's annotations are strings, which core cannot resolve
+    price: Price
+
+
+def pay(price: Price) -> str:
+    """Pay a price."""
+    return "paid"
+
+
+def test_a_decimal_is_held_to_what_a_decimal_takes():
+    """Pydantic writes a Decimal as a number or any string: held to that, sampled answers
+    wrote ``"amount": "<any text>"`` and failed their own model. The engine's schema holds
+    the string branch to a decimal's pattern, for structured output and for a tool."""
+    prompt = PromptTemplate("Give a price.")
+    outs = [make_llm(max_tokens=60, temperature=1.0, seed=seed).structured_predict(Price, prompt) for seed in range(6)]
+    assert all(isinstance(p, Price) for p in outs), outs
+
+    tool = FunctionTool.from_defaults(fn=pay, fn_schema=PayArgs)
+    for seed in range(4):
+        llm = make_llm(max_tokens=60, temperature=1.0, seed=seed)
+        response = llm.chat_with_tools([tool], user_msg="pay", tool_required=True)
+        (call,) = llm.get_tool_calls_from_response(response)
+        Price.model_validate(call.tool_kwargs["price"])

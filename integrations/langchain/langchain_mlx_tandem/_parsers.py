@@ -75,7 +75,7 @@ class _WholeAnswer:
     def _parse_whole(self, whole: Any) -> None:
         """The whole answer, parsed strictly once the stream ends. Core's stream yields only
         the partial results that parse, so an answer that never validated (a type whose schema
-        does not say what it takes, such as Decimal's string branch) ended the stream with
+        does not say what it takes, such as ``Json[...]``) ended the stream with
         nothing and no error, where ``invoke`` raises."""
         if isinstance(whole, BaseMessage):
             self.parse_result([ChatGeneration(message=whole)])

@@ -5,7 +5,9 @@ langchain-core (1.8) inlines every ``$ref`` of a model's schema
 cannot be inlined, becomes ``{}``: the grammar would then let anything through where the
 model nests (``kids: list["Tree"]``) and the answer fail its own model. For such models the
 schema is kept as Pydantic writes it (``$defs`` and ``$ref``), which the engine's grammar
-compiles as is; every other schema is converted as ChatOpenAI converts it.
+compiles as is. So is a model with a ``Decimal``, written by the engine's
+``pydantic_schema.json_schema`` (its string branch held to a decimal's pattern, where
+Pydantic's takes any text). Every other schema is converted as ChatOpenAI converts it.
 """
 
 from __future__ import annotations
@@ -13,19 +15,21 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from langchain_core.utils.pydantic import is_basemodel_subclass
+from mlx_tandem.pydantic_schema import json_schema, narrows
 
 _DEFS = "#/$defs/"
 
 
-def recursive_model_schema(schema: Any) -> Optional[dict]:
-    """``schema.model_json_schema()`` when ``schema`` is a Pydantic model whose definitions
-    refer to themselves (directly or through others); None otherwise."""
+def whole_model_schema(schema: Any) -> Optional[dict]:
+    """The engine's schema of ``schema`` (``pydantic_schema.json_schema``) when it is a
+    Pydantic model whose definitions refer to themselves (directly or through others), or
+    one the engine writes tighter than Pydantic; None otherwise."""
     if not (isinstance(schema, type) and is_basemodel_subclass(schema) and hasattr(schema, "model_json_schema")):
         return None  # not a Pydantic v2 model (v1 models are converted by core as before)
-    full = schema.model_json_schema()
+    full = json_schema(schema)
     defs = full.get("$defs") or {}
     graph = {name: _refs(body) for name, body in defs.items()}
-    return full if _has_cycle(graph) else None
+    return full if _has_cycle(graph) or narrows(schema) else None
 
 
 def _refs(node: Any) -> set[str]:

@@ -29,7 +29,7 @@ from mlx_tandem.errors import TemplateError
 
 from ._convert import PROVIDER, ChunkBuilder, to_ai_message, to_engine_messages
 from ._parsers import WholeJsonKeyToolsParser, WholeJsonParser, WholePydanticParser, WholePydanticToolsParser
-from ._schemas import recursive_model_schema
+from ._schemas import whole_model_schema
 
 
 class ChatMLX(BaseChatModel):
@@ -372,7 +372,7 @@ def _response_format(schema: Any, strict: Optional[bool]) -> dict:
         json_schema = schema
     else:
         json_schema = convert_to_json_schema(schema)
-        full = recursive_model_schema(schema)
+        full = whole_model_schema(schema)
         if full is not None:
             json_schema = {**full, "title": json_schema.get("title"),
                            "description": json_schema.get("description", "")}
@@ -411,8 +411,9 @@ def _is_tool_dict(schema: dict) -> bool:
 def _openai_tool(tool: Any, strict: Optional[bool]) -> dict:
     formatted = convert_to_openai_tool(tool, strict=strict)
     # A tool's arguments are a Pydantic model too (``tool_call_schema``: the args the model
-    # writes, injected ones left out); a recursive one lost its nested levels the same way.
-    full = recursive_model_schema(tool.tool_call_schema if isinstance(tool, BaseTool) else tool)
+    # writes, injected ones left out); a recursive one lost its nested levels the same way,
+    # and a Decimal's string branch took any text.
+    full = whole_model_schema(tool.tool_call_schema if isinstance(tool, BaseTool) else tool)
     if full is not None:
         formatted["function"]["parameters"] = full
     return formatted

@@ -43,6 +43,7 @@ from llama_index.core.types import PydanticProgramMode
 from mlx_tandem import Engine, SamplingParams
 from mlx_tandem.call_options import model_name_alias, resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
+from mlx_tandem.pydantic_schema import json_schema, narrows
 
 from ._convert import (StreamAccumulator, in_written_order, to_chat_response, to_completion_response,
                        to_engine_messages)
@@ -327,7 +328,7 @@ class MLXTandemLLM(FunctionCallingLLM):
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
         out: dict[str, Any] = {"messages": messages, **kwargs}
         if tools:
-            out["tools"] = [t.metadata.to_openai_tool(skip_length_check=True) for t in tools]
+            out["tools"] = [_openai_tool(t) for t in tools]
             # The LLM's default tool_choice (additional_kwargs) holds unless the call asks
             # for one: tool_required or its own tool_choice.
             default = self.additional_kwargs.get("tool_choice", "auto")
@@ -374,7 +375,7 @@ class MLXTandemLLM(FunctionCallingLLM):
             kwargs.pop(k, None)
         kwargs["tools"] = None  # the LLM's own tools too: the answer is the document
         kwargs["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": output_cls.__name__, "schema": output_cls.model_json_schema()}}
+            "name": output_cls.__name__, "schema": json_schema(output_cls)}}
         return messages, kwargs
 
     def _constrained(self) -> bool:
@@ -461,6 +462,18 @@ class MLXTandemLLM(FunctionCallingLLM):
 
 
 # ---------------------------------------------------------------------- helpers
+def _openai_tool(tool: Any) -> dict:
+    """``to_openai_tool()``, with a Pydantic argument model the engine writes tighter than
+    Pydantic (a ``Decimal``'s string branch held to a decimal's pattern, where Pydantic's
+    takes any text) in the engine's words, keeping the keys core keeps."""
+    spec = tool.metadata.to_openai_tool(skip_length_check=True)
+    fn_schema = tool.metadata.fn_schema
+    if narrows(fn_schema):
+        spec["function"]["parameters"] = {k: v for k, v in json_schema(fn_schema).items()
+                                          if k in ("type", "properties", "required", "definitions", "$defs")}
+    return spec
+
+
 def _kwargs_dict(args: Union[dict, str]) -> dict:
     """A call's arguments; a string (a block from another integration) is parsed as the
     OpenAI LLM does, leniently (a truncated object keeps its complete fields), else ``{}``."""

@@ -173,3 +173,26 @@ async def test_a_specprefill_job_claims_its_system_prompt_once_it_prefills_it(ll
     assert scoring and all(claims == 0 and not waits for _, _, claims, waits in scoring)
     assert dense and all(claims == 1 and waits for _, _, claims, waits in dense)
     assert all(claims == 0 for scored, pending, claims, _ in seen if scored and not pending)
+
+
+async def test_a_claim_never_outlives_its_rows_prompt(qwen3_5_path):
+    """Should a row's point not be met where it was expected, its claim goes when the row's
+    prompt is done, not when its answer is: its waiters would wait for the whole answer."""
+    chats = _chats(1)
+    async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8) as engine:
+        ids = engine.apply_chat_template(chats[0])
+        points = engine._renderer.cache_points(chats[0], ids)
+        lane = engine._core._lanes["text"]
+
+        def walk():
+            lane.add(Request("a", ids, SamplingParams(), sink=None, max_tokens=40, cache_points=points))
+            (caching,) = lane._caching.values()
+            caching.points = [(p + 1, kind) for p, kind in caching.points]  # no segment ends there
+            claims_before = len(lane._claims)
+            while not any(ev.tokens for ev in lane.step()[0]):
+                pass
+            claims_decoding = len(lane._claims)
+            lane.remove(["a"])
+            return claims_before, claims_decoding
+
+        assert engine.run_on_owner_thread(walk) == (len(points), 0)

@@ -382,6 +382,11 @@ class TextLane:
         due: dict[int, str] = {}
         for r in prompt_responses:
             caching = self._caching.get(r.uid)
+            if caching is not None and r.end_of_prompt and caching.claimed:
+                # Past its prompt, a row stores no more boundaries: a claim left (a point
+                # not met where it was expected) must not hold its waiters for its answer.
+                self._claims.give_back(caching.claimed)
+                caching.claimed.clear()
             if caching is None or not r.end_of_segment or r.end_of_prompt or not caching.points:
                 continue
             pos, kind = caching.points[0]

@@ -406,3 +406,21 @@ def test_one_message_with_text_and_calls_is_split_where_the_template_cannot_prin
                      1: ["call_1", "call_1", "call_2"]}[assistant_turns]
     if assistant_turns == 3:
         assert text.index("<tool>weather_paris") < text.index("CALL weather_rome")
+
+
+def test_results_follow_their_calls_one_by_one_only_where_the_template_takes_one_call_a_turn():
+    """Two call turns kept apart for another reason (a differing ``name``) on a template
+    that takes several calls a turn: the results are reordered, never interleaved."""
+    from mlx_tandem.messages import CallTurns
+
+    history = [{"role": "user", "content": "q"},
+               {"role": "assistant", "content": "", "name": "a", "tool_calls": [_call(1, "f")]},
+               {"role": "assistant", "content": "", "name": "b", "tool_calls": [_call(2, "g")]},
+               {"role": "tool", "tool_call_id": "call_2", "content": "r2"},
+               {"role": "tool", "tool_call_id": "call_1", "content": "r1"}]
+    steps = {}
+    for turns in (CallTurns(), CallTurns(text=True, several=False)):
+        out = normalize_messages(history, turns)
+        steps[turns.several] = [m.get("tool_call_id") or m["tool_calls"][0]["id"] for m in out[1:]]
+    assert steps[True] == ["call_1", "call_2", "call_1", "call_2"]  # calls, then results in order
+    assert steps[False] == ["call_1", "call_1", "call_2", "call_2"]  # each result after its call

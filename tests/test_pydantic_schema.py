@@ -10,7 +10,7 @@ from typing import Optional
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
-from mlx_tandem.pydantic_schema import DECIMAL_PATTERN, json_schema, narrows
+from mlx_tandem.pydantic_schema import DECIMAL_PATTERN, decimal_pattern, json_schema, narrowed_schema
 
 
 def _model(**field) -> type[BaseModel]:
@@ -19,7 +19,7 @@ def _model(**field) -> type[BaseModel]:
 
 @pytest.mark.parametrize("field", [{}, {"max_digits": 5, "decimal_places": 2}, {"max_digits": 3},
                                    {"decimal_places": 1}, {"max_digits": 4, "decimal_places": 0},
-                                   {"max_digits": 2, "decimal_places": 2}])
+                                   {"max_digits": 2, "decimal_places": 2}, {"max_digits": 2, "decimal_places": 3}])
 def test_every_text_a_decimal_pattern_allows_validates(field):
     """Random texts of digits, signs, points, exponents and spaces: each one the pattern
     allows is a Decimal the field takes (a grammar may allow less, never more)."""
@@ -36,20 +36,34 @@ def test_every_text_a_decimal_pattern_allows_validates(field):
             pytest.fail(f"{pattern} allows {text!r}, which {field} refuses: {exc}")
 
 
-def test_an_unbounded_decimal_is_a_decimal_string_and_a_bounded_one_keeps_its_number():
-    """The number branch takes 1e999, which a JSON parser reads as inf (no Decimal); with
-    bounds it cannot, and the bounds are held there."""
+def test_a_bounded_decimal_is_its_bounded_number_and_what_neither_branch_holds_keeps_both():
+    """With bounds the number alone: the grammar holds them (and writes no exponent, so no
+    infinity), where a pattern cannot. With multiple_of, or bounds and digit limits, neither
+    branch holds everything: Pydantic's two, the string one held to the pattern."""
 
     class Price(BaseModel):
         amount: Decimal
         tip: Optional[Decimal] = None
         rate: Decimal = Field(gt=0, le=100)
+        step: Decimal = Field(multiple_of=0.5)
+        cents: Decimal = Field(ge=0, max_digits=5, decimal_places=2)
         name: str
 
     props = json_schema(Price)["properties"]
     assert props["amount"] == {"type": "string", "pattern": DECIMAL_PATTERN, "title": "Amount"}
     assert {"type": "string", "pattern": DECIMAL_PATTERN} in props["tip"]["anyOf"]
-    assert {"type": "number", "exclusiveMinimum": 0.0, "maximum": 100.0} in props["rate"]["anyOf"]
+    assert props["rate"] == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 100.0, "title": "Rate"}
+    assert props["step"]["anyOf"] == [{"type": "number", "multipleOf": 0.5},
+                                      {"type": "string", "pattern": DECIMAL_PATTERN}]
+    assert props["cents"]["anyOf"][0] == {"type": "number", "minimum": 0.0}
+    assert props["cents"]["anyOf"][1]["pattern"] == decimal_pattern(5, 2)
     assert props["name"] == Price.model_json_schema()["properties"]["name"]
-    assert narrows(Price) and not narrows(type("N", (BaseModel,), {"__annotations__": {"n": float}}))
-    assert not narrows({"type": "object"}) and not narrows(int)
+    assert narrowed_schema(Price) == json_schema(Price)
+    assert narrowed_schema(type("N", (BaseModel,), {"__annotations__": {"n": float}})) is None
+    assert narrowed_schema({"type": "object"}) is None and narrowed_schema(int) is None
+
+
+def test_digit_limits_no_text_fits_keep_pydantics_schema():
+    assert decimal_pattern(0) is None
+    model = _model(max_digits=0)
+    assert json_schema(model) == model.model_json_schema()

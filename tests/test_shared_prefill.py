@@ -100,18 +100,19 @@ async def test_a_request_waits_only_when_the_claim_adds_enough(qwen3_5_path):
         await engine.chat(chats[0], SamplingParams(max_tokens=2))  # stores the system prompt
         lane = engine._core._lanes["text"]
 
-        def probe():
-            # A row about to store a prefix 4 tokens past the cached system prompt.
+        def probe(extra: int):
+            # A row about to store a prefix ``extra`` tokens past the cached system prompt.
             first = Request("a", ids[1], SamplingParams(), sink=None, max_tokens=2,
-                            cache_points=[(system + 4, "turn")])
+                            cache_points=[(system + extra, "turn")])
             second = Request("b", ids[1], SamplingParams(), sink=None, max_tokens=2,
-                             cache_points=[(system, "system"), (system + 4, "turn")])
+                             cache_points=[(system, "system"), (system + extra, "turn")])
             lane.add(first)
-            waits = lane.defer(second)
+            claims, waits = len(lane._claims), lane.defer(second)
             lane.remove(["a"])
-            return waits
+            return claims, waits
 
-        assert engine.run_on_owner_thread(probe) is False
+        assert engine.run_on_owner_thread(lambda: probe(4)) == (1, False)
+        assert engine.run_on_owner_thread(lambda: probe(8)) == (1, True)  # prefix_cache_min_tokens
 
 
 async def test_where_the_budget_refuses_the_snapshot_the_waiters_go_on_together(qwen3_5_path):
@@ -189,8 +190,9 @@ async def test_a_claim_never_outlives_its_rows_prompt(qwen3_5_path):
             (caching,) = lane._caching.values()
             caching.points = [(p + 1, kind) for p, kind in caching.points]  # no segment ends there
             claims_before = len(lane._claims)
-            while not any(ev.tokens for ev in lane.step()[0]):
-                pass
+            for _ in range(100):  # the prompt takes a few steps
+                if any(ev.tokens for ev in lane.step()[0]):
+                    break
             claims_decoding = len(lane._claims)
             lane.remove(["a"])
             return claims_before, claims_decoding

@@ -2,9 +2,10 @@
 
 Normalization makes real clients' histories acceptable to strict chat templates without
 losing anything: developer -> system, system messages hoisted and merged at the front,
-consecutive same-role messages merged (an assistant's calls keep their ids), and each run of
-tool results put in the order of the calls they answer. A tool message is never merged or
-dropped.
+consecutive same-role messages merged (an assistant's calls keep their ids), turns split
+where the template cannot print them whole, and each run of tool results put in the order
+of the calls they answer (each after its own call where the template takes one call a
+turn). A tool message is never merged or dropped.
 """
 
 from __future__ import annotations
@@ -135,16 +136,16 @@ def _mergeable(prev: Message, m: Message) -> bool:
     return not prev.get("tool_calls") or not text_of(m.get("content")).strip()
 
 
-def _in_call_order(out: list[tuple[Message, list[int]]]) -> list[tuple[Message, list[int]]]:
+def _in_call_order(out: list[tuple[Message, list[int]]], turns: CallTurns) -> list[tuple[Message, list[int]]]:
     """Each run of tool results in the order of the calls it answers.
 
     Clients match a result to its call by id, in any order (OpenAI, LangChain); templates
     in the Qwen and Hermes style pair them by position, so a run answered out of order
     would read each result against the wrong call. A run is reordered only when its ids
-    answer distinct calls of the assistant call turns just before it. Where those are
-    turns of one call each (a template that takes one call a turn, ``_split_call_turn``)
-    and the run answers each once, each result follows its call: call, result, call,
-    result, as such a model calls tools one after another.
+    answer distinct calls of the assistant call turns just before it. Where the template
+    takes one call a turn (``_split_call_turn``) and the run answers each of those turns'
+    call once, each result follows its call: call, result, call, result, as such a model
+    calls tools one after another.
     """
     out = list(out)
     i = 0
@@ -159,14 +160,14 @@ def _in_call_order(out: list[tuple[Message, list[int]]]) -> list[tuple[Message, 
             calls[:0] = out[k][0]["tool_calls"]
             k -= 1
         if calls:
-            order = {c["id"]: k for k, c in enumerate(calls)
+            order = {c["id"]: n for n, c in enumerate(calls)
                      if isinstance(c, dict) and isinstance(c.get("id"), str)}
             ids = [m.get("tool_call_id") for m, _ in out[i:j]]
             if all(isinstance(x, str) and x in order for x in ids) and len(set(ids)) == len(ids):
                 out[i:j] = sorted(out[i:j], key=lambda item: order[item[0]["tool_call_id"]])
-                turns = out[k + 1:i]
-                if len(turns) == len(calls) == j - i and len(order) == len(calls):
-                    out[k + 1:j] = [item for pair in zip(turns, out[i:j]) for item in pair]
+                call_turns = out[k + 1:i]
+                if not turns.several and len(call_turns) == len(calls) == j - i == len(order):
+                    out[k + 1:j] = [item for pair in zip(call_turns, out[i:j]) for item in pair]
         i = max(j, i + 1)
     return out
 
@@ -235,7 +236,8 @@ def normalize_messages(messages: Iterable[Message], turns: CallTurns = CallTurns
        is dropped: messages that cannot be merged whole stay apart. A turn the template
        cannot print whole (``turns``, found by ``PromptRenderer.call_turns``) is then split
        into turns it can (``_split_call_turn``).
-    4. Each run of tool results follows the order of the calls it answers (``_in_call_order``).
+    4. Each run of tool results follows the order of the calls it answers, each result
+       after its own call where the template takes one call a turn (``_in_call_order``).
     """
     return [m for m, _ in _normalized(validate_messages(messages), turns)]
 
@@ -278,7 +280,7 @@ def _normalized(messages: list[Message], turns: CallTurns = CallTurns()) -> list
         out.append((m, [i]))
     if not (turns.text and turns.several):
         out = [piece for item in out for piece in _split_call_turn(item, turns)]
-    return _in_call_order(out)
+    return _in_call_order(out, turns)
 
 
 def _split_call_turn(item: tuple[Message, list[int]], turns: CallTurns) -> list[tuple[Message, list[int]]]:

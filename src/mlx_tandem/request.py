@@ -113,8 +113,9 @@ class Request:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     num_generated: int = 0
-    # (first index, count) of the generated tokens that were MTP's accepted drafts.
-    draft_spans: list = field(default_factory=list)
+    # (first index, count) of the generated tokens that were MTP's accepted drafts: what
+    # parallel_tool_calls=False takes back from the stats when it cuts the answer short.
+    draft_spans: list[tuple[int, int]] = field(default_factory=list)
     max_tokens: int = 0
     # How stats() counted it once retired: "finished", "failed" or "aborted".
     outcome: Optional[str] = None

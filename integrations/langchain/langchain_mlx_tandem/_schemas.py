@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from mlx_tandem.pydantic_schema import json_schema, narrows
+from mlx_tandem.pydantic_schema import json_schema
 
 _DEFS = "#/$defs/"
 
@@ -29,7 +29,7 @@ def whole_model_schema(schema: Any) -> Optional[dict]:
     full = json_schema(schema)
     defs = full.get("$defs") or {}
     graph = {name: _refs(body) for name, body in defs.items()}
-    return full if _has_cycle(graph) or narrows(schema) else None
+    return full if _has_cycle(graph) or full != schema.model_json_schema() else None
 
 
 def _refs(node: Any) -> set[str]:

@@ -43,7 +43,7 @@ from llama_index.core.types import PydanticProgramMode
 from mlx_tandem import Engine, SamplingParams
 from mlx_tandem.call_options import model_name_alias, resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
-from mlx_tandem.pydantic_schema import json_schema, narrows
+from mlx_tandem.pydantic_schema import json_schema, narrowed_schema
 
 from ._convert import (StreamAccumulator, in_written_order, to_chat_response, to_completion_response,
                        to_engine_messages)
@@ -467,9 +467,9 @@ def _openai_tool(tool: Any) -> dict:
     Pydantic (a ``Decimal``'s string branch held to a decimal's pattern, where Pydantic's
     takes any text) in the engine's words, keeping the keys core keeps."""
     spec = tool.metadata.to_openai_tool(skip_length_check=True)
-    fn_schema = tool.metadata.fn_schema
-    if narrows(fn_schema):
-        spec["function"]["parameters"] = {k: v for k, v in json_schema(fn_schema).items()
+    ours = narrowed_schema(tool.metadata.fn_schema)
+    if ours is not None:
+        spec["function"]["parameters"] = {k: v for k, v in ours.items()
                                           if k in ("type", "properties", "required", "definitions", "$defs")}
     return spec
 

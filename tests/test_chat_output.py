@@ -439,6 +439,43 @@ def test_a_format_without_an_end_marker_runs_its_call_to_the_end():
         assert _calls(r) == [("get_weather", {"city": "Paris"})] and r.content == "" and r.invalid_tool_calls == []
 
 
+@pytest.mark.parametrize("text,kept,cut", [
+    ('[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2', [{"a": 1}], ("add", '{"a": 2')),
+    ('[{"name": "add", "arguments": {"a": 1}}, {"na', [{"a": 1}], (None, "")),
+    ('[{"name": "add", "arguments": {"a": 1}}, ', [{"a": 1}], None),
+    ('[{"name": "add", "arguments": {"a": 1', [], ("add", '{"a": 1')),
+    ('add[ARGS]{"a": 1}add[ARGS]{"a": 2', [{"a": 1}], ("add", '{"a": 2')),
+    ('add[ARGS]{"a": 1', [], ("add", '{"a": 1')),
+])
+def test_a_mistral_block_cut_off_keeps_its_whole_calls_and_the_cut_ones_name(text, kept, cut):
+    """mlx-lm's Mistral parser refuses a block cut off (by max_tokens) inside a later call,
+    and the whole calls before it were lost with it; the cut call kept no name."""
+    from mlx_lm.tool_parsers import mistral
+
+    fmt = ChatFormat(tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
+                     tool_parser=mistral.parse_tool_call)
+    r = parse_every_split("[TOOL_CALLS]" + text, fmt, parse_tool_calls=True)
+    assert _calls(r) == [("add", args) for args in kept]
+    assert [(c.name, c.arguments) for c in r.invalid_tool_calls] == ([cut] if cut else [])
+    p = ChatOutputParser(fmt, tools=TOOLS, parse_tool_calls=True)
+    p.feed("[TOOL_CALLS]" + text)
+    end = p.finish(truncated=True)
+    assert [c.truncated for c in end.invalid_tool_calls] == ([True] if cut else [])
+
+
+def test_a_mistral_list_keeps_its_calls_beside_one_that_is_none():
+    """mlx-lm's parser refuses a whole list for one item that is no call: each is judged alone."""
+    from mlx_lm.tool_parsers import mistral
+
+    fmt = ChatFormat(tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
+                     tool_parser=mistral.parse_tool_call)
+    r = parse_every_split('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": 5}]', fmt,
+                          parse_tool_calls=True)
+    assert _calls(r) == [("add", {"a": 1})] and [c.text for c in r.invalid_tool_calls] == ['{"name": 5}']
+    broken = parse(['[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, x]'], fmt, parse_tool_calls=True)
+    assert broken.tool_calls == [] and len(broken.invalid_tool_calls) == 1  # broken JSON: one invalid block
+
+
 def test_think_after_any_call_is_content():
     """<think> opens reasoning only before any content or call, an invalid call included
     (the stop matcher reads it so, and a stop string in such "reasoning" was emitted)."""

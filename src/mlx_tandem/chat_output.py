@@ -272,8 +272,35 @@ class ChatOutputParser:
             else:
                 parsed = self._fmt.tool_parser(body, self._tools or None)
         except Exception as exc:  # noqa: BLE001 - any parser failure is an invalid call
-            return [self._invalid(body.strip(), exc)]
-        items = parsed if isinstance(parsed, list) else [parsed]
+            cut = self._whole_before_cut(body)
+            if cut is None:
+                return [self._invalid(body.strip(), exc)]
+            # A block of several calls, one of them cut off (by max_tokens) or no call: the
+            # others are whole, and were lost with it.
+            whole, rest = cut
+            return self._judged(whole) + ([self._invalid(rest, exc)] if rest else [])
+        return self._judged(parsed if isinstance(parsed, list) else [parsed], block=body)
+
+    def _whole_before_cut(self, body: str) -> Optional[tuple[list, str]]:
+        """The whole calls of a block the format's parser refused, and the text of a call cut
+        off after them: a JSON list's items (mlx-lm's Mistral parser refuses a whole list
+        for one item that is no call), or what the parser reads of the block up to a cut
+        call's header (Mistral's ``a[ARGS]{...}b[ARGS]{...``)."""
+        listed = _list_items(body)
+        if listed is not None or self._forced_json or self._fmt.tool_parser is None:
+            return listed
+        starts = [m.start() for m in _ARGS_HEADER.finditer(body)]
+        if len(starts) < 2 or _cut_parts(body[starts[-1]:]) is None:
+            return None
+        try:
+            parsed = self._fmt.tool_parser(body[:starts[-1]], None if self._xml_values else self._tools or None)
+        except Exception:  # noqa: BLE001 - the calls before it are broken too: one invalid block
+            return None
+        return (parsed if isinstance(parsed, list) else [parsed]), body[starts[-1]:].strip()
+
+    def _judged(self, items: list, block: Optional[str] = None) -> list:
+        """Each item as a call, or an invalid call where it is none; where none is, a whole
+        ``block`` is one invalid call, as written."""
         calls, errors = [], []
         for item in items:
             try:
@@ -281,8 +308,8 @@ class ChatOutputParser:
             except Exception as exc:  # noqa: BLE001 - as above, for this call alone
                 calls.append(None)
                 errors.append(exc)
-        if len(errors) == len(items):  # nothing valid: the block is one invalid call, as written
-            return [self._invalid(body.strip(), errors[0] if errors else ValueError("no call in the block"))]
+        if block is not None and len(errors) == len(items):
+            return [self._invalid(block.strip(), errors[0] if errors else ValueError("no call in the block"))]
         failed = iter(errors)
         return [call or self._invalid(_item_text(item), next(failed)) for call, item in zip(calls, items)]
 
@@ -334,6 +361,7 @@ def _readable_parts(body: str) -> tuple[Optional[str], str]:
 
 
 _XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*)", re.DOTALL)
+_ARGS_HEADER = re.compile(r"([\w-]+)\s*\[ARGS\]\s*")  # Mistral's name[ARGS]{...} (mlx-lm's parser's)
 _BLANK = re.compile(r"\s*")
 
 
@@ -346,6 +374,11 @@ def _cut_parts(body: str) -> Optional[tuple[Optional[str], str]]:
     xml = _XML_FUNCTION.match(body)
     if xml:
         return xml.group(1), xml.group(2)
+    header = _ARGS_HEADER.match(body.strip())
+    if header:
+        rest = body.strip()[header.end():]
+        inner = _cut_parts('{"name": "", "arguments": ' + rest) if rest else (None, "")
+        return (header.group(1), inner[1]) if inner is not None else None
     text = body.strip()
     if not text.startswith("{"):
         return None
@@ -384,6 +417,31 @@ def _cut_parts(body: str) -> Optional[tuple[Optional[str], str]]:
     except ValueError:
         return None
     return (name, args) if at >= len(text) else None
+
+
+def _list_items(body: str) -> Optional[tuple[list, str]]:
+    """The whole items of a JSON list of calls, and the text of the item it was cut off in
+    (Mistral's ``[{...}, {...`` at max_tokens; "" where the list is whole or the cut fell
+    between items); None where the text is no such list (not one, or broken)."""
+    text = body.strip()
+    if not text.startswith("["):
+        return None
+    decoder, at, items = json.JSONDecoder(), 1, []
+    while True:
+        at = _BLANK.match(text, at).end()
+        try:
+            item, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError as exc:
+            return (items, text[at:]) if _cut_at_end(exc, text) else None
+        except (ValueError, RecursionError):  # a 4300-digit integer; a looping "[[[["
+            return None
+        items.append(item)
+        at = _BLANK.match(text, end).end()
+        if at == len(text) or text[at:] == "]":
+            return items, ""
+        if text[at] != ",":
+            return None
+        at += 1
 
 
 def _cut_at_end(exc: json.JSONDecodeError, text: str) -> bool:

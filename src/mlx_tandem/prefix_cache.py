@@ -72,8 +72,7 @@ class PrefixCache:
         At most ``len(tokens) - 1`` tokens are reused: the model must still be fed at least
         one token to produce the first logits. Returns (None, 0) on a miss.
         """
-        tokens = list(tokens)
-        found = self._find(tokens[:-1]) if len(tokens) > 1 else None
+        found = self._usable(tokens)
         if found is None:
             self.misses += 1
             return None, 0
@@ -92,9 +91,13 @@ class PrefixCache:
 
     def cached_length(self, tokens: Sequence[int]) -> int:
         """How many tokens of ``tokens`` a fetch would reuse now (no copy, not counted)."""
-        tokens = list(tokens)
-        found = self._find(tokens[:-1]) if len(tokens) > 1 else None
+        found = self._usable(tokens)
         return found[1] if found is not None else 0
+
+    def _usable(self, tokens: Sequence[int]) -> Optional[tuple[_Entry, int]]:
+        """The entry a fetch of ``tokens`` would use and its length, leaving one token to feed."""
+        tokens = list(tokens)
+        return self._find(tokens[:-1]) if len(tokens) > 1 else None
 
     def _find(self, tokens: list[int]) -> Optional[tuple[_Entry, int]]:
         if not tokens:

@@ -73,6 +73,17 @@ def split_at(tokens: list[int], cuts: Sequence[int]) -> list[list[int]]:
     return [seg for seg in out if seg]
 
 
+def _prefix_keys(request: Request) -> dict[int, tuple[int, ...]]:
+    """``prompt[:p]`` of each of the request's cache points, made once: ``defer`` reads them
+    on every admission pass it waits through, and the claims keep the same tuples."""
+    keys = request.extra.get("prefix_keys")
+    if keys is None:
+        n = len(request.prompt_ids)
+        keys = request.extra["prefix_keys"] = {p: tuple(request.prompt_ids[:p]) for p, _ in request.cache_points
+                                               if p < n}
+    return keys
+
+
 def _banned_ids(bans) -> tuple[int, ...]:
     return tuple(sorted({t for b in bans for t in b.token_ids}))
 
@@ -173,10 +184,9 @@ class TextLane:
         if not (self._wait_for_shared and self._claims):
             return False
         since = request.extra.get("prefill_wait_since", self._claims.serial)
-        prompt = request.prompt_ids
-        claimed = max((p for p, _ in request.cache_points
-                       if p < len(prompt) and self._claims.held_since(prompt[:p], since)), default=0)
-        if claimed - self.prefix_cache.cached_length(prompt) < self.prefix_cache.min_tokens:
+        claimed = max((p for p, key in _prefix_keys(request).items() if self._claims.held_since(key, since)),
+                      default=0)
+        if claimed - self.prefix_cache.cached_length(request.prompt_ids) < self.prefix_cache.min_tokens:
             return False
         if "prefill_wait_since" not in request.extra:
             request.extra["prefill_wait_since"] = since
@@ -239,7 +249,8 @@ class TextLane:
         )
         if self.prefix_cache is not None:
             if self._wait_for_shared:
-                caching.claimed = [self._claims.take(request.prompt_ids[:p]) for p, _ in caching.points]
+                keys = _prefix_keys(request)
+                caching.claimed = [self._claims.take(keys[p]) for p, _ in caching.points]
             self._caching[uid] = caching
         self._rows.add(uid, request.request_id)
         if self.spec is not None:

@@ -377,6 +377,39 @@ async def test_calls_of_a_format_without_an_end_marker(llama_path):
         await engine.close()
 
 
+
+async def test_a_forced_call_cut_off_in_its_marker_or_before_its_first_call_is_one_cut_call(llama_path):
+    """A forced call whose start marker is spelled in several tokens (Mistral's
+    ``[TOOL_CALLS]`` in a tokenizer without it as a token), cut off by max_tokens inside the
+    marker, left ``[TOOL_CAL`` as the content; cut right after ``[`` its call vanished (no
+    call, no content). Each budget now gives one cut call and no content, streamed or not."""
+    from mlx_lm.tool_parsers import mistral
+
+    from mlx_tandem import Engine
+
+    engine = Engine(llama_path, show_progress=False)
+    await engine.start()
+    try:
+        engine._format = dataclasses.replace(
+            engine._format, tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
+            tool_parser=mistral.parse_tool_call, tool_format="mistral", template_has_tools=True)
+        spelled = len(engine.tokenizer.encode('[TOOL_CALLS][{"', add_special_tokens=False))
+        assert spelled > 5  # the marker is several tokens here
+        for n in range(1, spelled + 1):
+            out = await engine.chat(USER, {"max_tokens": n}, tools=[ADD], tool_choice="required")
+            assert len(out.token_ids) == n and out.finish_reason == "length", (n, out)
+            assert out.content == "" and not out.tool_calls, (n, out)
+            assert len(out.invalid_tool_calls) == 1 and out.invalid_tool_calls[0].truncated, (n, out)
+            deltas = [d async for d in engine.stream_chat(USER, {"max_tokens": n}, tools=[ADD], tool_choice="required")]
+            assert "".join(d.content for d in deltas) == "", n
+            assert len([c for d in deltas for c in d.invalid_tool_calls]) == 1, n
+        # Unforced, the same text is the model's: it may be content ("[" starts a list too).
+        ids, params = _forced(engine, "[TOOL_CAL")
+        out = await engine.chat(USER, dataclasses.replace(params, max_tokens=len(ids)), tools=[ADD])
+        assert out.finish_reason == "length" and out.content == "[TOOL_CAL" and not out.invalid_tool_calls, out
+    finally:
+        await engine.close()
+
 # ---------------------------------------------------------------------------- grouping
 @pytest.mark.parametrize("invalid_first", [False, True])
 @pytest.mark.parametrize("end_tokens", [1, 3, "merged"])

@@ -76,6 +76,7 @@ class ChatOutputParser:
         parse_tool_calls: bool = False,
         starts_in_reasoning: bool = False,
         forced_json_calls: bool = False,
+        forced_call: bool = False,
         max_tool_calls: Optional[int] = None,
         verbatim: bool = False,
     ):
@@ -90,6 +91,7 @@ class ChatOutputParser:
         self._tools = list(tools or [])
         self._parse_tools = parse_tool_calls and fmt.has_tool_calling
         self._forced_json = forced_json_calls
+        self._forced_call = forced_call and self._parse_tools
         self._xml_values = fmt.tool_format == "qwen3_coder" and not forced_json_calls
         #: Calls have a JSON body: an end marker inside one of its strings is argument text
         #: (detokenizer.JsonStrings; the stop matcher reads calls by the same rule).
@@ -179,6 +181,12 @@ class ChatOutputParser:
         if self.calls_exhausted:
             return out
         rest, self._buf = self._buf, ""
+        if truncated and self._forced_call and self._state == CONTENT and rest.strip() \
+                and self._fmt.tool_call_start.startswith(rest.strip()):
+            # Cut inside a forced call's start marker (one spelled in several tokens): the
+            # grammar allowed nothing but the call here, so the text is a cut call, not content.
+            rest = ""
+            self._switch(self._fmt.tool_call_start, out)
         self._take(rest, out)
         if self._state == TOOL_CALL:  # stopped inside a call: parse what there is
             self._close_call(out, truncated=truncated)
@@ -278,6 +286,8 @@ class ChatOutputParser:
             # A block of several calls, one of them cut off (by max_tokens) or no call: the
             # others are whole, and were lost with it.
             whole, rest = cut
+            if not whole and not rest:  # "[" alone: a block cut before its first call
+                return [self._invalid(body.strip(), exc)]
             return self._judged(whole) + ([self._invalid(rest, exc)] if rest else [])
         return self._judged(parsed if isinstance(parsed, list) else [parsed], block=body)
 

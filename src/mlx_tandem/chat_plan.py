@@ -52,6 +52,7 @@ class ChatPlan:
     banned_token_ids: list[int] = field(default_factory=list)
     parse_tool_calls: bool = False
     forced_json_calls: bool = False
+    forced_call: bool = False  # tool_choice names tools: the answer is calls (after any reasoning)
     # "auto" with a lazy grammar: the rest of a call, applied once the model emits start_id.
     open_call: Optional[Constraint] = None
     call_start_id: Optional[int] = None
@@ -182,6 +183,7 @@ def plan_chat(
         constraint=constraint,
         parse_tool_calls=bool(tools),
         forced_json_calls=(bool(forced) or call_or_answer) and not native_body(fmt, tools, forced or names),
+        forced_call=bool(forced),
         open_call=open_call,
         call_start_id=start_id,
         # A forced call's grammar (and call_or_answer's) already ends the answer after one call.

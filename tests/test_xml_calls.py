@@ -14,7 +14,7 @@ import json
 import re
 import datetime
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import pytest
 from pydantic import Field
@@ -177,6 +177,74 @@ def test_a_value_may_not_spell_the_end_marker(grammar):
 
     assert takes(head + tok("x") + tail)
     assert not takes(head + spelled + tail)
+
+
+class Inner(_Strict):
+    text: str
+
+
+class Notes(_Strict):
+    """JSON-valued parameters whose strings could spell the call's markup."""
+
+    tags: list[str]
+    codes: list[Annotated[str, Field(pattern=r"^[a-z</>_]+$")]] = []
+    inner: Optional[Inner] = None
+    meta: dict[str, Any] = {}
+    anything: Any = None
+
+
+NOTES = [{"type": "function", "function": {"name": "notes", "parameters": Notes.model_json_schema()}}]
+
+
+@pytest.mark.parametrize("marker", ["</parameter>", "</tool_call>"])
+@pytest.mark.parametrize("arguments", [
+    {"tags": ["a", "x{m}y"]},
+    {"tags": [], "codes": ["ab{m}"]},
+    {"tags": [], "inner": {"text": "{m}"}},
+    {"tags": [], "meta": {"k": ["deep", {"deeper": "{m} and on"}]}},
+    {"tags": [], "anything": "{m}"},
+    {"tags": [], "anything": [1, {"a": "b{m}"}]},
+])
+def test_a_string_inside_a_json_value_may_not_spell_the_markup(grammar, marker, arguments):
+    """A string inside a JSON-valued parameter (a list item, a nested model's field, any
+    value) that spelled ``</parameter>`` was cut there by mlx-lm's parser, and one that
+    spelled ``</tool_call>`` ended the call (in ordinary tokens): the call came back
+    invalid. Such strings are refused now; the same strings without the marker are taken
+    and read back whole, and so is near-miss markup (``</param``, ``<b>``)."""
+    fmt = ChatFormat(**CODER)
+    tok = grammar.tokenizer.tokenize_str
+    cut = len(marker) // 2
+    spelled = tok(marker[:cut]) + tok(marker[cut:])  # ordinary tokens, as a model may write it
+    assert grammar.tokenizer.decode_str(spelled) == marker
+
+    def ids(args: dict) -> list[int]:
+        text = render_call("notes", args)
+        head, _, tail = text.partition("@MARK@")
+        if not _:
+            return tok("<tool_call>") + tok(text[len("<tool_call>"):-len("</tool_call>")]) + tok("</tool_call>")
+        return tok("<tool_call>") + tok(head[len("<tool_call>"):]) + spelled + tok(tail[:-len("</tool_call>")]) \
+            + tok("</tool_call>")
+
+    def takes(args: dict) -> bool:
+        m = grammar.compile(tool_call_constraint(fmt, NOTES, ["notes"], parallel=False, marker=grammar.marker))
+        got = ids(args)
+        return m.try_consume_tokens(got) == len(got) and m.is_accepting()
+
+    def spelling(text: str, value: Any = arguments) -> Any:
+        if isinstance(value, str):
+            return value.replace("{m}", text)
+        if isinstance(value, list):
+            return [spelling(text, v) for v in value]
+        return {k: spelling(text, v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    assert not takes(spelling("@MARK@"))
+    for harmless in ("", "</param", "<b>x</b>", marker[:-1]):
+        args = spelling(harmless)
+        assert takes(args), args
+        body = render_call("notes", args)[len("<tool_call>"):-len("</tool_call>")]
+        parsed = mlx_lm_coder.parse_tool_call(body, None)
+        assert read_arguments(parsed["arguments"], NOTES[0]["function"]["parameters"]) == args
+        Notes.model_validate(args)
 
 
 @pytest.mark.parametrize("pattern,takes,refuses", [

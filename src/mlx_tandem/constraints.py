@@ -34,6 +34,7 @@ from .chat_format import ChatFormat
 from .closing import TokenClasses, token_classes
 from .errors import ConstraintError
 from .pattern_witness import schema_patterns, shortest_match, witnesses
+from .schema_positions import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS
 from .xml_calls import lark_regex, xml_body_rules, xml_expressible
 
 logger = logging.getLogger(__name__)
@@ -110,15 +111,6 @@ def _schema_text(build: Callable[[], Any]) -> str:
         raise ConstraintError("the JSON schema is nested too deeply") from None
     except (TypeError, ValueError) as exc:
         raise ConstraintError(f"the JSON schema is not JSON data: {exc}") from None
-
-
-# Where a JSON Schema holds subschemas (draft 2020-12 and draft 7). Everything else, const,
-# enum, default and examples above all, is data: a value that has a "properties" key is not
-# an object schema.
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SUBSCHEMA = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems",
-              "contains", "propertyNames", "not", "if", "then", "else")
 
 
 # llguidance's date formats allow year 0000, a leap second :60 and February 29 in any year;
@@ -231,16 +223,16 @@ def _prepare(schema: Any, *, open_defs: set[str], keep_open: bool) -> Any:
     def sub(value: Any, keep: bool = False) -> Any:
         return _prepare(value, open_defs=open_defs, keep_open=keep)
 
-    for key in _SUBSCHEMA_MAPS:
+    for key in SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             is_defs = key in ("$defs", "definitions")
             out[key] = {name: sub(v, keep=is_defs and name in open_defs) for name, v in out[key].items()}
-    for key in _SUBSCHEMA_LISTS:
+    for key in SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
             shared = (key == "allOf" and (len(out[key]) > 1 or "properties" in out)) or (
                 key in ("anyOf", "oneOf") and "properties" in out)
             out[key] = [sub(v, keep=shared) for v in out[key]]
-    for key in _SUBSCHEMA:
+    for key in SUBSCHEMA:
         value = out.get(key)
         if isinstance(value, list):  # draft 7 tuple "items"
             out[key] = [sub(v) for v in value]

@@ -36,8 +36,9 @@ reads the values back by the same rules:
 - Parameters come in the schema's order: required ones always, optional ones may be left
   out, as llguidance orders a JSON object's keys. Only listed parameters.
 
-Not held: a string inside a JSON-valued parameter (a list of strings, a nested model)
-may still spell ``</parameter>`` (llguidance's JSON grammar takes no exclusions); a
+A string inside a JSON-valued parameter (a list of strings, a nested model) may not spell
+``</parameter>`` or the end marker either: marker_free.py adds a pattern to each, since
+llguidance's JSON grammar takes no exclusions. Not held: a free-form object's keys; a
 ``minLength`` or ``maxLength`` over the caps above. Not expressible, so such tools keep a JSON body
 (``xml_expressible``): parameters that are not a closed object with ``properties`` (a
 top-level union, ``patternProperties``, a free-form object), and names the parser cannot
@@ -51,6 +52,7 @@ import json
 import re
 from typing import Any, Optional, Sequence
 
+from .marker_free import marker_free_schema
 from .pattern_witness import shortest_match
 
 # What closes a raw string value: closing mode (closing.py) writes it out whole, since no
@@ -193,7 +195,8 @@ class _Rules:
         return name
 
     def _json(self, schema: dict, defs: dict) -> str:
-        return f"%json {json.dumps({**defs, **schema, 'x-guidance': self._style})}"
+        whole = marker_free_schema({**defs, **schema}, ("</parameter>", self._end_marker))
+        return f"%json {json.dumps({**whole, 'x-guidance': self._style})}"
 
     def _text(self, schema: dict) -> str:
         """A terminal for a raw string value and the end of its parameter (see the module

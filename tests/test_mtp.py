@@ -582,3 +582,50 @@ def test_speculative_steps_keep_no_tokens_of_rows_that_left(qwen3_5_mtp_path):
     rows, logprobs, stats = asyncio.run(run())
     assert stats["spec_steps"] > 0
     assert (rows or 0) <= 1 and logprobs <= 1, (rows, logprobs)
+
+
+def test_rows_taking_turns_to_keep_most_share_no_growing_padding(qwen3_5_mtp_path, greedy_reference, monkeypatch):
+    """A ragged rollback pads each row by what the row that kept most kept beyond it. Rows
+    taking turns to keep most grew the padding they all share by a few slots a step until
+    a row left: every row attended over it, and the batch's cache outgrew what memory
+    admission reserves (the longest row plus one growth step). Acceptance is capped here
+    in turns (a lossless cut: the next token is the target's at the cap), the output
+    stays the plain one, and the shared padding stays within the head's one hidden entry."""
+    real_accept, steps = Drafter.accept, [0]
+
+    def in_turns(self, target_logits, drafts):
+        accepted, nxt = real_accept(self, target_logits, drafts)
+        B, k = drafts.shape
+        turn = steps[0]
+        steps[0] += 1
+        cap = mx.array([k if (turn + r) % 2 == 0 else 0 for r in range(B)], dtype=accepted.dtype)
+        capped = mx.minimum(accepted, cap)
+        target = mx.take_along_axis(mx.argmax(target_logits, axis=-1), capped[:, None], axis=1)[:, 0]
+        return capped, mx.where(capped < accepted, target, nxt)
+
+    shared = []
+
+    def watch(caches):
+        from mlx_lm.models.cache import BatchKVCache
+
+        shared.append(max(min(c.left_padding.tolist()) for c in caches if isinstance(c, BatchKVCache)))
+
+    real_rollback, real_write = spec_batch.rollback, spec_batch.write_accepted
+
+    def rollback(cache, records, fed, keep):
+        watch(cache)
+        return real_rollback(cache, records, fed, keep)
+
+    def write_accepted(head, embed, caches, *args):
+        watch(caches)
+        return real_write(head, embed, caches, *args)
+
+    monkeypatch.setattr(Drafter, "accept", in_turns)
+    monkeypatch.setattr(spec_batch, "rollback", rollback)
+    monkeypatch.setattr(spec_batch, "write_accepted", write_accepted)
+    prompts = PROMPTS[:4]
+    outs, stats = asyncio.run(_run(qwen3_5_mtp_path, prompts, {"max_tokens": 24}, mtp="on", mtp_depth=3,
+                                   max_batch_size=4, prefix_cache_bytes=0))
+    same_greedy_rows(outs, greedy_reference[:4], judge=qwen3_5_mtp_path, prompts=prompts)
+    assert stats["mtp"]["accepted"] > 0 and len(shared) > 10
+    assert max(shared) <= 1, shared

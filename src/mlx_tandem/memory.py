@@ -14,7 +14,8 @@ of its batch as long. A buffer grows in whole steps of 256 slots from wherever i
 chunk ended, and ``filter`` trims only the padding every row shares, so it may hold up to
 255 slots past its longest row, never more (``update_and_fetch`` adds at most 255 past
 what it writes, ``merge`` none, ``extend`` and ``filter`` keep the larger spare): a row
-reserves ``L + 255`` slots. Recurrent state (GatedDeltaNet's ``ArraysCache``) is a fixed
+reserves ``L + 255`` slots. A speculative step's ragged rollback pads its shorter rows,
+and drops the padding they all share at once (``spec/verify.py``), so it keeps this bound. Recurrent state (GatedDeltaNet's ``ArraysCache``) is a fixed
 size per row, and speculative verification keeps one copy per verified position besides
 (``spec/verify.py``).
 

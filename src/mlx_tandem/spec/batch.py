@@ -32,7 +32,7 @@ from ..params import SamplingParams
 from .acceptance import Drafter
 from .mtp_cache import BatchMTPCache, MTPKVCache
 from .policy import AutoPolicy
-from .verify import rollback, verify_hidden
+from .verify import drop_shared_padding, rollback, verify_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ def write_accepted(head, embed, caches, tokens: mx.array, hidden: mx.array, coun
     if ragged:
         for c in caches:
             c.finalize()
+        drop_shared_padding(caches)
 
 
 @dataclass

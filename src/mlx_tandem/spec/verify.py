@@ -5,7 +5,8 @@ different numbers of drafts, so every cache must be cut back per row:
 
 - attention KV (``BatchKVCache``): the rejected tail is trimmed; where rows keep different
   lengths the shorter rows are rolled right so their rejected entries fall into the left
-  padding (mlx-lm's own right-padding ``prepare``/``finalize`` does this roll);
+  padding (mlx-lm's own right-padding ``prepare``/``finalize`` does this roll), and the
+  padding every row then shares is dropped (``drop_shared_padding``);
 - recurrent GatedDeltaNet state (``ArraysCache``): it cannot be "trimmed", so the verify
   forward records the state after every position and the rollback picks, per row, the
   state after its last accepted token. The conv window is re-cut from the recorded input.
@@ -122,6 +123,8 @@ def rollback(cache: List[Any], records: List[RecurrentRecord], fed: int, keep: L
                 raise RuntimeError(f"{type(c).__name__} cannot keep different lengths per row")
             c.prepare(right_padding=ragged)
             c.finalize()
+    if any(ragged):
+        drop_shared_padding(cache)
     for rec in records:
         B, total, C = rec.conv_input.shape
         n_keep = total - fed
@@ -129,3 +132,25 @@ def rollback(cache: List[Any], records: List[RecurrentRecord], fed: int, keep: L
         rec.cache[0] = mx.take_along_axis(rec.conv_input, start[..., None], axis=1)
         idx = (keep_arr - 1).reshape(B, 1, 1, 1, 1)
         rec.cache[1] = mx.take_along_axis(rec.states, idx, axis=1)[:, 0]
+
+
+def drop_shared_padding(cache: List[Any]) -> None:
+    """Drop the left padding every row of a batch cache shares, as mlx-lm's (0.32)
+    ``BatchKVCache.filter`` does when a row leaves, and nothing else does.
+
+    A ragged rollback pads each row by what the row that kept most kept beyond it, so while
+    no row left, rows taking turns to keep most grew the padding they all share without
+    bound: every row attended over it, and the buffer outgrew what memory admission
+    reserves for the batch (``memory.py``: the longest row plus one growth step), 1.28x
+    after 160 steps of four rows. Cutting the keys is a view; the next growth copies only
+    what is left.
+    """
+    for c in cache:
+        if not isinstance(c, BatchKVCache) or c.keys is None:
+            continue
+        shared = min(c.left_padding.tolist())
+        if shared > 0:
+            c.keys = c.keys[..., shared:, :]
+            c.values = c.values[..., shared:, :]
+            c._idx -= shared
+            c.left_padding = c.left_padding - shared

@@ -410,6 +410,45 @@ async def test_a_forced_call_cut_off_in_its_marker_or_before_its_first_call_is_o
     finally:
         await engine.close()
 
+
+@pytest.mark.parametrize("block", [
+    '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "arguments": {"a": 3, "b": 4}}]',
+    'add[ARGS]{"a": 1, "b": 2}add[ARGS]{"a": 3, "b": 4}',
+])
+async def test_one_call_a_turn_ends_a_format_without_an_end_marker_at_its_first_call(llama_path, block):
+    """parallel_tool_calls=False: Mistral's calls run to the end of the answer, so the row
+    decoded every call of its block (the output kept the first). It now ends where the
+    first call is whole: the same call, fewer tokens, streamed or not."""
+    from mlx_lm.tool_parsers import mistral
+
+    from mlx_tandem import Engine
+
+    engine = Engine(llama_path, show_progress=False)
+    await engine.start()
+    try:
+        engine._format = dataclasses.replace(
+            engine._format, tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
+            tool_parser=mistral.parse_tool_call, tool_format="mistral", template_has_tools=True)
+        ids, params = _forced(engine, "[TOOL_CALLS]" + block)
+        whole = await engine.chat(USER, params, tools=[ADD])
+        assert [c.arguments for c in whole.tool_calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+        first = block[: block.index("}}" if block.startswith("[") else "}") + (2 if block.startswith("[") else 1)]
+        for stream in (False, True):
+            _, params = _forced(engine, "[TOOL_CALLS]" + block)  # (a forcing processor counts its steps)
+            if stream:
+                deltas = [d async for d in engine.stream_chat(USER, params, tools=[ADD], parallel_tool_calls=False)]
+                calls = [c for d in deltas for c in d.tool_calls]
+                text, n, finish = "".join(d.text for d in deltas), sum(len(d.token_ids) for d in deltas), \
+                    deltas[-1].finish_reason
+            else:
+                out = await engine.chat(USER, params, tools=[ADD], parallel_tool_calls=False)
+                calls, text, n, finish = out.tool_calls, out.text, len(out.token_ids), out.finish_reason
+            assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 1, "b": 2})]
+            assert finish == "tool_calls" and text == "[TOOL_CALLS]" + first, (stream, text)
+            assert n < len(ids) and n == len(engine.tokenizer.encode(text, add_special_tokens=False)), (n, len(ids))
+    finally:
+        await engine.close()
+
 # ---------------------------------------------------------------------------- grouping
 @pytest.mark.parametrize("invalid_first", [False, True])
 @pytest.mark.parametrize("end_tokens", [1, 3, "merged"])

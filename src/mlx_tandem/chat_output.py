@@ -160,6 +160,8 @@ class ChatOutputParser:
                 cut = len(self._buf) - keep
                 self._take(self._buf[:cut], out)
                 self._buf = self._buf[cut:]
+                if self._state == TOOL_CALL and not self._fmt.tool_call_end and self._max_calls is not None:
+                    self._end_at_first_call(out)
                 return out
             i, marker = min(hits)
             if self._state == TOOL_CALL and self.json_body and self._strings.inside_after(self._buf[:i]):
@@ -229,11 +231,30 @@ class ChatOutputParser:
         else:  # tool_call_end
             self._close_call(out)
 
-    def _close_call(self, out: ParsedDelta, truncated: bool = False) -> None:
+    def _end_at_first_call(self, out: ParsedDelta) -> None:
+        """``parallel_tool_calls=False`` in a format without an end marker (Mistral's): its
+        calls run to the end of the answer, so the row decoded every call of its list and
+        the output kept the first. The answer now ends where its first call is whole and
+        valid (an invalid first call ends nothing: a later one may count)."""
+        first = _first_call(self._call_buf)
+        if first is None:
+            return
+        block, end = first
+        items = self._parse_call(block)
+        if not items or not isinstance(items[0], ToolCall):
+            return
+        at = self._fed - len(self._buf) - (len(self._call_buf) - end)  # the call's end in the fed text
+        self._call_buf = block
+        self._close_call(out, items=items[:1])
+        if self.calls_exhausted:
+            self.exhausted_at = at
+            self._buf = ""
+
+    def _close_call(self, out: ParsedDelta, truncated: bool = False, items: Optional[list] = None) -> None:
         body, self._call_buf = self._call_buf, ""
         self._state = CONTENT
         self._content.strip_leading = True
-        items = self._parse_call(body)
+        items = self._parse_call(body) if items is None else items
         if truncated and self._fmt.tool_call_end and items and isinstance(items[-1], ToolCall):
             # Its end marker never came, yet a lenient parser (GLM's) read what was written
             # as a call: with the arguments written so far, a flag being written dropped.
@@ -427,6 +448,29 @@ def _cut_parts(body: str) -> Optional[tuple[Optional[str], str]]:
     except ValueError:
         return None
     return (name, args) if at >= len(text) else None
+
+
+def _first_call(body: str) -> Optional[tuple[str, int]]:
+    """The first call of a block in a format without an end marker, once whole: that call
+    alone as a block its parser reads (``[{...}]``, ``{...}`` or ``name[ARGS]{...}``), and
+    where it ends in ``body``; None while it is being written. Whole means its object
+    closed: nothing after a ``}`` can change it."""
+    at = _BLANK.match(body).end()
+    listed = body[at:at + 1] == "["
+    if listed:
+        at = _BLANK.match(body, at + 1).end()
+    elif body[at:at + 1] != "{":
+        header = _ARGS_HEADER.match(body, at)
+        if header is None:
+            return None
+        at = header.end()
+    if body[at:at + 1] != "{":
+        return None
+    try:
+        _, end = json.JSONDecoder().raw_decode(body, at)
+    except (ValueError, RecursionError):  # not closed yet (or broken: read at the end as before)
+        return None
+    return body[:end] + ("]" if listed else ""), end
 
 
 def _list_items(body: str) -> Optional[tuple[list, str]]:

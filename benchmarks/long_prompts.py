@@ -15,6 +15,11 @@ Side by side in one run (the machines are noisy), time to first token (TTFT), gr
      A burst: several requests with one new system prompt submitted at once, on the hybrid
      model: each prefilling its own copy (``prefix_cache_wait_for_prefill=False``) vs the
      others waiting for the first one's snapshot; mean and last TTFT, tokens prefilled.
+     Few-shot examples written as messages (a short system prompt, then example turns), a
+     new question each request, on the hybrid model: without the "history" snapshot
+     (``prefix_cache_history=False``: only the short system prompt is reused, the
+     model's cache cannot be cut back to the examples) vs with it (stored once a second
+     request shares the examples); mean TTFT of the requests after those two.
 
 Prompts are natural text (Python standard-library docstrings) in the factory tokenizer.
 
@@ -48,7 +53,7 @@ FULL = dict(
                 linear_key_head_dim=64, linear_value_head_dim=64, full_attention_interval=4),
     draft=dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
                num_key_value_heads=2),
-    lengths=(2048, 8192), reps=2, system_tokens=4096, cache_reps=3, turns=5, burst=8, burst_reps=2)
+    lengths=(2048, 8192), reps=2, system_tokens=4096, cache_reps=3, turns=5, burst=8, burst_reps=2, few_shot=6)
 QUICK = dict(
     target=dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1408, num_attention_heads=8,
                 num_key_value_heads=2),
@@ -57,7 +62,7 @@ QUICK = dict(
                 linear_key_head_dim=64, linear_value_head_dim=64, full_attention_interval=2),
     draft=dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
                num_key_value_heads=1),
-    lengths=(2048,), reps=1, system_tokens=2048, cache_reps=2, turns=5, burst=4, burst_reps=2)
+    lengths=(2048,), reps=1, system_tokens=2048, cache_reps=2, turns=5, burst=4, burst_reps=2, few_shot=4)
 KEEP = 0.2
 AGREEMENT_TOKENS = 32
 CONTEXT = 20_000
@@ -262,6 +267,48 @@ async def bench_burst(cfg, path: Path, name: str, bar) -> dict:
             "prefill_waits": waits, "identical_outputs": same}
 
 
+async def bench_few_shot(cfg, path: Path, name: str, bar) -> dict:
+    """Few-shot examples as messages, a new question each request, alternating between an
+    engine without the "history" snapshot and one with it. The first two requests of each
+    store what the engine keeps (the examples on the second); the rest are measured."""
+    engines = {label: Engine(path, show_progress=False, max_model_len=CONTEXT, mtp="off", prefix_cache_history=on)
+               for label, on in (("without", False), ("with", True))}
+    for engine in engines.values():
+        await engine.start()
+    encode = engines["with"]._renderer.encode
+    docs, examples, tokens = corpus(), [], 0
+    while tokens < cfg["system_tokens"]:  # example turns up to about the burst's system prompt
+        doc = docs[(len(examples) * 5 + 3) % len(docs)]
+        pair = (f"What does {doc.split(':')[0]} do?", doc[:1200])
+        examples.append(pair)
+        tokens += len(encode(pair[0] + pair[1])) + 10
+
+    def chat(i):
+        msgs = [{"role": "system", "content": "Answer like the examples."}]
+        for q, a in examples:
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        return msgs + [{"role": "user", "content": f"Question {i}: what does {docs[i].split(':')[0]} return?"}]
+
+    params = {"max_tokens": 4}
+    times = {label: [] for label in engines}
+    same = True
+    for i in range(cfg["few_shot"] + 2):
+        outputs = {}
+        for label, engine in engines.items():
+            t, outputs[label] = await ttft(engine, messages=chat(i), params=params)
+            times[label].append(t)
+        same &= outputs["without"] == outputs["with"]
+        bar.update()
+    prompt_tokens = len(engines["with"].apply_chat_template(chat(0)))
+    cached = engines["with"].stats()["prefix_cache"]["hits_by_kind"]
+    for engine in engines.values():
+        await engine.close()
+    mean = {label: sum(t[2:]) / len(t[2:]) for label, t in times.items()}
+    return {"model": name, "examples": len(examples), "prompt_tokens": prompt_tokens, "requests": len(times["with"]),
+            "ttft_per_request_s": times, "mean_ttft_without_s": mean["without"], "mean_ttft_with_s": mean["with"],
+            "speedup": mean["without"] / mean["with"], "history_hits": cached["history"], "identical_outputs": same}
+
+
 async def bench(args) -> dict:
     from tqdm.auto import tqdm
 
@@ -279,7 +326,7 @@ async def bench(args) -> dict:
             print(f"building the {role} model ({kind}) at {paths[role]} ...", flush=True)
             make_tiny_model(kind, paths[role], seed=0, max_position_embeddings=CONTEXT, **sizes)
     total = (2 * len(cfg["lengths"]) * cfg["reps"] + 2 * cfg["cache_reps"] + 4 * cfg["turns"]
-             + 2 * cfg["burst_reps"])
+             + 2 * cfg["burst_reps"] + cfg["few_shot"] + 2)
     bar = tqdm(total=total, desc="long-prompt benchmark", unit="run")
     results = {
         "models": {role: {"kind": models[role][0], **models[role][1]} for role in models},
@@ -289,13 +336,14 @@ async def bench(args) -> dict:
         "multi_turn": [await bench_turns(cfg, paths["target"], "llama", bar),
                        await bench_turns(cfg, paths["hybrid"], "qwen3_5", bar)],
         "burst": await bench_burst(cfg, paths["hybrid"], "qwen3_5", bar),
+        "few_shot": await bench_few_shot(cfg, paths["hybrid"], "qwen3_5", bar),
     }
     bar.close()
     return results
 
 
 def plot(results: dict, plt):
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    fig, axes = plt.subplots(1, 5, figsize=(18.5, 3.6))
     bars = [
         (axes[0], "SpecPrefill (keep 20%)",
          [(f"{r['prompt_tokens'] // 1024}K", r["ttft_full_s"], r["ttft_specprefill_s"]) for r in results["specprefill"]],
@@ -308,6 +356,9 @@ def plot(results: dict, plt):
         (axes[3], f"{results['burst']['requests']} at once, one system prompt",
          [(what, results["burst"]["separate"][key], results["burst"]["shared"][key])
           for what, key in (("mean", "mean_ttft_s"), ("last", "last_ttft_s"))], ("each prefills it", "prefilled once")),
+        (axes[4], f"few-shot examples, {results['few_shot']['prompt_tokens']} tokens",
+         [(results["few_shot"]["model"], results["few_shot"]["mean_ttft_without_s"],
+           results["few_shot"]["mean_ttft_with_s"])], ("system prompt reused", "examples reused")),
     ]
     for ax, title, rows, names in bars:
         x = range(len(rows))
@@ -352,8 +403,13 @@ def main(argv=None) -> int:
               f"{r['prefill_tokens']} tokens prefilled")
     print(f"{'':>17}  mean TTFT {b['speedup_mean_ttft']:.2f}x, burst {b['speedup_wall']:.2f}x, identical "
           f"{b['identical_outputs']}")
+    f = results["few_shot"]
+    print(f"\nFew-shot examples as messages ({f['model']}, {f['examples']} examples, {f['prompt_tokens']} prompt "
+          f"tokens): mean TTFT {f['mean_ttft_without_s']:.3f}s without the history snapshot, "
+          f"{f['mean_ttft_with_s']:.3f}s with it: {f['speedup']:.1f}x, identical {f['identical_outputs']}")
     report.write(results, args.output, plot)
-    if not all(r["identical_outputs"] for r in results["system_cache"]) or not b["identical_outputs"]:
+    if not all(r["identical_outputs"] for r in results["system_cache"]) or not b["identical_outputs"] \
+            or not f["identical_outputs"]:
         print("FAILED: a prefix-cache hit answered differently from a miss (the cache must be exact)",
               file=sys.stderr)
         return 1

@@ -467,3 +467,79 @@ async def test_prompts_are_cut_only_where_a_snapshot_will_be_stored(qwen3_5_path
         after = engine.run_on_owner_thread(lambda: lane._snapshot_points(req, 0))
     assert before == sorted(points) and all(p >= 40 for p, _ in before)  # 20 is below the minimum
     assert after == []  # both points are stored now
+
+
+# --------------------------------------------------------------------------- shared history
+EXAMPLES = [("How do I sharpen a chisel?", "Flatten the back, then hone the bevel on a fine stone."),
+            ("Which glue for oak?", "A PVA wood glue; clamp it for an hour."),
+            ("What is a dado joint?", "A square groove across the grain that houses another board.")]
+
+
+def _few_shot(question: str) -> list[dict]:
+    """Few-shot examples written as messages, as LangChain's FewShotChatMessagePromptTemplate
+    writes them, then the question: requests that differ only in the question."""
+    chat = [{"role": "system", "content": SYSTEM}]
+    for q, a in EXAMPLES:
+        chat += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return chat + [{"role": "user", "content": question}]
+
+
+def test_the_history_boundary_ends_after_the_last_reply_for_any_template(llama_engine):
+    """"history": the conversation through its last assistant message, found with probe user
+    messages (no markers searched for); the same for requests that differ in what follows.
+    Only asked for, and only where a message follows a reply."""
+    template = (
+        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    renderer = llama_engine._renderer
+    kwargs = {"chat_template": template}
+    found = []
+    for question in ("Plan a birdhouse.", "Zebra wood?"):
+        msgs = _few_shot(question)
+        ids = renderer.render(msgs, template_kwargs=kwargs)
+        points = dict((k, n) for n, k in renderer.cache_points(msgs, ids, template_kwargs=kwargs, history=True))
+        found.append((ids, points))
+        assert "history" not in dict((k, n) for n, k in renderer.cache_points(msgs, ids, template_kwargs=kwargs))
+    (ids, points), (_, other) = found
+    assert points["history"] == other["history"] and points["system"] < points["history"] < points["turn"]
+    shared = renderer.decode(ids[: points["history"]])
+    assert shared.endswith(EXAMPLES[-1][1] + "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n")
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Zebra wood?"}]
+    ids = renderer.render(first, template_kwargs=kwargs)
+    assert "history" not in dict((k, n) for n, k in renderer.cache_points(first, ids, template_kwargs=kwargs,
+                                                                          history=True))
+
+
+async def test_few_shot_examples_are_stored_once_a_second_request_shares_them(qwen3_5_path):
+    """A hybrid model's cache cannot be cut back, so requests that share only their
+    few-shot examples reused the system prompt alone, however long the examples. The
+    examples are stored once a second request holds them; every later one starts there,
+    and each answer equals its cold run. With the option off, or in a conversation (each
+    request's history new), no such entry is kept."""
+    questions = ["Plan a birdhouse.", "Is pine good for shelves?", "How long does varnish dry?", "Zebra wood?"]
+    async with _engine(qwen3_5_path) as engine:
+        ids = [engine.apply_chat_template(_few_shot(q)) for q in questions]
+        history = {k: p for p, k in engine._renderer.cache_points(_few_shot(questions[0]), ids[0],
+                                                                  history=True)}["history"]
+        outs = [await engine.chat(_few_shot(q), SamplingParams(max_tokens=8)) for q in questions]
+        stats = engine.stats()["prefix_cache"]
+    for out, p in zip(outs, ids):
+        assert out.token_ids == reference_greedy(qwen3_5_path, p, 8)
+    cached = [out.usage.cached_tokens for out in outs]
+    assert cached[0] < history and cached[1] < history and cached[2] == cached[3] == history, (cached, history)
+    assert stats["hits_by_kind"]["history"] == 2
+
+    async with _engine(qwen3_5_path, prefix_cache_history=False) as engine:
+        off = [await engine.chat(_few_shot(q), SamplingParams(max_tokens=8)) for q in questions]
+    assert [o.token_ids for o in off] == [o.token_ids for o in outs]
+    assert all(o.usage.cached_tokens < history for o in off)
+
+    chat = [{"role": "system", "content": SYSTEM}]
+    async with _engine(qwen3_5_path) as engine:
+        for q in questions:
+            chat.append({"role": "user", "content": q})
+            out = await engine.chat(chat, SamplingParams(max_tokens=8))
+            chat.append({"role": "assistant", "content": out.content or "ok"})
+        kept = engine.run_on_owner_thread(lambda: len(engine._core._lanes["text"].prefix_cache._lru["history"]))
+    assert kept == 0

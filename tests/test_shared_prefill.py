@@ -198,3 +198,26 @@ async def test_a_claim_never_outlives_its_rows_prompt(qwen3_5_path):
             return claims_before, claims_decoding
 
         assert engine.run_on_owner_thread(walk) == (len(points), 0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+async def test_requests_sharing_few_shot_examples_prefill_them_once(kind, request):
+    """Few-shot examples written as messages are no system prompt: requests arriving
+    together with the same examples and different questions each prefilled them. Counted
+    on arrival, the examples are stored by the first request and the others wait for it."""
+    from .test_prefix_cache import _few_shot
+
+    path = request.getfixturevalue(f"{kind}_path")
+    chats = [_few_shot(_user(i)) for i in range(4)]
+    async with Engine(path, show_progress=False, prefix_cache_min_tokens=8, coalesce_ms=300) as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        history = {k: p for p, k in engine._renderer.cache_points(chats[0], ids[0], history=True)}["history"]
+        outs = await asyncio.gather(*[engine.chat(c, SamplingParams(max_tokens=8)) for c in chats])
+        stats = engine.stats()
+        claims = engine.run_on_owner_thread(lambda: len(engine._core._lanes["text"]._claims))
+    for out, p in zip(outs, ids):
+        assert out.token_ids == reference_greedy(path, p, 8)
+    cached = sorted(out.usage.cached_tokens for out in outs)
+    assert cached[0] < history <= cached[1], (cached, history)
+    assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids) - sum(cached)
+    assert stats["prefix_cache"]["hits_by_kind"]["history"] == 3 and claims == 0

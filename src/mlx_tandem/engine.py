@@ -295,7 +295,8 @@ class Engine:
             elif self.options.prefix_cache_bytes or self.options.specprefill_draft is not None:
                 # The prefix cache's snapshot points; SpecPrefill keeps the system prompt dense.
                 cache_points = renderer.cache_points(
-                    messages, prompt_ids, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns)
+                    messages, prompt_ids, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns,
+                    history=self.options.prefix_cache_history and bool(self.options.prefix_cache_bytes))
             fmt = self._format
             starts_in_reasoning = fmt.opens_in_reasoning(text, renderer.continued_text(
                 messages, text, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns))

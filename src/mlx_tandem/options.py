@@ -58,6 +58,10 @@ class EngineOptions:
     #: system prompt, several requests at once) waits for that snapshot instead of
     #: prefilling the same tokens beside it. Off: each prefills its own copy.
     prefix_cache_wait_for_prefill: bool = True
+    #: Also snapshot the conversation through its last assistant message once a second
+    #: request shares it (few-shot examples written as messages, one conversation fanned
+    #: out to several last questions). Off: only system prompts, turns and answers.
+    prefix_cache_history: bool = True
     #: SpecPrefill draft: a checkpoint with the target's tokenizer (a small model). None
     #: turns SpecPrefill off. Long prompts are then scored by the draft and the target
     #: prefills only their important chunks (lossy: the answer may differ from a full prefill).
@@ -93,7 +97,8 @@ class EngineOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 0")
-        for name in ("constrain_tool_calls", "show_progress", "allow_remote_images", "prefix_cache_wait_for_prefill"):
+        for name in ("constrain_tool_calls", "show_progress", "allow_remote_images", "prefix_cache_wait_for_prefill",
+                     "prefix_cache_history"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"engine option {name}={getattr(self, name)!r}: must be True or False")
         if not isinstance(self.coalesce_ms, (int, float)) or not 0 <= self.coalesce_ms <= 1000:

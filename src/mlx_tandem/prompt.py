@@ -117,7 +117,7 @@ class PromptRenderer:
         self._tokenizer = tokenizer
         self._short_ids = short_call_ids  # the template wants Mistral's 9-character call ids
         self.lock = threading.Lock()
-        self._system_prefixes: OrderedDict[str, list[int]] = OrderedDict()
+        self._shared_prefixes: OrderedDict[str, list[int]] = OrderedDict()
         self._call_turns: Optional[CallTurns] = None
 
     @property
@@ -251,6 +251,7 @@ class PromptRenderer:
         tools: Optional[Sequence[dict]] = None,
         template_kwargs: Optional[dict[str, Any]] = None,
         turns: Optional[CallTurns] = None,
+        history: bool = False,
     ) -> list[tuple[int, str]]:
         """Prompt lengths worth a prefix-cache snapshot, found for any chat template.
 
@@ -259,6 +260,10 @@ class PromptRenderer:
           token prefix is the part every conversation with this system prompt shares.
         - "turn": where the conversation before this request's generation prompt ends; the
           next turn of the conversation starts with it.
+        - "history" (with ``history``): where the conversation through its last assistant
+          message ends, found with the same probes: what requests that differ only in the
+          messages after it share (few-shot examples written as messages, one conversation
+          fanned out). The lane stores it only once a second request shares it.
 
         No ChatML (or other) markers are searched for. A boundary that the actual prompt does
         not share is cut back to the common prefix. ``turns``: what ``render_chat``
@@ -270,13 +275,17 @@ class PromptRenderer:
         points = []
         n_system = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
         if n_system or tools:
-            shared = self._system_prefix(msgs[:n_system], tools, template_kwargs)
+            shared = self._before_a_user(msgs[:n_system], tools, template_kwargs)
             points.append((_common_prefix(shared, prompt_ids), "system"))
         try:
-            history = self.encode(self._apply(msgs, tools, False, template_kwargs))
+            before = self.encode(self._apply(msgs, tools, False, template_kwargs))
         except TemplateError:  # e.g. templates that insist on a final user turn
-            history = []
-        points.append((_common_prefix(history, prompt_ids), "turn"))
+            before = []
+        points.append((_common_prefix(before, prompt_ids), "turn"))
+        last_reply = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=len(msgs))
+        if history and last_reply < len(msgs) - 1:  # (last: a point that clashes keeps its earlier kind)
+            shared = self._before_a_user(msgs[:last_reply + 1], tools, template_kwargs)
+            points.append((_common_prefix(shared, prompt_ids), "history"))
         out, seen = [], set()
         for n, kind in points:
             if 0 < n < len(prompt_ids) and n not in seen:
@@ -284,23 +293,24 @@ class PromptRenderer:
                 out.append((n, kind))
         return out
 
-    def _system_prefix(self, system_msgs: list[Message], tools, template_kwargs) -> list[int]:
-        key = json.dumps([system_msgs, tools, template_kwargs], sort_keys=True, default=str)
+    def _before_a_user(self, msgs: list[Message], tools, template_kwargs) -> list[int]:
+        """The tokens every prompt of ``msgs`` followed by a user message starts with."""
+        key = json.dumps([msgs, tools, template_kwargs], sort_keys=True, default=str)
         with self.lock:
-            hit = self._system_prefixes.get(key)
+            hit = self._shared_prefixes.get(key)
             if hit is not None:
-                self._system_prefixes.move_to_end(key)
+                self._shared_prefixes.move_to_end(key)
                 return hit
         try:
-            a, b = (self.encode(self._apply(system_msgs + [{"role": "user", "content": probe}], tools, False,
+            a, b = (self.encode(self._apply(msgs + [{"role": "user", "content": probe}], tools, False,
                                             template_kwargs)) for probe in _PROBES)
         except TemplateError:
             a = b = []
         shared = a[: _common_prefix(a, b)]
         with self.lock:
-            self._system_prefixes[key] = shared
-            while len(self._system_prefixes) > 64:
-                self._system_prefixes.popitem(last=False)
+            self._shared_prefixes[key] = shared
+            while len(self._shared_prefixes) > 64:
+                self._shared_prefixes.popitem(last=False)
         return shared
 
     def encode(self, text: str) -> list[int]:

@@ -174,6 +174,16 @@ class TextLane:
     def prepare(self, request: Request) -> None:  # a text prompt is known from the start
         pass
 
+    def arrived(self, request: Request) -> None:
+        """Count the request's "history" prefix as seen: stored once a second request holds
+        it. Counted on arrival, so that of requests arriving together the first stores it
+        and the others wait for it (``defer``)."""
+        if self.prefix_cache is not None:
+            keys = _prefix_keys(request)
+            for p, kind in request.cache_points:
+                if kind == "history" and p in keys:
+                    self.prefix_cache.sight(keys[p])
+
     def defer(self, request: Request) -> bool:
         """Should the request wait for a row in prefill to store a prefix of its prompt?
 
@@ -224,7 +234,9 @@ class TextLane:
                      prompt[:start], sampler, processors, _RowCaching(start, points))
 
     def _snapshot_points(self, request: Request, start: int) -> list[tuple[int, str]]:
-        """The request's cache points worth a snapshot: new ones, long enough to be stored.
+        """The request's cache points worth a snapshot: new ones, long enough to be stored,
+        and a "history" point only once a second request held it (a conversation's earlier
+        turns are read by its next turn from the "turn" point).
 
         Each point cuts the prefill into one more chunk, which changes float rounding (a
         near-tie in the logits can then flip), so the prompt is cut only where a snapshot
@@ -234,8 +246,10 @@ class TextLane:
         if pc is None:
             return []
         n = len(request.prompt_ids)
+        keys = _prefix_keys(request)
         return sorted((p, k) for p, k in request.cache_points
-                      if start < p < n and p >= pc.min_tokens and not pc.contains(request.prompt_ids[:p]))
+                      if start < p < n and p >= pc.min_tokens and not pc.contains(keys[p])
+                      and (k != "history" or pc.sightings(keys[p]) > 1))
 
     def _insert(self, request: Request, segments, cache, all_tokens, sampler, processors,
                 caching: _RowCaching) -> None:

@@ -26,6 +26,12 @@ TOOLS = [{"type": "function", "function": {
     "name": "lookup_part", "description": "Find a spare part by its catalogue number.",
     "parameters": {"type": "object", "properties": {"number": {"type": "string"}}, "required": ["number"]}}}]
 
+# A Llama-3-style template: no <|im_start|> anywhere.
+LLAMA3_TEMPLATE = (
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
 
 def _engine(path, **kw) -> Engine:
     return Engine(path, show_progress=False, prefix_cache_min_tokens=8, **kw)
@@ -246,13 +252,8 @@ def test_a_system_prompt_outlives_longer_trimmable_entries():
 
 # --------------------------------------------------------------------------- boundaries
 def test_system_boundary_is_found_for_a_template_without_chatml_markers(llama_engine):
-    # A Llama-3-style template: no <|im_start|> anywhere.
-    template = (
-        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-        "{{ m['content'] }}<|eot_id|>{% endfor %}"
-        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
     renderer = llama_engine._renderer
-    kwargs = {"chat_template": template}
+    kwargs = {"chat_template": LLAMA3_TEMPLATE}
     points = {}
     for user in ("How do I sharpen a chisel?", "Zebra wood?"):
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
@@ -488,12 +489,8 @@ def test_the_history_boundary_ends_after_the_last_reply_for_any_template(llama_e
     """"history": the conversation through its last assistant message, found with probe user
     messages (no markers searched for); the same for requests that differ in what follows.
     Only asked for, and only where a message follows a reply."""
-    template = (
-        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-        "{{ m['content'] }}<|eot_id|>{% endfor %}"
-        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
     renderer = llama_engine._renderer
-    kwargs = {"chat_template": template}
+    kwargs = {"chat_template": LLAMA3_TEMPLATE}
     found = []
     for question in ("Plan a birdhouse.", "Zebra wood?"):
         msgs = _few_shot(question)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -340,21 +341,27 @@ async def test_usage_counts_the_tokens_spent_reasoning(qwen3_5_engine, prompt, a
     assert (whole.reasoning != "") == (expected > 0), whole
 
 
+@contextlib.asynccontextmanager
+async def _mistral_engine(llama_path):
+    """The llama factory engine reading Mistral's tool calls (mlx-lm's parser: a lone start
+    marker, no end marker; the factory tokenizer spells ``[TOOL_CALLS]`` in several tokens)."""
+    from mlx_lm.tool_parsers import mistral
+
+    from mlx_tandem import Engine
+
+    async with Engine(llama_path, show_progress=False) as engine:
+        engine._format = dataclasses.replace(
+            engine._format, tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
+            tool_parser=mistral.parse_tool_call, tool_format="mistral", template_has_tools=True)
+        yield engine
+
+
 async def test_calls_of_a_format_without_an_end_marker(llama_path):
     """Mistral's calls (mlx-lm's parser: no end marker) run to the end of the answer, and
     stop strings must not cut them either: the exemption was only built for formats with
     an end marker, so stop="," cut the call at its first comma into an invalid one. Nor
     could such a call be forced ("no tool-call markers")."""
-    from mlx_lm.tool_parsers import mistral
-
-    from mlx_tandem import Engine
-
-    engine = Engine(llama_path, show_progress=False)
-    await engine.start()
-    try:
-        engine._format = dataclasses.replace(
-            engine._format, tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
-            tool_parser=mistral.parse_tool_call, tool_format="mistral", template_has_tools=True)
+    async with _mistral_engine(llama_path) as engine:
         for stop in ([","], ["}"], ["NEVER"]):
             _, params = _forced(engine, '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', stop=stop)
             out = await engine.chat(USER, params, tools=[ADD])
@@ -373,8 +380,7 @@ async def test_calls_of_a_format_without_an_end_marker(llama_path):
                                 response_format={"type": "json_schema", "json_schema": {"schema": schema}})
         # (the forced text's spacing differs from the grammar's JSON, which then picks the values)
         assert [(c.name, set(c.arguments)) for c in out.tool_calls] == [("add", {"a", "b"})]
-    finally:
-        await engine.close()
+
 
 
 
@@ -383,16 +389,7 @@ async def test_a_forced_call_cut_off_in_its_marker_or_before_its_first_call_is_o
     ``[TOOL_CALLS]`` in a tokenizer without it as a token), cut off by max_tokens inside the
     marker, left ``[TOOL_CAL`` as the content; cut right after ``[`` its call vanished (no
     call, no content). Each budget now gives one cut call and no content, streamed or not."""
-    from mlx_lm.tool_parsers import mistral
-
-    from mlx_tandem import Engine
-
-    engine = Engine(llama_path, show_progress=False)
-    await engine.start()
-    try:
-        engine._format = dataclasses.replace(
-            engine._format, tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
-            tool_parser=mistral.parse_tool_call, tool_format="mistral", template_has_tools=True)
+    async with _mistral_engine(llama_path) as engine:
         spelled = len(engine.tokenizer.encode('[TOOL_CALLS][{"', add_special_tokens=False))
         assert spelled > 5  # the marker is several tokens here
         for n in range(1, spelled + 1):
@@ -407,8 +404,7 @@ async def test_a_forced_call_cut_off_in_its_marker_or_before_its_first_call_is_o
         ids, params = _forced(engine, "[TOOL_CAL")
         out = await engine.chat(USER, dataclasses.replace(params, max_tokens=len(ids)), tools=[ADD])
         assert out.finish_reason == "length" and out.content == "[TOOL_CAL" and not out.invalid_tool_calls, out
-    finally:
-        await engine.close()
+
 
 
 @pytest.mark.parametrize("block", [
@@ -419,16 +415,7 @@ async def test_one_call_a_turn_ends_a_format_without_an_end_marker_at_its_first_
     """parallel_tool_calls=False: Mistral's calls run to the end of the answer, so the row
     decoded every call of its block (the output kept the first). It now ends where the
     first call is whole: the same call, fewer tokens, streamed or not."""
-    from mlx_lm.tool_parsers import mistral
-
-    from mlx_tandem import Engine
-
-    engine = Engine(llama_path, show_progress=False)
-    await engine.start()
-    try:
-        engine._format = dataclasses.replace(
-            engine._format, tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
-            tool_parser=mistral.parse_tool_call, tool_format="mistral", template_has_tools=True)
+    async with _mistral_engine(llama_path) as engine:
         ids, params = _forced(engine, "[TOOL_CALLS]" + block)
         whole = await engine.chat(USER, params, tools=[ADD])
         assert [c.arguments for c in whole.tool_calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
@@ -446,8 +433,7 @@ async def test_one_call_a_turn_ends_a_format_without_an_end_marker_at_its_first_
             assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 1, "b": 2})]
             assert finish == "tool_calls" and text == "[TOOL_CALLS]" + first, (stream, text)
             assert n < len(ids) and n == len(engine.tokenizer.encode(text, add_special_tokens=False)), (n, len(ids))
-    finally:
-        await engine.close()
+
 
 # ---------------------------------------------------------------------------- grouping
 @pytest.mark.parametrize("invalid_first", [False, True])

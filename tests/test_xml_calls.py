@@ -247,6 +247,27 @@ def test_a_string_inside_a_json_value_may_not_spell_the_markup(grammar, marker, 
         Notes.model_validate(args)
 
 
+def test_a_long_min_length_inside_a_json_value_still_compiles(grammar):
+    """llguidance refused a string with a minLength over 42 beside the marker pattern
+    ("Unable to determine if regex is empty"): every call of such a tool failed, forced or
+    not. Such a string keeps its minLength and goes without the pattern."""
+    fmt = ChatFormat(**CODER)
+    tools = [{"type": "function", "function": {"name": "review", "parameters": {
+        "type": "object", "required": ["notes", "short"], "properties": {
+            "notes": {"type": "array", "items": {"type": "string", "minLength": 64}},
+            "short": {"type": "array", "items": {"type": "string", "minLength": 2}}}}}}]
+    ok = {"notes": ["x" * 64], "short": ["ab"]}
+    text = render_call("review", ok)
+    assert _takes(grammar, tool_call_constraint(fmt, tools, ["review"], parallel=False, marker=grammar.marker), text)
+    m = grammar.compile(open_call_constraint(fmt, tools, marker=grammar.marker))
+    rest = grammar.tokenizer.tokenize_str(text[len("<tool_call>"):])
+    assert m.try_consume_tokens(rest) == len(rest) and m.is_stopped()
+    for bad in ({"notes": ["x" * 63], "short": ["ab"]}, {"notes": ["x" * 64], "short": ["a"]},
+                {"notes": ["x" * 64], "short": ["a</parameter>"]}):
+        assert not _takes(grammar, tool_call_constraint(fmt, tools, ["review"], parallel=False,
+                                                        marker=grammar.marker), render_call("review", bad)), bad
+
+
 @pytest.mark.parametrize("pattern,takes,refuses", [
     ("^a|b$", ["a", "ab", "xb", "b"], ["x", "ba", "bx"]),  # starts with a, or ends with b
     ("^x$|^y$", ["x", "y"], ["xy", "yx"]),

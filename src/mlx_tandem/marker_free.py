@@ -15,9 +15,10 @@ refuses them instead:
   that the schema leaves open are held to "any JSON value whose strings are free of the
   markers" (a recursive ``$defs`` entry), which accepts the same values otherwise.
 
-Not held: the keys of a free-form object (``dict[str, int]``; llguidance 1.9.1 has no
-``propertyNames``), and the values of keys an object leaves open beside properties that
-other subschemas name (constraints.py keeps such objects open).
+Not held: a string with a ``minLength`` over ``MAX_MIN_LENGTH`` (below); the keys of a
+free-form object (``dict[str, int]``; llguidance 1.9.1 has no ``propertyNames``); and the
+values of keys an object leaves open beside properties that other subschemas name
+(constraints.py keeps such objects open).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ ANY_VALUE = "mlx_tandem_marker_free_value"
 _ANY_REF = {"$ref": f"#/$defs/{ANY_VALUE}"}
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated"})
 _COMBINED = ("$ref", "allOf", "anyOf", "oneOf", "not", "if", "enum", "const")
+#: llguidance 1.9.1 refused a string whose minLength is over 42 beside this pattern ("Unable
+#: to determine if regex is empty"), failing every call of the tool: such a string is left
+#: without it.
+MAX_MIN_LENGTH = 32
 
 
 def free_of(words: Sequence[str]) -> Optional[str]:
@@ -40,7 +45,7 @@ def free_of(words: Sequence[str]) -> Optional[str]:
     piece after a ``<`` (up to the next one) starts with a word's rest, which a regex
     without look-ahead can say (llguidance's patterns have none)."""
     words = [w for w in dict.fromkeys(words) if w]
-    if not words or len({w[0] for w in words}) != 1 or any(w[0] in w[1:] for w in words):
+    if not words or len({w[0] for w in words}) != 1 or any(len(w) < 2 or w[0] in w[1:] for w in words):
         return None
     lead = words[0][0]
     piece = _not_starting_with([w[1:] for w in words], lead)
@@ -111,7 +116,8 @@ def _walk(schema: Any, pattern: str) -> Any:
         return out  # its branches (or the entry it refers to) are walked; enums are data
     kinds = out.get("type")
     kinds = set(kinds) if isinstance(kinds, list) else {kinds} if isinstance(kinds, str) else None
-    if kinds is None or "string" in kinds:
+    low = out.get("minLength")
+    if (kinds is None or "string" in kinds) and not (isinstance(low, int) and low > MAX_MIN_LENGTH):
         if "pattern" in out:
             out["allOf"] = [{"pattern": pattern}]
         else:

@@ -488,7 +488,8 @@ def _few_shot(question: str) -> list[dict]:
 def test_the_history_boundary_ends_after_the_last_reply_for_any_template(llama_engine):
     """"history": the conversation through its last assistant message, found with probe user
     messages (no markers searched for); the same for requests that differ in what follows.
-    Only asked for, and only where a message follows a reply."""
+    Only asked for, and only where a message follows a reply; the engine's call (None)
+    finds it from the second request holding that history on."""
     renderer = llama_engine._renderer
     kwargs = {"chat_template": LLAMA3_TEMPLATE}
     found = []
@@ -502,6 +503,13 @@ def test_the_history_boundary_ends_after_the_last_reply_for_any_template(llama_e
     assert points["history"] == other["history"] and points["system"] < points["history"] < points["turn"]
     shared = renderer.decode(ids[: points["history"]])
     assert shared.endswith(EXAMPLES[-1][1] + "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n")
+    seen = []
+    for question in ("How do I fit a hinge?", "Which saw for dovetails?", "Teak or oak?"):
+        msgs = _few_shot(question)
+        ids = renderer.render(msgs, template_kwargs=kwargs)
+        seen.append(dict((k, n) for n, k in renderer.cache_points(msgs, ids, template_kwargs=kwargs,
+                                                                  history=None)).get("history"))
+    assert seen == [None, points["history"], points["history"]]
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Zebra wood?"}]
     ids = renderer.render(first, template_kwargs=kwargs)
     assert "history" not in dict((k, n) for n, k in renderer.cache_points(first, ids, template_kwargs=kwargs,

@@ -201,10 +201,11 @@ async def test_a_claim_never_outlives_its_rows_prompt(qwen3_5_path):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
-async def test_requests_sharing_few_shot_examples_prefill_them_once(kind, request):
+async def test_requests_sharing_few_shot_examples_prefill_them_twice_at_most(kind, request):
     """Few-shot examples written as messages are no system prompt: requests arriving
-    together with the same examples and different questions each prefilled them. Counted
-    on arrival, the examples are stored by the first request and the others wait for it."""
+    together with the same examples and different questions each prefilled them. The first
+    request to hold them makes no point there (prompt.py: a history is found from its
+    second request on), the second stores them and the others wait for its snapshot."""
     from .test_prefix_cache import _few_shot
 
     path = request.getfixturevalue(f"{kind}_path")
@@ -217,7 +218,11 @@ async def test_requests_sharing_few_shot_examples_prefill_them_once(kind, reques
         claims = engine.run_on_owner_thread(lambda: len(engine._core._lanes["text"]._claims))
     for out, p in zip(outs, ids):
         assert out.token_ids == reference_greedy(path, p, 8)
-    cached = sorted(out.usage.cached_tokens for out in outs)
-    assert cached[0] < history <= cached[1], (cached, history)
+    cached = [out.usage.cached_tokens for out in outs]
+    # (llama's cache can be cut back: a request admitted after the first finished may start
+    # from its answer's entry instead, past the examples)
+    assert sum(c < history for c in cached) <= 2, (cached, history)
     assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids) - sum(cached)
-    assert stats["prefix_cache"]["hits_by_kind"]["history"] == 3 and claims == 0
+    assert claims == 0
+    if kind == "qwen3_5":  # recurrent state: only the history entry serves past the system prompt
+        assert stats["prefix_cache"]["hits_by_kind"]["history"] == 2, stats["prefix_cache"]

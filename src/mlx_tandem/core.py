@@ -287,8 +287,6 @@ class EngineCore:
                 f"{self.options.max_waiting} requests already wait (engine option max_waiting); try again later"))
             return
         self._waiting.append(req)
-        if req.lane in self._lanes:
-            self._lanes[req.lane].arrived(req)
         self._update_queue_stats()
 
     def _abort(self, request: Request) -> None:

@@ -296,7 +296,7 @@ class Engine:
                 # The prefix cache's snapshot points; SpecPrefill keeps the system prompt dense.
                 cache_points = renderer.cache_points(
                     messages, prompt_ids, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns,
-                    history=self.options.prefix_cache_history and bool(self.options.prefix_cache_bytes))
+                    history=None if self.options.prefix_cache_history and self.options.prefix_cache_bytes else False)
             fmt = self._format
             starts_in_reasoning = fmt.opens_in_reasoning(text, renderer.continued_text(
                 messages, text, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns))

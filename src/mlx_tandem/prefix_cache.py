@@ -33,11 +33,9 @@ from mlx_lm.models.cache import KVCache, PromptTrie, can_trim_prompt_cache, trim
 
 logger = logging.getLogger(__name__)
 
-#: Entry kinds, evicted first to last. A "history" entry is stored only once a second
-#: request shared it, so it outlives a "turn" checkpoint, which one next turn reads.
+#: Entry kinds, evicted first to last. A "history" point is made only once a second
+#: request held it (prompt.py), so it outlives a "turn" checkpoint, which one next turn reads.
 KINDS = ("final", "turn", "history", "system")
-#: Prefixes whose sightings are remembered (their hashes, most recent last).
-SIGHTINGS = 4096
 _KEY = "model"  # one cache per lane and model: PromptTrie wants a model key
 
 
@@ -64,7 +62,6 @@ class PrefixCache:
         self.evicted = 0
         self.hits_by_kind = {k: 0 for k in KINDS}
         self.prefill_waits = 0  # requests that waited for a row in prefill to store their prefix
-        self._sightings: OrderedDict[int, int] = OrderedDict()  # hash(prefix) -> requests that held it
 
     def __len__(self) -> int:
         return sum(len(d) for d in self._lru.values())
@@ -131,19 +128,6 @@ class PrefixCache:
         except KeyError:
             return False
         return True
-
-    # ------------------------------------------------------------------ sightings
-    def sight(self, tokens: tuple[int, ...]) -> None:
-        """One more request arrived holding ``tokens`` (a "history" point: worth a snapshot
-        only once a second request holds it). A hash collision costs one needless snapshot."""
-        key = hash(tokens)
-        self._sightings[key] = self._sightings.get(key, 0) + 1
-        self._sightings.move_to_end(key)
-        while len(self._sightings) > SIGHTINGS:
-            self._sightings.popitem(last=False)
-
-    def sightings(self, tokens: tuple[int, ...]) -> int:
-        return self._sightings.get(hash(tokens), 0)
 
     # ------------------------------------------------------------------ insertion
     def store(self, tokens: Sequence[int], cache: list[Any], kind: str) -> bool:

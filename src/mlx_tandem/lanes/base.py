@@ -96,9 +96,6 @@ class Lane(Protocol):
         its images here); raises the request's own typed error. Runs again for a request
         that waited, so it must be cheap the second time."""
 
-    def arrived(self, request: Request) -> None:
-        """The request joined the queue (the text lane counts the prefixes requests share)."""
-
     def defer(self, request: Request) -> bool:
         """Should the request wait in the queue a little longer (the text lane: a row now in
         prefill is about to store a prefix of its prompt)? It does not hold back others."""

@@ -7,7 +7,10 @@ snapshot stored, refused by the budget, or the row gone), then starts from the c
 
 A request waits only for claims older than its first wait. Where the budget refuses the
 snapshot, the waiters start together and the first of them claims the prefix again: without
-that rule the others waited for it, and so on, one request at a time.
+that rule the others waited for it, and so on, one request at a time. A younger claim on a
+prefix longer than any the request waited for is waited for too: requests that waited for
+one's system prompt, where the first of them to start claims the few-shot examples they
+all hold, wait for those as well (each such wait is for a longer prefix, so they end).
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ class PrefillClaims:
                 live.discard(serial)
                 if not live:
                     del self._live[key]
+
+    def held(self, tokens: Iterable[int]) -> bool:
+        """Is any claim on exactly these tokens live?"""
+        return bool(self._live.get(tuple(tokens)))
 
     def held_since(self, tokens: Iterable[int], serial: int) -> bool:
         """Is a claim on exactly these tokens, made no later than claim ``serial``, live?"""

@@ -174,33 +174,27 @@ class TextLane:
     def prepare(self, request: Request) -> None:  # a text prompt is known from the start
         pass
 
-    def arrived(self, request: Request) -> None:
-        """Count the request's "history" prefix as seen: stored once a second request holds
-        it. Counted on arrival, so that of requests arriving together the first stores it
-        and the others wait for it (``defer``)."""
-        if self.prefix_cache is not None:
-            keys = _prefix_keys(request)
-            for p, kind in request.cache_points:
-                if kind == "history" and p in keys:
-                    self.prefix_cache.sight(keys[p])
-
     def defer(self, request: Request) -> bool:
         """Should the request wait for a row in prefill to store a prefix of its prompt?
 
         Only when that prefix gives at least ``prefix_cache_min_tokens`` more than the cache
         gives now (the bar for storing one at all): the wait costs the request a step. Only
-        for claims older than its first wait (claims.py).
+        for claims older than its first wait, or on a prefix longer than any it waited for
+        (claims.py): each further wait is for a longer prefix, so the waits are as many as
+        its cache points at most.
         """
         if not (self._wait_for_shared and self._claims):
             return False
         since = request.extra.get("prefill_wait_since", self._claims.serial)
-        claimed = max((p for p, key in _prefix_keys(request).items() if self._claims.held_since(key, since)),
-                      default=0)
+        waited = request.extra.get("prefill_waited_for", 0)
+        claimed = max((p for p, key in _prefix_keys(request).items()
+                       if self._claims.held_since(key, since) or (p > waited and self._claims.held(key))), default=0)
         if claimed - self.prefix_cache.cached_length(request.prompt_ids) < self.prefix_cache.min_tokens:
             return False
         if "prefill_wait_since" not in request.extra:
             request.extra["prefill_wait_since"] = since
             self.prefix_cache.prefill_waits += 1
+        request.extra["prefill_waited_for"] = max(waited, claimed)
         return True
 
     def add(self, request: Request) -> None:
@@ -234,9 +228,7 @@ class TextLane:
                      prompt[:start], sampler, processors, _RowCaching(start, points))
 
     def _snapshot_points(self, request: Request, start: int) -> list[tuple[int, str]]:
-        """The request's cache points worth a snapshot: new ones, long enough to be stored,
-        and a "history" point only once a second request held it (a conversation's earlier
-        turns are read by its next turn from the "turn" point).
+        """The request's cache points worth a snapshot: new ones, long enough to be stored.
 
         Each point cuts the prefill into one more chunk, which changes float rounding (a
         near-tie in the logits can then flip), so the prompt is cut only where a snapshot
@@ -246,10 +238,8 @@ class TextLane:
         if pc is None:
             return []
         n = len(request.prompt_ids)
-        keys = _prefix_keys(request)
         return sorted((p, k) for p, k in request.cache_points
-                      if start < p < n and p >= pc.min_tokens and not pc.contains(keys[p])
-                      and (k != "history" or pc.sightings(keys[p]) > 1))
+                      if start < p < n and p >= pc.min_tokens and not pc.contains(request.prompt_ids[:p]))
 
     def _insert(self, request: Request, segments, cache, all_tokens, sampler, processors,
                 caching: _RowCaching) -> None:

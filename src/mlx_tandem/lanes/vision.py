@@ -87,9 +87,6 @@ class VisionLane:
     def has_work(self) -> bool:
         return bool(self._rows)
 
-    def arrived(self, request: Request) -> None:  # no prefix cache here: nothing to count
-        pass
-
     def defer(self, request: Request) -> bool:  # no prefix cache here: nothing to wait for
         return False
 

@@ -302,8 +302,8 @@ class Engine:
                 messages, text, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns))
             parser = ChatOutputParser(
                 fmt, tools=plan.tools, parse_tool_calls=plan.parse_tool_calls,
-                forced_json_calls=plan.forced_json_calls, forced_call=plan.forced_call, max_tool_calls=plan.max_tool_calls,
-                starts_in_reasoning=starts_in_reasoning, verbatim=plan.verbatim)
+                forced_json_calls=plan.forced_json_calls, forced_call=plan.forced_call,
+                max_tool_calls=plan.max_tool_calls, starts_in_reasoning=starts_in_reasoning, verbatim=plan.verbatim)
             if plan.banned_token_ids:
                 processors.append(TokenBan(plan.banned_token_ids))
             constraint = plan.constraint

@@ -15,9 +15,9 @@ chunk ended, and ``filter`` trims only the padding every row shares, so it may h
 255 slots past its longest row, never more (``update_and_fetch`` adds at most 255 past
 what it writes, ``merge`` none, ``extend`` and ``filter`` keep the larger spare): a row
 reserves ``L + 255`` slots. A speculative step's ragged rollback pads its shorter rows,
-and drops the padding they all share at once (``spec/verify.py``), so it keeps this bound. Recurrent state (GatedDeltaNet's ``ArraysCache``) is a fixed
-size per row, and speculative verification keeps one copy per verified position besides
-(``spec/verify.py``).
+and drops the padding they all share at once (``spec/verify.py``), so it keeps this bound.
+Recurrent state (GatedDeltaNet's ``ArraysCache``) is a fixed size per row, and speculative
+verification keeps one copy per verified position besides (``spec/verify.py``).
 
 SpecPrefill's draft scores a request's whole prompt (and a lookahead) in a cache of its own,
 while the target's row holds only the prompt's dense part (a system prompt); the target

@@ -95,6 +95,12 @@ def raw_prompt_ids(prompt: Any, encode, vocab_size: int) -> list[int]:
     return ids
 
 
+def _digest(msgs: list[Message], tools, template_kwargs) -> bytes:
+    """A key for messages, tools and template kwargs, however long the messages."""
+    text = json.dumps([msgs, tools, template_kwargs], sort_keys=True, default=str)
+    return hashlib.sha1(text.encode("utf-8", "surrogatepass")).digest()
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -117,8 +123,9 @@ class PromptRenderer:
         self._tokenizer = tokenizer
         self._short_ids = short_call_ids  # the template wants Mistral's 9-character call ids
         self.lock = threading.Lock()
-        self._shared_prefixes: OrderedDict[str, list[int]] = OrderedDict()
-        # digest of (messages through the last reply, tools, kwargs) -> requests that held them
+        # _digest(messages, tools, kwargs) -> the tokens every prompt of them and a user starts with
+        self._shared_prefixes: OrderedDict[bytes, list[int]] = OrderedDict()
+        # _digest(messages through the last reply, tools, kwargs) -> requests that held them
         self._histories: OrderedDict[bytes, int] = OrderedDict()
         self._call_turns: Optional[CallTurns] = None
 
@@ -281,7 +288,8 @@ class PromptRenderer:
         points = []
         n_system = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
         if n_system or tools:
-            shared = self._before_a_user(msgs[:n_system], tools, template_kwargs)
+            shared = self._before_a_user(msgs[:n_system], tools, template_kwargs, _digest(msgs[:n_system], tools,
+                                                                                          template_kwargs))
             points.append((_common_prefix(shared, prompt_ids), "system"))
         try:
             before = self.encode(self._apply(msgs, tools, False, template_kwargs))
@@ -289,11 +297,13 @@ class PromptRenderer:
             before = []
         points.append((_common_prefix(before, prompt_ids), "turn"))
         last_reply = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=len(msgs))
-        if history is not False and last_reply < len(msgs) - 1 and (
-                history or self._seen_before(msgs[:last_reply + 1], tools, template_kwargs)):
-            # (appended last: a point that clashes with another keeps the other's kind)
-            shared = self._before_a_user(msgs[:last_reply + 1], tools, template_kwargs)
-            points.append((_common_prefix(shared, prompt_ids), "history"))
+        if history is not False and last_reply < len(msgs) - 1:
+            earlier = msgs[:last_reply + 1]
+            key = _digest(earlier, tools, template_kwargs)
+            if history or self._seen_before(key):
+                # (appended last: a point that clashes with another keeps the other's kind)
+                shared = self._before_a_user(earlier, tools, template_kwargs, key)
+                points.append((_common_prefix(shared, prompt_ids), "history"))
         out, seen = [], set()
         for n, kind in points:
             if 0 < n < len(prompt_ids) and n not in seen:
@@ -301,11 +311,9 @@ class PromptRenderer:
                 out.append((n, kind))
         return out
 
-    def _seen_before(self, msgs: list[Message], tools, template_kwargs) -> bool:
-        """Count one more request holding this history; did an earlier one (of the last
-        4,096 histories) hold it too?"""
-        key = hashlib.sha1(json.dumps([msgs, tools, template_kwargs], sort_keys=True, default=str)
-                           .encode("utf-8", "surrogatepass")).digest()
+    def _seen_before(self, key: bytes) -> bool:
+        """Count one more request holding the history of digest ``key``; did an earlier one
+        (of the last 4,096 histories) hold it too?"""
         with self.lock:
             seen = self._histories.get(key, 0)
             self._histories[key] = seen + 1
@@ -314,9 +322,9 @@ class PromptRenderer:
                 self._histories.popitem(last=False)
         return seen > 0
 
-    def _before_a_user(self, msgs: list[Message], tools, template_kwargs) -> list[int]:
-        """The tokens every prompt of ``msgs`` followed by a user message starts with."""
-        key = json.dumps([msgs, tools, template_kwargs], sort_keys=True, default=str)
+    def _before_a_user(self, msgs: list[Message], tools, template_kwargs, key: bytes) -> list[int]:
+        """The tokens every prompt of ``msgs`` followed by a user message starts with
+        (``key``: their ``_digest``)."""
         with self.lock:
             hit = self._shared_prefixes.get(key)
             if hit is not None:

@@ -238,6 +238,25 @@ def test_a_new_entry_never_evicts_a_more_durable_one():
     assert pc.fetch([1, 2, 3, 4, 9])[1] == 4 and pc.fetch([6, 2, 3, 4, 9])[1] == 4
 
 
+def test_the_cache_knows_which_snapshots_its_budget_would_refuse():
+    """Known only from a refusal, and only for as many tokens or more: a snapshot of more
+    tokens holds at least as many bytes. Room freed by the more durable kinds counts again."""
+    small, large = _stored_bytes(_hybrid(4, 0.0)), _stored_bytes(_hybrid(8, 0.0))
+    pc = PrefixCache(small + large // 2, min_tokens=2)
+    assert not pc.would_refuse(8, "system")  # nothing refused yet: no guess
+    assert pc.store([1, 2, 3, 4], _hybrid(4, 1.0), "system")
+    assert not pc.store(list(range(10, 18)), _hybrid(8, 1.0), "final")  # the system prompt stays
+    assert pc.refused == 1 and pc.nbytes == small  # refused without a copy kept
+    assert pc.would_refuse(8, "final") and pc.would_refuse(12, "turn")
+    assert not pc.would_refuse(7, "final")  # fewer tokens: unknown
+    assert not pc.would_refuse(8, "system")  # a system prompt may evict the other one
+    assert pc.store(list(range(20, 28)), _hybrid(8, 2.0), "system")  # and is stored
+    assert pc.evicted == 1 and pc.would_refuse(8, "final")
+    pc.clear()
+    assert not pc.would_refuse(8, "final")  # room again
+    assert pc.store(list(range(10, 18)), _hybrid(8, 1.0), "final")
+
+
 def test_a_system_prompt_outlives_longer_trimmable_entries():
     pc = PrefixCache(1 << 20, min_tokens=2)
     pc.store([1, 2, 3, 4], [_kv(4, 1.0)], "system")

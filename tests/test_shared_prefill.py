@@ -140,6 +140,29 @@ async def test_where_the_budget_refuses_the_snapshot_the_waiters_go_on_together(
     assert first < waiters[0] == waiters[-1]  # one wait, then all three at once
 
 
+async def test_once_the_budget_refused_a_prefix_no_request_waits_for_it_again(qwen3_5_path):
+    """A snapshot too large for the budget is not claimed again: later waves run as if the
+    cache were off (no waits, the prompt not cut), with the same answers."""
+    async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8, coalesce_ms=300,
+                      prefix_cache_bytes=1) as engine:
+        lane = engine._core._lanes["text"]
+        waits, cut = [], []
+        for wave in range(3):
+            chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user(3 * wave + i)}]
+                     for i in range(3)]
+            ids = [engine.apply_chat_template(c) for c in chats]
+            outs = await asyncio.gather(*[engine.chat(c, SamplingParams(max_tokens=6)) for c in chats])
+            for out, p in zip(outs, ids):
+                assert out.token_ids == reference_greedy(qwen3_5_path, p, 6)
+            waits.append(engine.stats()["prefix_cache"]["prefill_waits"])
+            probe = Request("probe", ids[0], SamplingParams(), sink=None,
+                            cache_points=engine._renderer.cache_points(chats[0], ids[0]))
+            cut.append(engine.run_on_owner_thread(lambda: lane._snapshot_points(probe, 0)))
+        stats = engine.stats()["prefix_cache"]
+    assert waits[0] == 2 and waits[1] == waits[2] == 2  # the first wave learned it; no wait after
+    assert cut == [[], [], []] and stats["entries"] == 0 and stats["refused"] >= 1
+
+
 async def test_a_specprefill_job_claims_its_system_prompt_once_it_prefills_it(llama_path, draft_path):
     """Jobs advance one at a time, oldest first, each scoring its whole prompt before its
     dense part: a request waiting on a job still queued or scoring waited for all of that

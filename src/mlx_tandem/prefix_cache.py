@@ -62,6 +62,11 @@ class PrefixCache:
         self.evicted = 0
         self.hits_by_kind = {k: 0 for k in KINDS}
         self.prefill_waits = 0  # requests that waited for a row in prefill to store their prefix
+        self.refused = 0  # snapshots the budget had no room for
+        # (tokens, bytes) of refused snapshots, none dominated by another: a snapshot of more
+        # tokens holds at least as many bytes (KV grows with its tokens, recurrent state is
+        # fixed), so a later one of n >= tokens needs at least ``bytes`` (would_refuse).
+        self._refusals: list[tuple[int, int]] = []
 
     def __len__(self) -> int:
         return sum(len(d) for d in self._lru.values())
@@ -152,10 +157,10 @@ class PrefixCache:
         # Room is made from entries of this kind or a less durable one: a final answer's
         # entry pushed system prompts out (the new entry was exempt from eviction).
         rank = KINDS.index(kind)
-        durable = sum(e.nbytes for k in KINDS[rank + 1:] for e in self._lru[k].values())
-        owned, nbytes = _owned_copy(cache)
-        if durable + nbytes > self.budget_bytes:
+        if self._durable_bytes(kind) + _cache_nbytes(cache) > self.budget_bytes:
+            self._refuse(len(tokens), _cache_nbytes(cache))
             return False
+        owned, nbytes = _owned_copy(cache)
         entry = _Entry(tokens, owned, nbytes, kind, can_trim_prompt_cache(cache))
         self._trie.add(_KEY, list(tokens), entry)
         self._lru[kind][tokens] = entry
@@ -171,6 +176,26 @@ class PrefixCache:
                     self._forget(old)
         self._evict_to(self.budget_bytes, keep=entry)
         return True
+
+    def would_refuse(self, n_tokens: int, kind: str) -> bool:
+        """Would the budget surely refuse a snapshot of ``n_tokens`` tokens of this kind?
+
+        Known from earlier refusals only (never a guess): the text lane then neither cuts the
+        prefill at that point nor has other requests wait for a snapshot that cannot be kept.
+        """
+        room = self.budget_bytes - self._durable_bytes(kind)
+        return any(n <= n_tokens and nbytes > room for n, nbytes in self._refusals)
+
+    def _durable_bytes(self, kind: str) -> int:
+        """Bytes held by entries more durable than ``kind``: a new entry cannot evict them."""
+        return sum(e.nbytes for k in KINDS[KINDS.index(kind) + 1:] for e in self._lru[k].values())
+
+    def _refuse(self, n_tokens: int, nbytes: int) -> None:
+        self.refused += 1
+        if any(n <= n_tokens and b >= nbytes for n, b in self._refusals):
+            return  # already implied
+        self._refusals = [(n, b) for n, b in self._refusals if not (n >= n_tokens and b <= nbytes)]
+        self._refusals.append((n_tokens, nbytes))
 
     def _forget(self, entry: _Entry) -> None:
         self._lru[entry.kind].pop(entry.tokens, None)
@@ -197,6 +222,7 @@ class PrefixCache:
             "stored": self.stored,
             "evicted": self.evicted,
             "prefill_waits": self.prefill_waits,
+            "refused": self.refused,
             "entries": len(self),
             "bytes": self.nbytes,
             "budget_bytes": self.budget_bytes,
@@ -233,6 +259,23 @@ def _owned_copy(cache: list[Any]) -> tuple[list[Any], int]:
     owned = [own(_fitted(c)) for c in copy.deepcopy(cache)]
     mx.eval(arrays)
     return owned, sum(a.nbytes for a in arrays)
+
+
+def _cache_nbytes(cache: list[Any]) -> int:
+    """The bytes ``_owned_copy`` would hold for ``cache``, without copying anything."""
+    seen: list[int] = []
+
+    def count(x):
+        if isinstance(x, mx.array):
+            seen.append(x.nbytes)
+        elif hasattr(x, "__dict__") and not isinstance(x, type):
+            for value in vars(x).values():
+                tree_map(count, value)
+        return x
+
+    for c in cache:
+        count(_fitted(c))
+    return sum(seen)
 
 
 def _fitted(c: Any) -> Any:

@@ -6,8 +6,9 @@ request that shares a claimed prefix waits in the queue until the claim is given
 snapshot stored, refused by the budget, or the row gone), then starts from the cache.
 
 A request waits only for claims older than its first wait. Where the budget refuses the
-snapshot, the waiters start together and the first of them claims the prefix again: without
-that rule the others waited for it, and so on, one request at a time. A younger claim on a
+snapshot, the waiters start together (and none claims it again: the prefix cache now knows it
+would refuse it, ``PrefixCache.would_refuse``); without that rule each waited for the one
+before it, one request at a time. A younger claim on a
 prefix longer than any the request waited for is waited for too: requests that waited for
 one's system prompt, where the first of them to start claims the few-shot examples they
 all hold, wait for those as well (each such wait is for a longer prefix, so they end).

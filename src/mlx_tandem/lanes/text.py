@@ -228,18 +228,21 @@ class TextLane:
                      prompt[:start], sampler, processors, _RowCaching(start, points))
 
     def _snapshot_points(self, request: Request, start: int) -> list[tuple[int, str]]:
-        """The request's cache points worth a snapshot: new ones, long enough to be stored.
+        """The request's cache points worth a snapshot: new ones, long enough to be stored,
+        and not known to be too large for the budget.
 
         Each point cuts the prefill into one more chunk, which changes float rounding (a
         near-tie in the logits can then flip), so the prompt is cut only where a snapshot
-        will really be stored.
+        will really be stored. A point left out is not claimed either, so no request waits
+        for a snapshot the budget would refuse.
         """
         pc = self.prefix_cache
         if pc is None:
             return []
         n = len(request.prompt_ids)
         return sorted((p, k) for p, k in request.cache_points
-                      if start < p < n and p >= pc.min_tokens and not pc.contains(request.prompt_ids[:p]))
+                      if start < p < n and p >= pc.min_tokens and not pc.would_refuse(p, k)
+                      and not pc.contains(request.prompt_ids[:p]))
 
     def _insert(self, request: Request, segments, cache, all_tokens, sampler, processors,
                 caching: _RowCaching) -> None:

@@ -224,6 +224,44 @@ async def test_only_the_uncached_suffix_is_scored_and_filled_sparsely(kind, requ
     assert plain.token_ids == reference_greedy(path, short_ids, 10)
 
 
+def _few_shot_reports(report: str) -> list[dict]:
+    """Long few-shot examples written as messages, then a long report to answer."""
+    chat = [_gauge_reports()[0][0]]
+    for i in range(2):
+        chat += [{"role": "user", "content": f"Example {i}: " + "levels falling, " * 40},
+                 {"role": "assistant", "content": f"Summary {i}: " + "no flood risk, " * 10}]
+    return chat + [{"role": "user", "content": report + ": " + "levels rising slowly, " * 60}]
+
+
+async def test_shared_few_shot_examples_are_prefilled_densely_and_reused(qwen3_5_path, draft_path):
+    """Once a second request holds the same examples (a "history" point), its SpecPrefill
+    job prefills them densely and stores them, like a system prompt: the next requests
+    start after them, and neither the target nor the draft reads them again. Before, the
+    examples were prefilled sparsely each time, and a hybrid model's cache kept only the
+    system prompt."""
+    chats = [_few_shot_reports(f"Report {i}") for i in range(3)]
+    short = _few_shot_reports("Any floods?")[:-1] + [{"role": "user", "content": "Any floods?"}]
+    async with _engine(qwen3_5_path, draft_path, specprefill_keep_pct=0.5) as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        points = {k: n for n, k in engine._renderer.cache_points(chats[0], ids[0], history=True)}
+        system, history = points["system"], points["history"]
+        runs = []
+        for chat in chats:
+            out = await engine.chat(chat, {"max_tokens": 4})
+            runs.append((out.usage.cached_tokens, dict(engine.stats()["specprefill"])))
+        plain = await engine.chat(short, {"max_tokens": 8, "specprefill": False})
+        short_ids = engine.apply_chat_template(short)
+        hits = engine.stats()["prefix_cache"]["hits_by_kind"]
+    (c0, s0), (c1, s1), (c2, s2) = runs
+    assert c0 == 0 and s0["sparse_tokens"] == len(ids[0]) - 1 - system  # first sighting: no history point
+    assert c1 >= system and s1["sparse_tokens"] - s0["sparse_tokens"] == len(ids[1]) - 1 - history
+    assert c2 == history and s2["sparse_tokens"] - s1["sparse_tokens"] == len(ids[2]) - 1 - history
+    assert s2["draft_tokens"] - s1["draft_tokens"] == len(ids[2]) - history  # the draft's own copy
+    assert hits["history"] >= 2
+    # Stored from the dense part, the examples' snapshot is their exact state.
+    assert plain.usage.cached_tokens == history and plain.token_ids == reference_greedy(qwen3_5_path, short_ids, 8)
+
+
 async def test_the_system_prompt_is_prefilled_densely_without_the_prefix_cache(llama_path, draft_path):
     """SpecPrefill keeps the system prompt whole (its instructions are not the draft's to
     drop) with the prefix cache off too: the boundary was only found for the cache, so

@@ -66,7 +66,8 @@ class EngineOptions:
     #: turns SpecPrefill off. Long prompts are then scored by the draft and the target
     #: prefills only their important chunks (lossy: the answer may differ from a full prefill).
     specprefill_draft: Optional[str] = None
-    #: Uncached prompt tokens from which SpecPrefill applies (requests can force it on/off).
+    #: Uncached prompt tokens, past the system prompt or shared few-shot examples (always
+    #: prefilled whole), from which SpecPrefill applies (requests can force it on/off).
     specprefill_threshold: int = 8192
     #: Share of the prompt's chunks the target prefills (first and last chunks always kept).
     specprefill_keep_pct: float = 0.2

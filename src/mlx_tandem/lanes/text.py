@@ -60,7 +60,7 @@ class _Sparse:
     job: SparsePrefill
     sampler: object
     processors: list
-    claimed: Optional[Claim] = None  # the system prefix its dense part will store (once it is prefilling it)
+    claimed: Optional[Claim] = None  # the shared prefix its dense part will store (once it is prefilling it)
 
 
 def split_at(tokens: list[int], cuts: Sequence[int]) -> list[list[int]]:
@@ -82,6 +82,10 @@ def _prefix_keys(request: Request) -> dict[int, tuple[int, ...]]:
         keys = request.extra["prefix_keys"] = {p: tuple(request.prompt_ids[:p]) for p, _ in request.cache_points
                                                if p < n}
     return keys
+
+
+#: Cache points a SpecPrefill job prefills densely up to (the longest of them): shared ones.
+_DENSE_KINDS = ("system", "history")
 
 
 def _banned_ids(bans) -> tuple[int, ...]:
@@ -267,10 +271,10 @@ class TextLane:
     def _sparse_prefill(self, request: Request, cache, start: int) -> Optional[SparsePrefill]:
         """A SparsePrefill job when this request gets SpecPrefill, else None.
 
-        The prompt up to its system-prompt boundary is prefilled densely (and snapshotted),
-        so the next request with that system prompt hits the cache; the rest is scored by
-        the draft and prefilled sparsely when it is at least ``threshold`` tokens long (or
-        the request asks for SpecPrefill). ``keep_pct`` 1.0 drops nothing, so such a request
+        The prompt up to its system-prompt boundary, or its shared history (few-shot
+        examples), is prefilled densely (and snapshotted), so the next request that shares it
+        hits the cache; the rest is scored by the draft and prefilled sparsely when it is at
+        least ``threshold`` tokens long (or the request asks for SpecPrefill). ``keep_pct`` 1.0 drops nothing, so such a request
         takes the plain path: batched with others, and its snapshots stored, which a
         sparse row's (not the exact state of its tokens) cannot be.
         """
@@ -282,16 +286,20 @@ class TextLane:
         if keep >= 1.0:  # keeping every token is a plain prefill: exact, batched, and cached
             return None
         n = len(request.prompt_ids)
-        system = max((p for p, k in request.cache_points if k == "system" and p < n - 1), default=0)
-        dense_end = max(start, system)
-        # The threshold counts the uncached, non-system tokens (options.py); the draft scores
-        # all of them but the last, which is always prefilled (it gives the first logits).
+        # The dense part ends at the longest shared point: the system prompt, or the history
+        # (few-shot examples) once a second request holds it (prompt.py), so it is cached
+        # exactly and the next requests that share it start from it.
+        shared, kind = max(((p, k) for p, k in request.cache_points if k in _DENSE_KINDS and p < n - 1),
+                           default=(0, "system"))
+        dense_end = max(start, shared)
+        # The threshold counts the uncached tokens past the shared part (options.py); the draft
+        # scores all of them but the last, which is always prefilled (it gives the first logits).
         if n - 1 - dense_end < 1 or (not want and n - dense_end < sp.threshold):
             return None
         return SparsePrefill(
             self._gen.model, sp.draft, request.prompt_ids, cache, start=start, dense_end=dense_end,
             keep_pct=keep, chunk_size=sp.chunk_size, lookahead=sp.lookahead,
-            step_size=self._opts["prefill_step_size"], draft_cache=self.draft_cache)
+            step_size=self._opts["prefill_step_size"], draft_cache=self.draft_cache, dense_kind=kind)
 
     def _advance_sparse(self) -> tuple[list[TokenEvent], int, float]:
         """One piece of the oldest sparse prefill; a finished one joins the batch."""
@@ -302,8 +310,8 @@ class TextLane:
         try:
             fed = job.advance()
             if job.at_dense_end and self.prefix_cache is not None and \
-                    (job.dense_end, "system") in request.cache_points:
-                self.prefix_cache.store(request.prompt_ids[: job.dense_end], job.dense_snapshot(), "system")
+                    (job.dense_end, job.dense_kind) in request.cache_points:
+                self.prefix_cache.store(request.prompt_ids[: job.dense_end], job.dense_snapshot(), job.dense_kind)
                 self._release_sparse(pending)
             if job.done:
                 self._release_sparse(pending)
@@ -314,7 +322,7 @@ class TextLane:
                 self._insert(request, [prompt[-1:]], job.row_cache(), prompt[:-1], pending.sampler,
                              pending.processors, _RowCaching(len(prompt), store_final=False))
             elif pending.claimed is None and self._wait_for_shared and job.dense_pending and \
-                    (job.dense_end, "system") in self._snapshot_points(request, job.start):
+                    (job.dense_end, job.dense_kind) in self._snapshot_points(request, job.start):
                 # Claimed only now: jobs advance one at a time, oldest first, each scoring
                 # its whole prompt before its dense part, and a request waiting on a job
                 # still queued or scoring waited for all of that (an audit: 25x its TTFT).

@@ -30,8 +30,9 @@ class SparsePrefill:
 
     def __init__(self, model, draft, prompt: Sequence[int], cache: Optional[list[Any]], *,
                  start: int, dense_end: int, keep_pct: float, chunk_size: int,
-                 lookahead: int, step_size: int, draft_cache=None):
+                 lookahead: int, step_size: int, draft_cache=None, dense_kind: str = "system"):
         self.model = model
+        self.dense_kind = dense_kind  # the prefix cache kind of the dense part's snapshot
         self.prompt = list(prompt)
         self.start = start
         self.dense_end = max(start, min(dense_end, len(self.prompt) - 1))
@@ -89,7 +90,7 @@ class SparsePrefill:
             tic = time.perf_counter()
             done = self.scorer.advance()
             if self.scorer.snapshot is not None and self.draft_cache is not None:
-                self.draft_cache.store(self.prompt[: self.dense_end], self.scorer.snapshot, "system")
+                self.draft_cache.store(self.prompt[: self.dense_end], self.scorer.snapshot, self.dense_kind)
             self.draft_tokens = self.scorer.prefilled_tokens
             if done:
                 self.runs = self._plan(self.scorer.scores)

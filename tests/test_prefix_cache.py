@@ -257,6 +257,34 @@ def test_the_cache_knows_which_snapshots_its_budget_would_refuse():
     assert pc.store(list(range(10, 18)), _hybrid(8, 1.0), "final")
 
 
+def test_a_sliding_window_refusal_does_not_bar_longer_snapshots_that_fit():
+    """A sliding-window layer holds the whole last chunk it was fed (``window - 1 + chunk``
+    slots) until the next step trims it back, so a snapshot of more tokens can hold fewer
+    bytes. A refusal counts only what every longer snapshot holds (an audit: 253 tokens
+    were 130 KB, 289 were 78 KB, and the refusal barred every later turn)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    def sliding(tokens: int, chunk: int) -> list:
+        window = RotatingKVCache(max_size=4)
+        fed = 0
+        while fed < tokens:
+            n = min(chunk, tokens - fed)
+            window.update_and_fetch(mx.zeros((1, 2, n, 4)), mx.zeros((1, 2, n, 4)))
+            fed += n
+        return [window, _kv(tokens, 0.0)]
+
+    chunked, stepped = sliding(40, 40), sliding(44, 1)  # 40 + 40 slots; 4 + 44 slots
+    budget = _stored_bytes(stepped) + 64
+    assert _stored_bytes(chunked) > budget
+    pc = PrefixCache(budget, min_tokens=2)
+    assert not pc.store(list(range(40)), chunked, "system")
+    assert not pc.would_refuse(44, "system")
+    assert pc.store(list(range(100, 144)), stepped, "system")
+    # Where even the least a longer snapshot must hold is over the budget, it is known.
+    pc = PrefixCache(_stored_bytes(stepped) // 2, min_tokens=2)
+    assert not pc.store(list(range(40)), chunked, "system") and pc.would_refuse(44, "system")
+
+
 def test_a_system_prompt_outlives_longer_trimmable_entries():
     pc = PrefixCache(1 << 20, min_tokens=2)
     pc.store([1, 2, 3, 4], [_kv(4, 1.0)], "system")

@@ -29,7 +29,8 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import KVCache, PromptTrie, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (ArraysCache, CacheList, KVCache, PromptTrie, can_trim_prompt_cache,
+                                  trim_prompt_cache)
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +64,8 @@ class PrefixCache:
         self.hits_by_kind = {k: 0 for k in KINDS}
         self.prefill_waits = 0  # requests that waited for a row in prefill to store their prefix
         self.refused = 0  # snapshots the budget had no room for
-        # (tokens, bytes) of refused snapshots, none dominated by another: a snapshot of more
-        # tokens holds at least as many bytes (KV grows with its tokens, recurrent state is
-        # fixed), so a later one of n >= tokens needs at least ``bytes`` (would_refuse).
+        # (tokens, least bytes) of refused snapshots, none dominated by another: any later
+        # snapshot of at least that many tokens holds at least that many bytes (_least_nbytes).
         self._refusals: list[tuple[int, int]] = []
 
     def __len__(self) -> int:
@@ -158,7 +158,7 @@ class PrefixCache:
         # entry pushed system prompts out (the new entry was exempt from eviction).
         rank = KINDS.index(kind)
         if self._durable_bytes(kind) + _cache_nbytes(cache) > self.budget_bytes:
-            self._refuse(len(tokens), _cache_nbytes(cache))
+            self._refuse(len(tokens), _least_nbytes(cache))
             return False
         owned, nbytes = _owned_copy(cache)
         entry = _Entry(tokens, owned, nbytes, kind, can_trim_prompt_cache(cache))
@@ -180,8 +180,10 @@ class PrefixCache:
     def would_refuse(self, n_tokens: int, kind: str) -> bool:
         """Would the budget surely refuse a snapshot of ``n_tokens`` tokens of this kind?
 
-        Known from earlier refusals only (never a guess): the text lane then neither cuts the
-        prefill at that point nor has other requests wait for a snapshot that cannot be kept.
+        Known from earlier refusals only, never a guess: a refused snapshot of no more tokens
+        showed that any such snapshot holds more than the room there is (``_least_nbytes``).
+        The text lane then neither cuts the prefill at that point nor has other requests wait
+        for a snapshot that cannot be kept.
         """
         room = self.budget_bytes - self._durable_bytes(kind)
         return any(n <= n_tokens and nbytes > room for n, nbytes in self._refusals)
@@ -276,6 +278,32 @@ def _cache_nbytes(cache: list[Any]) -> int:
     for c in cache:
         count(_fitted(c))
     return sum(seen)
+
+
+def _least_nbytes(cache: list[Any]) -> int:
+    """Bytes that every snapshot of this model holding at least these tokens holds too.
+
+    Each attention layer's keys and values for the tokens it holds (at most its window for
+    a sliding one), and recurrent state (a fixed size per model). Not the buffers' spare or
+    rotated slots: those depend on how the prompt was cut into chunks, not on its tokens
+    (an audit: a sliding-window model's 253-token snapshot held 130 KB, a 289-token one
+    78 KB), so a refusal recorded with the plain byte count wrongly barred longer
+    snapshots that fit. Layers of unknown layout count nothing.
+    """
+    total = 0
+    for c in cache:
+        if isinstance(c, CacheList):
+            total += _least_nbytes(c.caches)
+        elif isinstance(c, ArraysCache):
+            total += sum(a.nbytes for a in c.cache if isinstance(a, mx.array))
+        else:
+            keys, values, held = getattr(c, "keys", None), getattr(c, "values", None), getattr(c, "offset", None)
+            if isinstance(keys, mx.array) and isinstance(values, mx.array) and isinstance(held, int) \
+                    and keys.ndim == 4 and keys.shape[2] > 0:
+                window = getattr(c, "max_size", None)
+                held = min(held, window) if isinstance(window, int) else held
+                total += (keys.nbytes + values.nbytes) // keys.shape[2] * min(held, keys.shape[2])
+    return total
 
 
 def _fitted(c: Any) -> Any:

@@ -879,8 +879,11 @@ def test_without_tools_the_call_marker_is_banned(tool_choice, template_kwargs, b
     assert plan.banned_token_ids == ([7] if tool_choice == "none" else banned)
 
 
-@pytest.mark.parametrize("tool_choice,names", TOOL_CHOICES + [("auto", None), (None, None), ({"type": "auto"}, None),
-                                                              ("none", None), ({"type": "none"}, None)])
+@pytest.mark.parametrize("tool_choice,names", TOOL_CHOICES + [
+    ("auto", None), (None, None), ({"type": "auto"}, None), ("none", None), ({"type": "none"}, None),
+    ({"type": "required"}, set(TOOL_MODELS)),
+    ({"name": "add"}, {"add"}), ({"function": {"name": "move"}}, {"move"}),  # a name without a type: forced
+])
 def test_tool_choice_forms_plan_the_same_constraints(tool_choice, names):
     """Every spelling of tool_choice plans the grammar of exactly its tools (no model needed)."""
     from mlx_tandem.chat_format import ChatFormat
@@ -958,6 +961,20 @@ def _tool_call_token(engine) -> int:
     ids = engine.tokenizer.encode("<tool_call>", add_special_tokens=False)
     assert len(ids) == 1
     return ids[0]
+
+
+def test_a_dict_naming_a_tool_forces_it_even_when_named_like_a_keyword():
+    """A name is a name: tools called "none", "auto" or "any" were read as the keywords
+    (no tools, no call, or any tool). The bare strings stay keywords, as in OpenAI's API."""
+    from mlx_tandem.chat_plan import _forced_names
+
+    names = ["f", "none", "auto", "any"]
+    for name in ("none", "auto", "any"):
+        assert _forced_names({"type": "function", "function": {"name": name}}, names) == [name]
+        assert _forced_names({"type": "tool", "name": name}, names) == [name]
+        assert _forced_names({"name": name}, names) == [name]
+    assert _forced_names("none", names) == [] and _forced_names("auto", names) is None
+    assert _forced_names("any", names) == names
 
 
 async def test_tool_choice_none_never_emits_a_call(qwen3_5_engine):
@@ -1111,6 +1128,9 @@ BAD_REQUESTS = [
     (dict(tool_choice="required"), ConstraintError),
     (dict(tool_choice="get_weather"), ConstraintError),
     (dict(tools=TOOLS, tool_choice=42), ConstraintError),
+    (dict(tools=TOOLS, tool_choice={}), ConstraintError),  # names no tool: not "auto"
+    (dict(tools=TOOLS, tool_choice={"type": "sometimes"}), ConstraintError),
+    (dict(tools=TOOLS, tool_choice={"function": {"name": "nope"}}), ConstraintError),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), ConstraintError),
     (dict(tools=TOOLS, tool_choice="add", response_format=rf({"type": "object"})), ConstraintError),
     (dict(response_format=rf({"type": "nonsense"})), ConstraintError),

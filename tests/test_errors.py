@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from mlx_tandem import (ConstraintError, ContextLengthError, Engine, EngineClosedError, EngineStepError, InvalidRequestError,
-                        QueueFullError, SamplingParams, TandemError, UnsupportedContentError)
+                        ModelLoadError, QueueFullError, SamplingParams, TandemError, UnsupportedContentError)
 
 from .numerics import same_greedy
 from .prompts import chat_prompts
@@ -24,6 +24,8 @@ TOOL = {"type": "function", "function": {"name": "add", "description": "Add two 
     dict(stop=5), dict(logits_processors=5), dict(seed=2**64), dict(stop={"a": 1}),
     dict(repetition_context_size=True), dict(temperature=1e308), dict(repetition_penalty=1e-308),
     dict(repetition_penalty=1e9),
+    # Ints too large for a float: math.isfinite raised OverflowError, not a typed error.
+    dict(temperature=10**400), dict(top_p=10**400), dict(min_p=10**400), dict(repetition_penalty=10**400),
 ])
 def test_bad_sampling_params(kwargs):
     with pytest.raises(InvalidRequestError):
@@ -113,6 +115,13 @@ def test_bad_engine_options():
         Engine("x", not_an_option=1)
     with pytest.raises(InvalidRequestError, match="mtp_depth"):
         Engine("x", mtp_depth=2.0)  # equal to 2, yet it failed every speculative step later
+    with pytest.raises(InvalidRequestError, match="coalesce_ms"):
+        Engine("x", coalesce_ms=True)
+    with pytest.raises(InvalidRequestError, match="specprefill_draft"):
+        Engine("x", specprefill_draft="")  # Path("") is the working directory
+    for empty in ("", "  "):
+        with pytest.raises(ModelLoadError, match="empty"):
+            Engine(empty)
     for name in ("show_progress", "allow_remote_images"):  # Engine.shared hashed them: TypeError
         with pytest.raises(InvalidRequestError, match=name):
             Engine.shared("x", **{name: []})
@@ -153,6 +162,21 @@ async def test_bad_requests_fail_alone_while_others_keep_going(llama_engine, lla
     assert all(isinstance(e, TandemError) for e in errors)
     assert [o.token_ids for o in outs] == expected
     assert engine.stats()["running"] == 0
+
+
+def test_a_context_window_beyond_the_models_positions_is_allowed_with_a_warning(llama_path, caplog):
+    """A deliberate override (RoPE scaling may hold more), but never a silent one."""
+    import logging
+
+    for extra, warned in ((0, False), (1, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mlx_tandem"):
+            positions = Engine(llama_path, show_progress=False).model_info().context_length  # not loaded
+            engine = Engine(llama_path, show_progress=False, max_model_len=positions + extra)
+            engine.start_sync()
+            assert engine.model_info().context_length == positions + extra
+            engine.close_sync()
+        assert ("beyond the %d positions" % positions in caplog.text) == warned, caplog.text
 
 
 async def test_generation_stops_at_the_context_window(llama_path):
@@ -346,7 +370,7 @@ async def test_malformed_inputs_are_typed_errors_and_the_engine_keeps_serving(ll
     with pytest.raises(InvalidRequestError, match="unknown"):
         engine.complete_sync("x", {"max_tokens": 1}, bogus=1)
     submitted = engine.stats()["requests"]
-    for timeout in (float("nan"), -1, "5"):  # refused before anything is submitted
+    for timeout in (float("nan"), -1, "5", 10**400):  # refused before anything is submitted
         with pytest.raises(InvalidRequestError):
             await engine.open_chat_stream(hi, timeout=timeout)
         with pytest.raises(InvalidRequestError):

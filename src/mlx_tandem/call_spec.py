@@ -8,11 +8,11 @@ call form (chats, raw prompts); the values are validated later, in ``Engine._mak
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any, Optional, Sequence
 
 from .errors import InvalidRequestError
+from .params import is_finite_number
 
 
 _CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning",
@@ -56,6 +56,6 @@ def deadline_of(timeout: Optional[float]) -> Optional[float]:
     """time.monotonic() at which a request given ``timeout`` seconds is cancelled."""
     if timeout is None:
         return None
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout < 0:
+    if not is_finite_number(timeout) or timeout < 0:
         raise InvalidRequestError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
     return time.monotonic() + timeout

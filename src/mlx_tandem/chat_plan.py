@@ -94,31 +94,48 @@ def normalize_tools(tools: Optional[Sequence[Any]]) -> list[dict]:
     return out
 
 
+#: tool_choice keywords, as a string or as a dict's "type" (Anthropic's {"type": "any"}).
+_TOOL_CHOICE_WORDS = ("auto", "none", "required", "any")
+
+
 def _forced_names(tool_choice: Any, names: list[str]) -> Optional[list[str]]:
-    """None for "auto"; [] for "none"; the names a forced call may use otherwise."""
+    """None for "auto"; [] for "none"; the names a forced call may use otherwise.
+
+    A dict that names a tool forces that tool, even one called "none" or "auto" (it was
+    read as the keyword), and a dict of no known shape is an error (``{"name": "f"}``
+    without a type was read as "auto": the call the caller forced never came).
+    """
     tc = tool_choice
     if isinstance(tc, dict):
         kind = tc.get("type")
-        if kind in ("function", "tool"):  # OpenAI's forms (nested or not), Anthropic's
+        if kind in (None, "function", "tool"):  # OpenAI's forms (nested or not), Anthropic's, a bare name
             fn = tc.get("function")
-            tc = (fn.get("name") if isinstance(fn, dict) else None) or tc.get("name")
-            if not isinstance(tc, str):  # not "auto": the caller meant to force a call
+            name = (fn.get("name") if isinstance(fn, dict) else None) or tc.get("name")
+            if not isinstance(name, str) or not name:  # not "auto": the caller meant to force a call
                 raise ConstraintError(f"tool_choice {tool_choice!r} names no tool")
-        else:
-            tc = kind
+            return _named_tool(name, tool_choice, names)
+        if kind not in _TOOL_CHOICE_WORDS:
+            raise ConstraintError(f"unsupported tool_choice {tool_choice!r}")
+        tc = kind
     if tc is None or tc == "auto" or tc is False:
         return None
     if tc == "none":
         return []
-    if not names:
-        raise ConstraintError(f"tool_choice={tool_choice!r} needs tools")
     if tc is True or tc in ("required", "any"):
+        if not names:
+            raise ConstraintError(f"tool_choice={tool_choice!r} needs tools")
         return list(names)
     if isinstance(tc, str):
-        if tc not in names:
-            raise ConstraintError(f"tool_choice names {tc!r}, which is not among the tools {names}")
-        return [tc]
+        return _named_tool(tc, tool_choice, names)
     raise ConstraintError(f"unsupported tool_choice {tool_choice!r}")
+
+
+def _named_tool(name: str, tool_choice: Any, names: list[str]) -> list[str]:
+    if not names:
+        raise ConstraintError(f"tool_choice={tool_choice!r} needs tools")
+    if name not in names:
+        raise ConstraintError(f"tool_choice names {name!r}, which is not among the tools {names}")
+    return [name]
 
 
 def plan_chat(

@@ -56,6 +56,8 @@ def _model_key(model: Optional[str | Path]) -> str:
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ModelLoadError(
             f"model must be a checkpoint path or hub id (a string or a path), got {type(model).__name__}")
+    if isinstance(model, str) and not model.strip():  # Path("") is the working directory
+        raise ModelLoadError("model must be a checkpoint path or hub id, got an empty string")
     if model is None or names_default(model):
         return "<default>"
     key = checkpoint_key(model)

@@ -102,7 +102,8 @@ class EngineOptions:
                      "prefix_cache_history"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"engine option {name}={getattr(self, name)!r}: must be True or False")
-        if not isinstance(self.coalesce_ms, (int, float)) or not 0 <= self.coalesce_ms <= 1000:
+        if not isinstance(self.coalesce_ms, (int, float)) or isinstance(self.coalesce_ms, bool) \
+                or not 0 <= self.coalesce_ms <= 1000:
             raise InvalidRequestError(f"engine option coalesce_ms={self.coalesce_ms!r}: must be in [0, 1000]")
         from .spec.policy import normalize_mode
 
@@ -123,7 +124,8 @@ class EngineOptions:
 
 def _draft_path(model) -> str:
     """The draft checkpoint as a string: a local directory as its resolved path, else as given."""
-    if not isinstance(model, (str, os.PathLike)):
+    if not isinstance(model, (str, os.PathLike)) or (isinstance(model, str) and not model.strip()):
+        # An empty string was the working directory (Path(""))
         raise InvalidRequestError(f"engine option specprefill_draft={model!r}: must be a path or hub id")
     from .model_loader import checkpoint_key
 

@@ -34,6 +34,17 @@ def _as_tuple(value: Any, name: str) -> tuple:
         raise InvalidRequestError(f"SamplingParams.{name}={value!r}: must be a sequence") from None
 
 
+def is_finite_number(v) -> bool:
+    """A real int or float that converts to a finite float (``math.isfinite`` raised
+    ``OverflowError``, not a typed error, on an int like ``10**400``)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request.
@@ -94,7 +105,7 @@ class SamplingParams:
             bad("max_tokens", "must be an integer >= 1")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            if not is_finite_number(v):
                 bad(name, "must be a finite number")
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
             bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}]")

@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 
 def build_lanes(loaded: LoadedModel, opts: EngineOptions, lanes: dict[str, Lane]):
     """Fill ``lanes`` (text, and vision for a vision checkpoint); the MTP head or None."""
+    if opts.max_model_len and loaded.context_length and opts.max_model_len > loaded.context_length:
+        # Allowed (a model with RoPE scaling may hold more than its config says), not silent.
+        logger.warning("max_model_len=%d is beyond the %d positions %s was configured for; answers past "
+                       "them may degrade", opts.max_model_len, loaded.context_length, loaded.path.name)
     mtp_head = load_mtp_head(loaded, opts.mtp)
     lanes["text"] = TextLane(
         loaded.model,

@@ -211,6 +211,11 @@ def test_invoke_and_stream_equal_engine_output():
     # None per call is the model's setting, as ChatOpenAI reads it.
     assert list(llm.stream("Hello", stream_usage=None))[-1].usage_metadata == chunks[-1].usage_metadata
     assert not any(c.usage_metadata for c in make_llm(stream_usage=False).stream("Hello", stream_usage=None))
+    for bad in ("false", 0):  # "false" was truthy: usage came
+        with pytest.raises(InvalidRequestError, match="stream_usage"):
+            list(llm.stream("Hello", stream_usage=bad))
+        with pytest.raises(InvalidRequestError, match="stream_usage"):
+            llm.invoke("Hello", stream_usage=bad)
 
 
 def test_generate_fills_llm_output_with_summed_usage():

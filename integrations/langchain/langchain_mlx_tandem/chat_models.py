@@ -25,7 +25,7 @@ from pydantic import ConfigDict, Field, StrictBool, StrictStr, field_validator, 
 from mlx_tandem import Engine
 from mlx_tandem.call_options import merge_stops, model_name_alias, resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
-from mlx_tandem.errors import TemplateError
+from mlx_tandem.errors import InvalidRequestError, TemplateError
 
 from ._convert import PROVIDER, ChunkBuilder, to_ai_message, to_engine_messages
 from ._parsers import WholeJsonKeyToolsParser, WholeJsonParser, WholePydanticParser, WholePydanticToolsParser
@@ -161,7 +161,7 @@ class ChatMLX(BaseChatModel):
         kwargs = dict(kwargs)
         kwargs.pop("ls_structured_output_format", None)
         kwargs.pop("stream", None)  # core's per-call streaming switch, already acted on
-        kwargs.pop("stream_usage", None)  # read by _stream/_astream; invoke always has usage
+        _stream_usage(kwargs.pop("stream_usage", None), True)  # read by _stream/_astream; invoke always has usage
         engine, model_name = self._engine_for(kwargs)
         call = resolve_call(self, kwargs, owner="ChatMLX", stop=stop)
         return engine, model_name, to_engine_messages(messages), call.params, call.options, call.timeout
@@ -420,7 +420,10 @@ def _openai_tool(tool: Any, strict: Optional[bool]) -> dict:
 
 
 def _stream_usage(per_call: Optional[bool], default: bool) -> bool:
-    """``stream_usage`` per call; None is the model's setting (ChatOpenAI's reading)."""
+    """``stream_usage`` per call; None is the model's setting (ChatOpenAI's reading). Not a
+    bool is an error: ``"false"`` was truthy and gave usage."""
+    if per_call is not None and not isinstance(per_call, bool):
+        raise InvalidRequestError(f"stream_usage={per_call!r}: must be True, False or None")
     return default if per_call is None else per_call
 
 

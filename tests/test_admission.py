@@ -152,6 +152,83 @@ def test_a_specprefill_request_reserves_its_drafts_cache(llama_path, tiny_models
         engine.close_sync()
 
 
+def test_densely_prefilled_few_shot_examples_reserve_no_more_than_a_system_prompt(qwen3_5_path, tiny_models):
+    """While the draft scores, the target's row holds only what it restored: the dense part
+    comes after. It was counted beside the draft, so once shared examples became dense a
+    request that had fitted was too large for good (an audit: 3.64 MB against 3.45 MB, over
+    a 3.5 MB budget). Same requests, examples dense (history points) or not: the same
+    reservations until the examples are cached, each covering the caches really held. (A
+    request that restores the examples holds more while the draft scores: really held.)"""
+    from .test_specprefill import _few_shot_reports
+
+    draft = tiny_models.get("draft", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2)
+    reserved = {}
+    for history in (False, True):
+        engine = Engine(str(qwen3_5_path), show_progress=False, specprefill_draft=str(draft),
+                        specprefill_threshold=256, specprefill_keep_pct=0.5, prefill_step_size=64,
+                        prefix_cache_min_tokens=8, prefix_cache_history=history).start_sync()
+        try:
+            memory, lane = engine._core._memory, engine._core._lanes["text"]
+            sides, real_reserve = [], memory.reserve
+
+            def reserve(request_id, lane_name, tokens, side_bytes=0):
+                sides.append(side_bytes)
+                return real_reserve(request_id, lane_name, tokens, side_bytes)
+
+            memory.reserve = reserve
+            step = lane.step
+
+            def checked():
+                held = sum(sum(c.nbytes for c in p.job.cache) + (
+                    sum(c.nbytes for c in p.job.scorer.cache) if p.job.scorer and p.job.scorer.cache else 0)
+                    for p in lane._sparse.values())
+                assert held + _cache_bytes(lane) <= memory.reserved()
+                return step()
+
+            lane.step = checked
+            cached = [engine.chat_sync(_few_shot_reports(f"Report {i}"), {"max_tokens": 4}).usage.cached_tokens
+                      for i in range(3)]
+            reserved[history] = (sides, cached)
+        finally:
+            engine.close_sync()
+    (plain, cached_plain), (dense, cached_dense) = reserved[False], reserved[True]
+    assert cached_dense[2] > cached_plain[2]  # the examples were dense and cached
+    assert dense[:2] == plain[:2], (dense, plain)
+
+
+def test_a_request_too_large_only_with_specprefills_draft_cache_is_prefilled_plainly(llama_path, tiny_models):
+    """SpecPrefill is a speed-up: where its draft's cache pushes a request over the budget
+    while its own row fits, it runs with a plain prefill (its answer a cold run's), and the
+    prefix cache counts its lookup once. Only a request that asked for SpecPrefill fails."""
+    draft = tiny_models.get("draft", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2)
+    options = dict(show_progress=False, specprefill_draft=str(draft), specprefill_threshold=256,
+                   prefill_step_size=64)
+    prompt = _prompt(900, 300)
+    engine = Engine(str(llama_path), **options).start_sync()
+    try:
+        memory, seen = engine._core._memory, []
+        real_reserve = memory.reserve
+        memory.reserve = lambda rid, lane, tokens, side=0: (seen.append((tokens, side)), real_reserve(rid, lane, tokens, side))
+        engine.complete_sync(prompt, {"max_tokens": 4})
+        (tokens, side), = seen
+        alone = memory.alone_bytes("text", tokens)
+    finally:
+        engine.close_sync()
+    assert side > 0
+    engine = Engine(str(llama_path), request_memory_bytes=alone + side // 2, **options).start_sync()
+    try:
+        out = engine.complete_sync(prompt, {"max_tokens": 4})
+        stats = engine.stats()
+        with pytest.raises(RequestTooLargeError):
+            engine.complete_sync(_prompt(900, 301), {"max_tokens": 4, "specprefill": True})  # not cached
+    finally:
+        engine.close_sync()
+    assert out.token_ids == reference_greedy(llama_path, prompt, 4)
+    assert stats["specprefill"]["requests"] == 0 and stats["prefix_cache"]["misses"] == 1
+
+
 def test_a_specprefill_request_waiting_for_memory_is_not_started_again_each_step(llama_path, tiny_models):
     """A SpecPrefill request that fits alone but not beside a running row once its draft's
     cache is counted waits at its place. Its draft's size is known only once the lane took

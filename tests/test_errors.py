@@ -127,6 +127,42 @@ def test_bad_engine_options():
             Engine.shared("x", **{name: []})
 
 
+def test_the_vocabulary_size_comes_from_the_model_where_the_config_has_none():
+    """A config without vocab_size that mlx-lm fills with the architecture's default (cohere)
+    loaded, then failed with a bare TypeError; with no size anywhere it is a ModelLoadError."""
+    from types import SimpleNamespace
+
+    from mlx_tandem import ModelLoadError
+    from mlx_tandem.model_loader import _vocab_size
+
+    model = SimpleNamespace(args=SimpleNamespace(vocab_size=256000))
+    assert _vocab_size(model, {"model_type": "cohere"}) == 256000
+    assert _vocab_size(model, {"vocab_size": 32}) == 32
+    assert _vocab_size(SimpleNamespace(), {"text_config": {"vocab_size": 64}}) == 64
+    vlm_text = SimpleNamespace(language_model=SimpleNamespace(args=SimpleNamespace(vocab_size=128)))
+    assert _vocab_size(vlm_text, {}) == 128
+    with pytest.raises(ModelLoadError, match="vocab_size"):
+        _vocab_size(SimpleNamespace(), {"vocab_size": None, "text_config": "not a dict"})
+
+
+def test_a_relative_model_path_is_fixed_when_the_engine_is_made(llama_path, qwen3_5_path, tmp_path, monkeypatch):
+    """Resolved only at load, a relative path followed the working directory: the engine
+    Engine.shared had keyed on one directory loaded and served another model."""
+    for where, target in (("a", llama_path), ("b", qwen3_5_path)):
+        (tmp_path / where).mkdir()
+        (tmp_path / where / "model").symlink_to(target, target_is_directory=True)
+    monkeypatch.chdir(tmp_path / "a")
+    engine = Engine.shared("model", show_progress=False)
+    monkeypatch.chdir(tmp_path / "b")  # a notebook's %cd, a library's chdir
+    try:
+        assert Engine.shared(str(tmp_path / "a" / "model"), show_progress=False) is engine
+        assert engine.model_info(load=False).name == "model"  # the name as given
+        engine.start_sync()
+        assert engine.loaded.path.resolve() == llama_path.resolve() and engine.loaded.model_type == "llama"
+    finally:
+        engine.close_sync()
+
+
 def test_a_home_directory_that_does_not_exist_is_a_load_error():
     from mlx_tandem import ModelLoadError
 

@@ -347,3 +347,31 @@ def test_image_on_a_text_checkpoint_is_a_typed_error(qwen3_5_engine):
         return await qwen3_5_engine.chat([{"role": "user", "content": "still serving"}], {"max_tokens": 3})
 
     assert asyncio.run(run()).token_ids
+
+
+def test_a_vision_checkpoint_without_tower_weights_serves_text_and_refuses_images(qwen3_5_vl_path, tmp_path, caplog):
+    """mlx-vlm loads it with a warning and no tower: every image request then failed inside
+    the tower as the caller's InvalidRequestError. It is served as a text model instead,
+    saying why at load; its text answers are the intact checkpoint's."""
+    import logging
+    import shutil
+
+    broken = tmp_path / "no-tower"
+    shutil.copytree(qwen3_5_vl_path, broken)
+    weights = mx.load(str(broken / "model.safetensors"))
+    kept = {k: v for k, v in weights.items() if "visual" not in k}
+    assert len(kept) < len(weights)
+    mx.save_safetensors(str(broken / "model.safetensors"), kept, metadata={"format": "mlx"})
+    chat = [{"role": "user", "content": "plain text"}]
+    with caplog.at_level(logging.WARNING, logger="mlx_tandem"):
+        engine = Engine(str(broken), show_progress=False)
+        engine.start_sync()
+    try:
+        assert not engine.loaded.supports_images and "no vision tower weights" in caplog.text
+        with pytest.raises(UnsupportedContentError):
+            engine.chat_sync([_user(_img_part(_data_uri(_image(0, 16))), _text("?"))], {"max_tokens": 3})
+        out = engine.chat_sync(chat, {"max_tokens": 6})
+    finally:
+        engine.close_sync()
+    with Engine(qwen3_5_vl_path, show_progress=False) as whole:
+        assert out.token_ids == whole.chat_sync(chat, {"max_tokens": 6}).token_ids

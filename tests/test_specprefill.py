@@ -262,6 +262,33 @@ async def test_shared_few_shot_examples_are_prefilled_densely_and_reused(qwen3_5
     assert plain.usage.cached_tokens == history and plain.token_ids == reference_greedy(qwen3_5_path, short_ids, 8)
 
 
+async def test_examples_the_cache_cannot_keep_are_not_prefilled_densely_again(qwen3_5_path, draft_path):
+    """Dense only to be cached: where the budget refused the examples' snapshot, later jobs
+    end their dense part at the system prompt again (an audit: 56% more target prefill per
+    request, for good, and nothing kept)."""
+    chats = [_few_shot_reports(f"Report {i}") for i in range(4)]
+    async with _engine(qwen3_5_path, draft_path, specprefill_keep_pct=0.5) as engine:
+        for chat in chats[:3]:
+            await engine.chat(chat, {"max_tokens": 2})
+        entries = {k: [e.nbytes for e in d.values()] for k, d in engine._core._lanes["text"].prefix_cache._lru.items()}
+    (system_bytes,), (history_bytes,) = entries["system"], entries["history"]
+    async with _engine(qwen3_5_path, draft_path, specprefill_keep_pct=0.5,
+                       prefix_cache_bytes=system_bytes + history_bytes // 2) as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        points = {k: n for n, k in engine._renderer.cache_points(chats[0], ids[0], history=True)}
+        runs = []
+        for chat in chats:
+            out = await engine.chat(chat, {"max_tokens": 2})
+            runs.append((out.usage.cached_tokens, engine.stats()["specprefill"]["sparse_tokens"]))
+        refused = engine.stats()["prefix_cache"]["refused"]
+    system, history = points["system"], points["history"]
+    assert [c for c, _ in runs] == [0, system, system, system]
+    assert runs[1][1] - runs[0][1] == len(ids[1]) - 1 - history  # tried once, refused
+    for i in (2, 3):  # then the examples go through SpecPrefill with the rest
+        assert runs[i][1] - runs[i - 1][1] == len(ids[i]) - 1 - system
+    assert refused == 1
+
+
 async def test_the_system_prompt_is_prefilled_densely_without_the_prefix_cache(llama_path, draft_path):
     """SpecPrefill keeps the system prompt whole (its instructions are not the draft's to
     drop) with the prefix cache off too: the boundary was only found for the cache, so

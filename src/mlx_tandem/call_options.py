@@ -6,6 +6,8 @@ accept the same per-call keywords, so the merge lives here once.
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -69,14 +71,19 @@ def resolve_call(defaults: Any, kwargs: dict, *, owner: str, stop: Optional[Sequ
 
 
 def model_name_alias(fields: Any) -> Any:
-    """Constructor input with ``model_name`` read as ``model``, before validation.
+    """Constructor input with ``model_name`` read as ``model``, before validation, and a
+    path object as its text (``Engine`` takes a ``pathlib.Path``; the adapters' string
+    field refused one with a pydantic error).
 
     ``model_name`` is how LangChain (ChatOpenAI's alias) and llama-index-llms-mlx spell the
     model; on both adapters it is a read-only property, so it cannot be a field alias.
     """
-    if not isinstance(fields, dict) or "model_name" not in fields:
+    if not isinstance(fields, dict):
         return fields
-    fields = dict(fields)
+    fields = {k: os.fspath(v) if k in ("model", "model_name") and isinstance(v, os.PathLike) else v
+              for k, v in fields.items()}
+    if "model_name" not in fields:
+        return fields
     name = fields.pop("model_name")
     if fields.get("model") not in (None, name):
         raise ValueError(f"model={fields['model']!r} and model_name={name!r} disagree; pass one")

@@ -390,6 +390,8 @@ class EngineCore:
                 # known only once the lane took it, so measured again.
                 tokens = self._row_tokens(req)
                 side = memory.scoring_bytes(req.lane, tokens, *lane.scoring_tokens(req.request_id))
+                if side and memory.alone_bytes(req.lane, tokens) + side > memory.budget and lane.prefill_plainly(req):
+                    side = 0  # too large only with SpecPrefill's draft cache: prefilled plainly
                 if not memory.fits(req.lane, tokens, side):
                     lane.remove([req.request_id])
                     if memory.alone_bytes(req.lane, tokens) + side > memory.budget:

@@ -80,7 +80,10 @@ class Engine:
     def __init__(self, model: Optional[str | Path] = None, **options: Any):
         _model_key(model)  # a model argument of the wrong type fails here, typed
         self.options = EngineOptions.from_kwargs(**options)
-        self._model_arg = None if names_default(model) else model
+        # A local directory is fixed now, as its resolved path (what Engine.shared keys on):
+        # resolved at load, a relative path followed the working directory to another model.
+        self._model_arg = None if names_default(model) else checkpoint_key(model)
+        self._model_name = DEFAULT_MODEL_NAME if self._model_arg is None else os.fspath(model)
         self._core: Optional[EngineCore] = None
         self._renderer: Optional[PromptRenderer] = None
         self._format: Optional[ChatFormat] = None
@@ -226,7 +229,7 @@ class Engine:
         loaded for this); from the loaded tokenizer's chat format once it is. A checkpoint
         not on disk yet is fetched/built and loaded, unless ``load=False`` (then None).
         """
-        name = DEFAULT_MODEL_NAME if self._model_arg is None else str(self._model_arg)
+        name = self._model_name
         core = self._core
         failed = core is not None and core.ready.done() and core.ready.exception() is not None
         if core is None or not core.ready.done() or failed:

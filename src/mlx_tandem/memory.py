@@ -20,8 +20,10 @@ Recurrent state (GatedDeltaNet's ``ArraysCache``) is a fixed size per row, and s
 verification keeps one copy per verified position besides (``spec/verify.py``).
 
 SpecPrefill's draft scores a request's whole prompt (and a lookahead) in a cache of its own,
-while the target's row holds only the prompt's dense part (a system prompt); the target
-prefills the kept chunks once the draft's cache is gone. The row's own reservation covers
+while the target's row holds only what it restored from the prefix cache; the target
+prefills the dense part (a system prompt, shared examples) and the kept chunks once the
+draft's cache is gone (until 2026-11-29 the dense part was counted beside the draft, and
+densely prefilled examples made requests that fit too large). The row's own reservation covers
 that peak unless the draft's cache is larger per token (a Qwen3 draft for a hybrid Qwen3.5
 target, whose layers are mostly recurrent): the difference is reserved besides.
 
@@ -165,7 +167,8 @@ class MemoryLedger:
 
     def scoring_bytes(self, lane: str, row_tokens: int, draft_tokens: int, dense_tokens: int) -> int:
         """What SpecPrefill's scoring needs beyond a row's own reservation (module docstring):
-        the draft's cache of ``draft_tokens`` beside the row's dense part, less the row."""
+        the draft's cache of ``draft_tokens`` beside the ``dense_tokens`` the row holds
+        meanwhile (those it restored from the cache), less the row."""
         draft = self.footprints.get("draft")
         if draft is None or not draft_tokens:
             return 0

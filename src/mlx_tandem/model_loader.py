@@ -149,7 +149,15 @@ def _load_vision(path: Path):
         vlm.set_dtype(dtype)
     mx.eval(vlm.parameters())
     config = json.loads((path / "config.json").read_text())
-    return vlm, processor, text_model_from_vlm(vlm, config), config
+    model = text_model_from_vlm(vlm, config)
+    if getattr(vlm, "vision_tower", True) is None:
+        # mlx-vlm 0.7.10 loads a checkpoint without its vision tower's weights with only a
+        # warning, and every image request then failed inside the tower as a bad request.
+        # Its language model is whole: serve text, and say why images are refused.
+        logger.warning("%s has no vision tower weights: loaded for text only (image requests "
+                       "are refused with UnsupportedContentError)", path)
+        return None, None, model, config
+    return vlm, processor, model, config
 
 
 def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
@@ -179,6 +187,7 @@ def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
             model.set_dtype(dtype)
             mx.eval(model.parameters())
         bar.update()
+        vocab_size = _vocab_size(model, config)
     except ModelLoadError:
         raise
     except Exception as exc:
@@ -193,7 +202,7 @@ def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
         config=config,
         eos_token_ids=_eos_ids(tokenizer, config),
         context_length=context_length_of(config),
-        vocab_size=int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")),
+        vocab_size=vocab_size,
         model_type=config.get("model_type", "unknown"),
         dtype=_compute_dtype(params),
         vlm=vlm,
@@ -202,6 +211,19 @@ def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
     logger.info("loaded %s (%s, %s%s, context %d, BLAS %s)", path, loaded.model_type, loaded.dtype,
                 _quantization_label(config), loaded.context_length, _platform.active_blas())
     return loaded
+
+
+def _vocab_size(model, config: dict) -> int:
+    """The vocabulary size from the config, else from the model's own arguments: a config
+    without one that mlx-lm fills with the architecture's default loaded, then failed with
+    a bare TypeError."""
+    text_config = config.get("text_config")
+    for v in (config.get("vocab_size"), text_config.get("vocab_size") if isinstance(text_config, dict) else None,
+              getattr(getattr(model, "args", None), "vocab_size", None),
+              getattr(getattr(getattr(model, "language_model", None), "args", None), "vocab_size", None)):
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    raise ModelLoadError("config.json gives no vocab_size, and the model's arguments none either")
 
 
 def _compute_dtype(params: list) -> str:

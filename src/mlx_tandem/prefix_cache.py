@@ -72,15 +72,16 @@ class PrefixCache:
         return sum(len(d) for d in self._lru.values())
 
     # ------------------------------------------------------------------ lookup
-    def fetch(self, tokens: Sequence[int]) -> tuple[Optional[list[Any]], int]:
+    def fetch(self, tokens: Sequence[int], *, count: bool = True) -> tuple[Optional[list[Any]], int]:
         """A private copy of the longest usable cached prefix of ``tokens`` and its length.
 
         At most ``len(tokens) - 1`` tokens are reused: the model must still be fed at least
-        one token to produce the first logits. Returns (None, 0) on a miss.
+        one token to produce the first logits. Returns (None, 0) on a miss. ``count=False``
+        leaves the hit and miss counts alone (a request fetching again).
         """
         found = self._usable(tokens)
         if found is None:
-            self.misses += 1
+            self.misses += count
             return None, 0
         entry, n = found
         cache = copy.deepcopy(entry.cache)
@@ -90,9 +91,10 @@ class PrefixCache:
                 if getattr(c, "pending", None) is not None:
                     c.pending = None
         self._touch(entry)
-        self.hits += 1
-        self.hit_tokens += n
-        self.hits_by_kind[entry.kind] += 1
+        if count:
+            self.hits += 1
+            self.hit_tokens += n
+            self.hits_by_kind[entry.kind] += 1
         return cache, n
 
     def cached_length(self, tokens: Sequence[int]) -> int:

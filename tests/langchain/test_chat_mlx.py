@@ -773,6 +773,9 @@ def test_model_name_is_an_alias_and_unknown_arguments_are_errors():
     from pydantic import ValidationError
 
     assert ChatMLX(model_name=PATHS["qwen3_5"]).model == PATHS["qwen3_5"]
+    from pathlib import Path  # as Engine takes it (the string field refused it)
+
+    assert ChatMLX(model=Path(PATHS["qwen3_5"])).model == ChatMLX(model_name=Path(PATHS["qwen3_5"])).model == PATHS["qwen3_5"]
     assert ChatMLX(model=PATHS["qwen3_5"], model_name=PATHS["qwen3_5"]).model == PATHS["qwen3_5"]
     with pytest.raises(ValidationError, match="disagree"):
         ChatMLX(model=PATHS["qwen3_5"], model_name=PATHS["llama"])

@@ -269,6 +269,9 @@ def test_model_name_is_an_alias_and_unknown_constructor_arguments_are_errors():
     from pydantic import ValidationError
 
     assert MLXTandemLLM(model_name=PATHS["qwen3_5"]).model == PATHS["qwen3_5"]
+    from pathlib import Path  # as Engine takes it (the string field refused it)
+
+    assert MLXTandemLLM(model=Path(PATHS["qwen3_5"])).model == MLXTandemLLM(model_name=Path(PATHS["qwen3_5"])).model == PATHS["qwen3_5"]
     with pytest.raises(ValidationError, match="disagree"):
         MLXTandemLLM(model=PATHS["qwen3_5"], model_name=PATHS["llama"])
     with pytest.raises(ValidationError, match="max_tokns"):

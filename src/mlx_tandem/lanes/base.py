@@ -105,8 +105,12 @@ class Lane(Protocol):
     def remove(self, request_ids: Sequence[str]) -> None: ...
 
     def scoring_tokens(self, request_id: str) -> tuple[int, int]:
-        """SpecPrefill: (tokens the draft's cache will hold, the prompt's dense part);
-        (0, 0) for a request without it."""
+        """SpecPrefill: (tokens the draft's cache will hold, the tokens the row holds while
+        the draft scores); (0, 0) for a request without it."""
+
+    def prefill_plainly(self, request: Request) -> bool:
+        """Take back a request given SpecPrefill and add it again with a plain prefill (its
+        draft's cache made it too large); False where the request asked for SpecPrefill."""
 
     def discard_tokens(self, n: int) -> None:
         """``n`` tokens of a step's event went unused (cut by a stop string): stats that

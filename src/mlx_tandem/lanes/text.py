@@ -84,10 +84,6 @@ def _prefix_keys(request: Request) -> dict[int, tuple[int, ...]]:
     return keys
 
 
-#: Cache points a SpecPrefill job prefills densely up to (the longest of them): shared ones.
-_DENSE_KINDS = ("system", "history")
-
-
 def _banned_ids(bans) -> tuple[int, ...]:
     return tuple(sorted({t for b in bans for t in b.token_ids}))
 
@@ -213,8 +209,9 @@ class TextLane:
             request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc)), extra=extra)
         prompt = list(request.prompt_ids)
         cache, start = None, 0
-        if self.prefix_cache is not None:
-            cache, start = self.prefix_cache.fetch(prompt)
+        if self.prefix_cache is not None:  # a request added again (it waited) is counted once
+            cache, start = self.prefix_cache.fetch(prompt, count="counted_fetch" not in request.extra)
+            request.extra["counted_fetch"] = True
         request.cached_tokens = start
         try:
             job = self._sparse_prefill(request, cache, start)
@@ -280,7 +277,7 @@ class TextLane:
         """
         sp = self.specprefill
         want = request.params.specprefill
-        if sp is None or want is False:
+        if sp is None or want is False or request.extra.get("plain_prefill"):
             return None
         keep = request.params.keep_pct if request.params.keep_pct is not None else sp.keep_pct
         if keep >= 1.0:  # keeping every token is a plain prefill: exact, batched, and cached
@@ -289,8 +286,11 @@ class TextLane:
         # The dense part ends at the longest shared point: the system prompt, or the history
         # (few-shot examples) once a second request holds it (prompt.py), so it is cached
         # exactly and the next requests that share it start from it.
-        shared, kind = max(((p, k) for p, k in request.cache_points if k in _DENSE_KINDS and p < n - 1),
-                           default=(0, "system"))
+        # Examples are dense only to be cached: not where the budget is known to refuse them.
+        pc = self.prefix_cache
+        shared, kind = max(((p, k) for p, k in request.cache_points if p < n - 1 and (
+            k == "system" or (k == "history" and pc is not None and not pc.would_refuse(p, k)))),
+            default=(0, "system"))
         dense_end = max(start, shared)
         # The threshold counts the uncached tokens past the shared part (options.py); the draft
         # scores all of them but the last, which is always prefilled (it gives the first logits).
@@ -361,7 +361,21 @@ class TextLane:
         pending = self._sparse.get(request_id)
         if pending is None or pending.job.scorer is None:
             return 0, 0
-        return len(pending.request.prompt_ids) + self.specprefill.lookahead, pending.job.dense_end
+        # While the draft scores, the target's row holds only what it restored from the cache:
+        # its dense part is prefilled after the scoring (and the draft's cache is gone then).
+        return len(pending.request.prompt_ids) + self.specprefill.lookahead, pending.job.start
+
+    def prefill_plainly(self, request: Request) -> bool:
+        """SpecPrefill is a speed-up: a request its draft's cache would make too large for
+        the budget runs with a plain prefill, unless it asked for SpecPrefill itself."""
+        if request.params.specprefill is True or request.request_id not in self._sparse:
+            return False
+        self.remove([request.request_id])
+        request.extra["plain_prefill"] = True
+        logger.info("%s: prefilled plainly, SpecPrefill's draft cache would not fit the memory budget",
+                    request.request_id)
+        self.add(request)
+        return True
 
     def discard_tokens(self, n: int) -> None:
         # Only a speculative step emits more than one token per event: the rest are drafts.

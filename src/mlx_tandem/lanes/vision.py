@@ -147,6 +147,9 @@ class VisionLane:
     def scoring_tokens(self, request_id: str) -> tuple[int, int]:  # no SpecPrefill on images
         return 0, 0
 
+    def prefill_plainly(self, request: Request) -> bool:  # never given SpecPrefill
+        return False
+
     def remove(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             uid = self._rows.pop(rid)

@@ -56,7 +56,7 @@ def test_the_default_models_reported_name_can_be_passed_back(tmp_path, monkeypat
         default.close_sync()
     (tmp_path / DEFAULT_MODEL_NAME).mkdir()
     monkeypatch.chdir(tmp_path)
-    assert Engine(DEFAULT_MODEL_NAME)._model_arg == DEFAULT_MODEL_NAME
+    assert Engine(DEFAULT_MODEL_NAME)._model_arg == str((tmp_path / DEFAULT_MODEL_NAME).resolve())  # the directory
 
 
 def test_construction_is_cheap(llama_path):

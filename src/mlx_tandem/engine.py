@@ -82,7 +82,7 @@ class Engine:
         self.options = EngineOptions.from_kwargs(**options)
         # A local directory is fixed now, as its resolved path (what Engine.shared keys on):
         # resolved at load, a relative path followed the working directory to another model.
-        self._model_arg = None if names_default(model) else checkpoint_key(model)
+        self._model_arg = None if model is None or names_default(model) else checkpoint_key(model)
         self._model_name = DEFAULT_MODEL_NAME if self._model_arg is None else os.fspath(model)
         self._core: Optional[EngineCore] = None
         self._renderer: Optional[PromptRenderer] = None

@@ -368,6 +368,7 @@ def test_a_vision_checkpoint_without_tower_weights_serves_text_and_refuses_image
         engine.start_sync()
     try:
         assert not engine.loaded.supports_images and "no vision tower weights" in caplog.text
+        assert not engine.model_info().supports_images  # the config's vision_config says otherwise
         with pytest.raises(UnsupportedContentError):
             engine.chat_sync([_user(_img_part(_data_uri(_image(0, 16))), _text("?"))], {"max_tokens": 3})
         out = engine.chat_sync(chat, {"max_tokens": 6})

@@ -70,6 +70,21 @@ def resolve_call(defaults: Any, kwargs: dict, *, owner: str, stop: Optional[Sequ
     return CallSettings(SamplingParams(**params), options, timeout)
 
 
+def pin_checkpoint(model: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """``(model, its checkpoint now)``: an adapter fixes a relative directory when it is made,
+    as ``Engine`` does. Its engine is made on the first call, and a relative path then
+    followed the working directory to another model (a review)."""
+    from .model_loader import checkpoint_key
+
+    return model, (None if model is None else checkpoint_key(model))
+
+
+def pinned_checkpoint(model: Optional[str], pinned: tuple[Optional[str], Optional[str]]) -> Optional[str]:
+    """What to give ``Engine.shared``: the pinned checkpoint, unless ``model`` was changed since."""
+    given, key = pinned
+    return key if model is not None and model == given else model
+
+
 def model_name_alias(fields: Any) -> Any:
     """Constructor input with ``model_name`` read as ``model``, before validation, and a
     path object as its text (``Engine`` takes a ``pathlib.Path``; the adapters' string

@@ -243,7 +243,7 @@ class Engine:
         info = read_model_info(loaded.path, name=name, max_model_len=self.options.max_model_len)
         return dataclasses.replace(
             info, context_length=self.context_length, supports_tools=fmt.has_tool_calling,
-            supports_reasoning=fmt.has_thinking)
+            supports_reasoning=fmt.has_thinking, supports_images=loaded.supports_images)
 
     def stats(self) -> dict[str, Any]:
         """Counters and rates: requests, running, waiting, max batch size seen, tokens/s, ..."""

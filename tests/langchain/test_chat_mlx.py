@@ -905,3 +905,17 @@ def test_a_decimal_is_held_to_what_a_decimal_takes(method):
     for seed in range(4):
         msg = make_llm(max_tokens=60, temperature=1.0, seed=seed).bind_tools([pay], tool_choice="pay").invoke("pay")
         Price.model_validate(msg.tool_calls[0]["args"]["price"])
+
+
+def test_a_relative_model_path_is_fixed_when_the_adapter_is_made(tmp_path, monkeypatch):
+    """Its engine is made on the first call: a relative path then followed the working
+    directory to another model. Fixed at construction, as Engine fixes it."""
+    for where, kind in (("a", "llama"), ("b", "qwen3_5")):
+        (tmp_path / where).mkdir()
+        (tmp_path / where / "model").symlink_to(PATHS[kind], target_is_directory=True)
+    monkeypatch.chdir(tmp_path / "a")
+    llm = ChatMLX(model="model")
+    monkeypatch.chdir(tmp_path / "b")
+    assert llm.model == "model" and llm.engine.model_info(load=False).model_type == "llama"
+    llm.model = PATHS["qwen3_5"]  # changed afterwards: the new model
+    assert llm.engine.model_info(load=False).model_type == "qwen3_5"

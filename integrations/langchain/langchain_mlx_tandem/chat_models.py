@@ -20,10 +20,11 @@ from langchain_core.runnables.utils import AddableDict
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict, Field, StrictBool, StrictStr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, StrictStr, field_validator, model_validator
 
 from mlx_tandem import Engine
-from mlx_tandem.call_options import merge_stops, model_name_alias, resolve_call
+from mlx_tandem.call_options import (merge_stops, model_name_alias, pin_checkpoint, pinned_checkpoint,
+                                     resolve_call)
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 from mlx_tandem.errors import InvalidRequestError, TemplateError
 
@@ -85,10 +86,17 @@ class ChatMLX(BaseChatModel):
 
     model_config = ConfigDict(populate_by_name=True, extra="forbid")
 
+    _pinned: tuple = PrivateAttr(default=(None, None))
+
     @model_validator(mode="before")
     @classmethod
     def _model_name_alias(cls, data: Any) -> Any:
         return model_name_alias(data)
+
+    @model_validator(mode="after")
+    def _pin_checkpoint(self) -> "ChatMLX":
+        self._pinned = pin_checkpoint(self.model)
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -149,7 +157,7 @@ class ChatMLX(BaseChatModel):
     @property
     def engine(self) -> Engine:
         """The shared engine this model runs on (created lazily, loaded on first use)."""
-        return Engine.shared(self.model, **self.engine_options)
+        return Engine.shared(pinned_checkpoint(self.model, self._pinned), **self.engine_options)
 
     def _engine_for(self, kwargs: dict) -> tuple[Engine, str]:
         override = kwargs.pop("model", None)

@@ -22,7 +22,7 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from llama_index.core.bridge.pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic import StrictBool, StrictStr
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.llm import (
@@ -41,7 +41,7 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import PydanticProgramMode
 
 from mlx_tandem import Engine, SamplingParams
-from mlx_tandem.call_options import model_name_alias, resolve_call
+from mlx_tandem.call_options import model_name_alias, pin_checkpoint, pinned_checkpoint, resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 from mlx_tandem.pydantic_schema import json_schema, narrowed_schema
 
@@ -115,10 +115,17 @@ class MLXTandemLLM(FunctionCallingLLM):
         default=None, description="Seconds per call; the request is cancelled (its slot freed) and "
                                   "mlx_tandem.RequestTimeoutError (a TimeoutError) raised.")
 
+    _pinned: tuple = PrivateAttr(default=(None, None))
+
     @model_validator(mode="before")
     @classmethod
     def _model_name_alias(cls, data: Any) -> Any:
         return model_name_alias(data)
+
+    @model_validator(mode="after")
+    def _pin_checkpoint(self) -> "MLXTandemLLM":
+        self._pinned = pin_checkpoint(self.model)
+        return self
 
     @classmethod
     def class_name(cls) -> str:
@@ -132,7 +139,7 @@ class MLXTandemLLM(FunctionCallingLLM):
     @property
     def engine(self) -> Engine:
         """The shared engine this LLM runs on (created lazily, loaded on first use)."""
-        return Engine.shared(self.model, **self.engine_options)
+        return Engine.shared(pinned_checkpoint(self.model, self._pinned), **self.engine_options)
 
     def tokenize(self, text: str) -> list[int]:
         """The model's own token ids of ``text``: set ``Settings.tokenizer = llm.tokenize``.

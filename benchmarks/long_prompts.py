@@ -17,9 +17,14 @@ Side by side in one run (the machines are noisy), time to first token (TTFT), gr
      others waiting for the first one's snapshot; mean and last TTFT, tokens prefilled.
      Few-shot examples written as messages (a short system prompt, then example turns), a
      new question each request, on the hybrid model: without the "history" snapshot
-     (``prefix_cache_history=False``: only the short system prompt is reused, the
-     model's cache cannot be cut back to the examples) vs with it (stored once a second
-     request shares the examples); mean TTFT of the requests after those two.
+     (``prefix_cache_history=False`` and ``prefix_cache_shared=False``: only the short
+     system prompt is reused, the model's cache cannot be cut back to the examples) vs
+     with it (stored once a second request shares the examples); mean TTFT of the
+     requests after those two.
+     Questions about one document written in one user message (a RAG template), on the
+     hybrid model: without "shared" snapshots (``prefix_cache_shared=False``: only the
+     system prompt is reused) vs with them (the document is stored where the second
+     prompt parts from the first); mean TTFT of the requests after those two.
 
 Prompts are natural text (Python standard-library docstrings) in the factory tokenizer.
 
@@ -271,7 +276,9 @@ async def bench_few_shot(cfg, path: Path, name: str, bar) -> dict:
     """Few-shot examples as messages, a new question each request, alternating between an
     engine without the "history" snapshot and one with it. The first two requests of each
     store what the engine keeps (the examples on the second); the rest are measured."""
-    engines = {label: Engine(path, show_progress=False, max_model_len=CONTEXT, mtp="off", prefix_cache_history=on)
+    # Without: nor the "shared" point, which would keep the examples where the prompts part.
+    engines = {label: Engine(path, show_progress=False, max_model_len=CONTEXT, mtp="off", prefix_cache_history=on,
+                             prefix_cache_shared=on)
                for label, on in (("without", False), ("with", True))}
     for engine in engines.values():
         await engine.start()
@@ -309,6 +316,47 @@ async def bench_few_shot(cfg, path: Path, name: str, bar) -> dict:
             "speedup": mean["without"] / mean["with"], "history_hits": cached["history"], "identical_outputs": same}
 
 
+async def bench_document(cfg, path: Path, name: str, bar) -> dict:
+    """Questions about one document written in one user message (a RAG template), alternating
+    between an engine without "shared" snapshots and one with them. The template marks no
+    point inside the message and the hybrid model's cache cannot be cut back, so without
+    them only the short system prompt is reused; with them the second request stores the
+    document where it parts from the first, and the rest start there."""
+    engines = {label: Engine(path, show_progress=False, max_model_len=CONTEXT, mtp="off", prefix_cache_shared=on)
+               for label, on in (("without", False), ("with", True))}
+    for engine in engines.values():
+        await engine.start()
+    encode = engines["with"]._renderer.encode
+    docs, parts = corpus(), []
+    while len(encode("\n\n".join(parts))) < cfg["system_tokens"]:
+        parts.append(docs[(len(parts) * 7 + 2) % len(docs)][:1500])
+    document = "\n\n".join(parts)
+    names = [d.split(":")[0] for d in docs]
+
+    def chat(i):
+        return [{"role": "system", "content": "Answer from the context."},
+                {"role": "user", "content": f"Context:\n{document}\n\n{names[i]}: what does it return?"}]
+
+    params = {"max_tokens": 4}
+    times = {label: [] for label in engines}
+    same = True
+    for i in range(cfg["few_shot"] + 2):
+        outputs = {}
+        for label, engine in engines.items():
+            t, outputs[label] = await ttft(engine, messages=chat(i), params=params)
+            times[label].append(t)
+        same &= outputs["without"] == outputs["with"]
+        bar.update()
+    prompt_tokens = len(engines["with"].apply_chat_template(chat(0)))
+    hits = engines["with"].stats()["prefix_cache"]["hits_by_kind"]
+    for engine in engines.values():
+        await engine.close()
+    mean = {label: sum(t[2:]) / len(t[2:]) for label, t in times.items()}
+    return {"model": name, "prompt_tokens": prompt_tokens, "requests": len(times["with"]),
+            "ttft_per_request_s": times, "mean_ttft_without_s": mean["without"], "mean_ttft_with_s": mean["with"],
+            "speedup": mean["without"] / mean["with"], "shared_hits": hits["shared"], "identical_outputs": same}
+
+
 async def bench(args) -> dict:
     from tqdm.auto import tqdm
 
@@ -326,7 +374,7 @@ async def bench(args) -> dict:
             print(f"building the {role} model ({kind}) at {paths[role]} ...", flush=True)
             make_tiny_model(kind, paths[role], seed=0, max_position_embeddings=CONTEXT, **sizes)
     total = (2 * len(cfg["lengths"]) * cfg["reps"] + 2 * cfg["cache_reps"] + 4 * cfg["turns"]
-             + 2 * cfg["burst_reps"] + cfg["few_shot"] + 2)
+             + 2 * cfg["burst_reps"] + 2 * (cfg["few_shot"] + 2))
     bar = tqdm(total=total, desc="long-prompt benchmark", unit="run")
     results = {
         "models": {role: {"kind": models[role][0], **models[role][1]} for role in models},
@@ -337,13 +385,14 @@ async def bench(args) -> dict:
                        await bench_turns(cfg, paths["hybrid"], "qwen3_5", bar)],
         "burst": await bench_burst(cfg, paths["hybrid"], "qwen3_5", bar),
         "few_shot": await bench_few_shot(cfg, paths["hybrid"], "qwen3_5", bar),
+        "document": await bench_document(cfg, paths["hybrid"], "qwen3_5", bar),
     }
     bar.close()
     return results
 
 
 def plot(results: dict, plt):
-    fig, axes = plt.subplots(1, 5, figsize=(18.5, 3.6))
+    fig, axes = plt.subplots(1, 6, figsize=(22, 3.6))
     bars = [
         (axes[0], "SpecPrefill (keep 20%)",
          [(f"{r['prompt_tokens'] // 1024}K", r["ttft_full_s"], r["ttft_specprefill_s"]) for r in results["specprefill"]],
@@ -359,6 +408,9 @@ def plot(results: dict, plt):
         (axes[4], f"few-shot examples, {results['few_shot']['prompt_tokens']} tokens",
          [(results["few_shot"]["model"], results["few_shot"]["mean_ttft_without_s"],
            results["few_shot"]["mean_ttft_with_s"])], ("system prompt reused", "examples reused")),
+        (axes[5], f"one document, new questions, {results['document']['prompt_tokens']} tokens",
+         [(results["document"]["model"], results["document"]["mean_ttft_without_s"],
+           results["document"]["mean_ttft_with_s"])], ("system prompt reused", "document reused")),
     ]
     for ax, title, rows, names in bars:
         x = range(len(rows))
@@ -407,9 +459,13 @@ def main(argv=None) -> int:
     print(f"\nFew-shot examples as messages ({f['model']}, {f['examples']} examples, {f['prompt_tokens']} prompt "
           f"tokens): mean TTFT {f['mean_ttft_without_s']:.3f}s without the history snapshot, "
           f"{f['mean_ttft_with_s']:.3f}s with it: {f['speedup']:.1f}x, identical {f['identical_outputs']}")
+    d = results["document"]
+    print(f"\nQuestions about one document in one message ({d['model']}, {d['prompt_tokens']} prompt tokens): "
+          f"mean TTFT {d['mean_ttft_without_s']:.3f}s without shared snapshots, {d['mean_ttft_with_s']:.3f}s "
+          f"with them: {d['speedup']:.1f}x, identical {d['identical_outputs']}")
     report.write(results, args.output, plot)
     if not all(r["identical_outputs"] for r in results["system_cache"]) or not b["identical_outputs"] \
-            or not f["identical_outputs"]:
+            or not f["identical_outputs"] or not d["identical_outputs"]:
         print("FAILED: a prefix-cache hit answered differently from a miss (the cache must be exact)",
               file=sys.stderr)
         return 1

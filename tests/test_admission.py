@@ -268,8 +268,10 @@ def test_a_specprefill_request_waiting_for_memory_is_not_started_again_each_step
         running.cancel()
         out = waiting.collect()
         assert out.token_ids == expected and engine.stats()["specprefill"]["requests"] == 1
-        # Taken once to be measured, once to start.
+        # Taken once to be measured, once to start; its lookup counted once (the one it used).
         assert rec.added.count("waiting") == 2
+        lookups = engine.stats()["prefix_cache"]
+        assert lookups["hits"] + lookups["misses"] == 2
     finally:
         engine.close_sync()
 

@@ -582,7 +582,8 @@ async def test_few_shot_examples_are_stored_once_a_second_request_shares_them(qw
     assert cached[0] < history and cached[1] < history and cached[2] == cached[3] == history, (cached, history)
     assert stats["hits_by_kind"]["history"] == 2
 
-    async with _engine(qwen3_5_path, prefix_cache_history=False) as engine:
+    # (Shared points would keep the examples too, from where the second prompt parts.)
+    async with _engine(qwen3_5_path, prefix_cache_history=False, prefix_cache_shared=False) as engine:
         off = [await engine.chat(_few_shot(q), SamplingParams(max_tokens=8)) for q in questions]
     assert [o.token_ids for o in off] == [o.token_ids for o in outs]
     assert all(o.usage.cached_tokens < history for o in off)
@@ -595,3 +596,44 @@ async def test_few_shot_examples_are_stored_once_a_second_request_shares_them(qw
             chat.append({"role": "assistant", "content": out.content or "ok"})
         kept = engine.run_on_owner_thread(lambda: len(engine._core._lanes["text"].prefix_cache._lru["history"]))
     assert kept == 0
+
+
+# --------------------------------------------------------------------------- shared prefixes
+DOCUMENT = ("The workshop's dust extractor runs on a 16 A circuit. Empty its bag weekly, check the "
+            "hose clamps monthly, and replace the filter cartridge every spring. ") * 4
+
+
+def _about_the_document(question: str) -> list[dict]:
+    """One document and a question in one user message, as a RAG prompt template writes it."""
+    return [{"role": "system", "content": "Answer from the context."},
+            {"role": "user", "content": f"Context:\n{DOCUMENT}\n\nQuestion: {question}"}]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
+async def test_questions_about_one_document_in_one_message_reuse_the_document(kind, request):
+    """The template marks no point inside a message, and a hybrid model's cache cannot be
+    cut back, so each question about the document prefilled it again. Where the second
+    prompt parts from a stored one, it is snapshotted ("shared"), and later questions
+    start there; every answer equals its cold run. An attention-only model trims a stored
+    entry instead, so it makes no such snapshot. Off, nothing shared is kept."""
+    path = request.getfixturevalue(f"{kind}_path")
+    questions = ["Bag: how often?", "Clamps: how often?", "Filter: how often?", "Power: which circuit?"]
+    async with _engine(path) as engine:
+        ids = [engine.apply_chat_template(_about_the_document(q)) for q in questions]
+        document_end = _common_prefix(ids[0], ids[1])
+        outs = [await engine.chat(_about_the_document(q), SamplingParams(max_tokens=6)) for q in questions]
+        stats = engine.stats()["prefix_cache"]
+    for out, p in zip(outs, ids):
+        assert out.token_ids == reference_greedy(path, p, 6)
+    cached = [out.usage.cached_tokens for out in outs]
+    assert document_end > 100 and all(_common_prefix(ids[i], ids[j]) == document_end
+                                      for i in range(4) for j in range(i))
+    if kind == "qwen3_5":
+        assert cached[1] < document_end and cached[2] == cached[3] == document_end, (cached, document_end)
+        assert stats["hits_by_kind"]["shared"] == 2
+        async with _engine(path, prefix_cache_shared=False) as engine:
+            off = [await engine.chat(_about_the_document(q), SamplingParams(max_tokens=6)) for q in questions]
+        assert [o.token_ids for o in off] == [o.token_ids for o in outs]
+        assert all(o.usage.cached_tokens < document_end for o in off)
+    else:
+        assert all(c >= document_end for c in cached[1:]) and stats["hits_by_kind"]["shared"] == 0

@@ -62,6 +62,10 @@ class EngineOptions:
     #: request shares it (few-shot examples written as messages, one conversation fanned
     #: out to several last questions). Off: only system prompts, turns and answers.
     prefix_cache_history: bool = True
+    #: Also snapshot where a prompt stops sharing a stored prompt's tokens (a hybrid model's
+    #: cache cannot be cut back: questions about one document in one message). Off: only
+    #: the points the chat template marks.
+    prefix_cache_shared: bool = True
     #: SpecPrefill draft: a checkpoint with the target's tokenizer (a small model). None
     #: turns SpecPrefill off. Long prompts are then scored by the draft and the target
     #: prefills only their important chunks (lossy: the answer may differ from a full prefill).
@@ -99,7 +103,7 @@ class EngineOptions:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 0")
         for name in ("constrain_tool_calls", "show_progress", "allow_remote_images", "prefix_cache_wait_for_prefill",
-                     "prefix_cache_history"):
+                     "prefix_cache_history", "prefix_cache_shared"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"engine option {name}={getattr(self, name)!r}: must be True or False")
         if not isinstance(self.coalesce_ms, (int, float)) or isinstance(self.coalesce_ms, bool) \

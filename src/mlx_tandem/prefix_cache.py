@@ -35,8 +35,9 @@ from mlx_lm.models.cache import (ArraysCache, CacheList, KVCache, PromptTrie, ca
 logger = logging.getLogger(__name__)
 
 #: Entry kinds, evicted first to last. A "history" point is made only once a second
-#: request held it (prompt.py), so it outlives a "turn" checkpoint, which one next turn reads.
-KINDS = ("final", "turn", "history", "system")
+#: request held it (prompt.py), so it outlives a "turn" checkpoint, which one next turn reads;
+#: a "shared" one where a prompt stops sharing a stored entry's tokens (shared_point).
+KINDS = ("final", "turn", "shared", "history", "system")
 _KEY = "model"  # one cache per lane and model: PromptTrie wants a model key
 
 
@@ -62,6 +63,7 @@ class PrefixCache:
         self.stored = 0
         self.evicted = 0
         self.hits_by_kind = {k: 0 for k in KINDS}
+        self.last_lookup: tuple[int, Optional[str]] = (0, None)  # (tokens reused, entry kind or None)
         self.prefill_waits = 0  # requests that waited for a row in prefill to store their prefix
         self.refused = 0  # snapshots the budget had no room for
         # (tokens, least bytes) of refused snapshots, none dominated by another: any later
@@ -72,16 +74,17 @@ class PrefixCache:
         return sum(len(d) for d in self._lru.values())
 
     # ------------------------------------------------------------------ lookup
-    def fetch(self, tokens: Sequence[int], *, count: bool = True) -> tuple[Optional[list[Any]], int]:
+    def fetch(self, tokens: Sequence[int]) -> tuple[Optional[list[Any]], int]:
         """A private copy of the longest usable cached prefix of ``tokens`` and its length.
 
         At most ``len(tokens) - 1`` tokens are reused: the model must still be fed at least
-        one token to produce the first logits. Returns (None, 0) on a miss. ``count=False``
-        leaves the hit and miss counts alone (a request fetching again).
+        one token to produce the first logits. Returns (None, 0) on a miss. What it counted
+        is ``last_lookup``, for ``uncount``.
         """
         found = self._usable(tokens)
         if found is None:
-            self.misses += count
+            self.misses += 1
+            self.last_lookup = (0, None)
             return None, 0
         entry, n = found
         cache = copy.deepcopy(entry.cache)
@@ -91,11 +94,22 @@ class PrefixCache:
                 if getattr(c, "pending", None) is not None:
                     c.pending = None
         self._touch(entry)
-        if count:
-            self.hits += 1
-            self.hit_tokens += n
-            self.hits_by_kind[entry.kind] += 1
+        self.hits += 1
+        self.hit_tokens += n
+        self.hits_by_kind[entry.kind] += 1
+        self.last_lookup = (n, entry.kind)
         return cache, n
+
+    def uncount(self, lookup: tuple[int, Optional[str]]) -> None:
+        """Take back a fetch's counts (``last_lookup``): its request was taken back and
+        looks up again, and only the lookup it starts from counts."""
+        n, kind = lookup
+        if kind is None:
+            self.misses -= 1
+            return
+        self.hits -= 1
+        self.hit_tokens -= n
+        self.hits_by_kind[kind] -= 1
 
     def cached_length(self, tokens: Sequence[int]) -> int:
         """How many tokens of ``tokens`` a fetch would reuse now (no copy, not counted)."""
@@ -127,6 +141,21 @@ class PrefixCache:
 
     def _touch(self, entry: _Entry) -> None:
         self._lru[entry.kind].move_to_end(entry.tokens)
+
+    def shared_point(self, tokens: Sequence[int], start: int) -> Optional[int]:
+        """Where ``tokens`` stops sharing the tokens of a stored entry, if that is at least
+        ``min_tokens`` past ``start`` (what a fetch reuses) and leaves a token to feed.
+
+        Recurrent state cannot be cut back, so a hybrid model's entry serves only prompts
+        it is a whole prefix of: questions about one document written in one message (a
+        RAG template) reused none of it. A snapshot where a second prompt parts from the
+        first lets the next ones start there. An entry that can be trimmed (attention
+        only) already serves the shared part, so ``start`` is there and no point is made.
+        """
+        tokens = list(tokens)[:-1]
+        res = self._trie.search(_KEY, tokens) if tokens else None
+        shared = 0 if res is None else len(tokens) if res.exact is not None else res.common_prefix
+        return shared if shared - start >= self.min_tokens and shared >= self.min_tokens else None
 
     def contains(self, tokens: Sequence[int]) -> bool:
         """Is there an entry for exactly these tokens?"""

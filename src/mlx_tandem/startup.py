@@ -42,6 +42,7 @@ def build_lanes(loaded: LoadedModel, opts: EngineOptions, lanes: dict[str, Lane]
                       if opts.prefix_cache_bytes else None),
         specprefill=_load_specprefill(loaded, opts),
         wait_for_shared_prefill=opts.prefix_cache_wait_for_prefill,
+        shared_points=opts.prefix_cache_shared,
     )
     if loaded.vlm is not None:
         from .lanes.vision import VisionLane

@@ -105,6 +105,7 @@ class TextLane:
         prefix_cache: Optional[PrefixCache] = None,
         specprefill: Optional[SpecPrefillConfig] = None,
         wait_for_shared_prefill: bool = True,
+        shared_points: bool = True,
     ):
         self.model = model
         self.prefix_cache = prefix_cache
@@ -132,6 +133,7 @@ class TextLane:
         self._caching: dict[int, _RowCaching] = {}
         self._claims = PrefillClaims()
         self._wait_for_shared = wait_for_shared_prefill and prefix_cache is not None
+        self._shared_points = shared_points and prefix_cache is not None
 
     def _new_generator(self) -> BatchGenerator:
         if self.spec is not None:
@@ -209,9 +211,15 @@ class TextLane:
             request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc)), extra=extra)
         prompt = list(request.prompt_ids)
         cache, start = None, 0
-        if self.prefix_cache is not None:  # a request added again (it waited) is counted once
-            cache, start = self.prefix_cache.fetch(prompt, count="counted_fetch" not in request.extra)
-            request.extra["counted_fetch"] = True
+        if self.prefix_cache is not None:
+            if "prefix_lookup" in request.extra:  # added again (it waited): the new lookup counts
+                self.prefix_cache.uncount(request.extra["prefix_lookup"])
+            cache, start = self.prefix_cache.fetch(prompt)
+            request.extra["prefix_lookup"] = self.prefix_cache.last_lookup
+            shared = self.prefix_cache.shared_point(prompt, start) if self._shared_points else None
+            if shared is not None and all(p != shared for p, _ in request.cache_points):
+                request.cache_points = [*request.cache_points, (shared, "shared")]
+                request.extra.pop("prefix_keys", None)  # made again with this point (claims)
         request.cached_tokens = start
         try:
             job = self._sparse_prefill(request, cache, start)

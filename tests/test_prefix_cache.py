@@ -609,6 +609,22 @@ def _about_the_document(question: str) -> list[dict]:
             {"role": "user", "content": f"Context:\n{DOCUMENT}\n\nQuestion: {question}"}]
 
 
+def test_a_shared_point_is_where_a_prompt_parts_from_a_stored_one_before_its_answer():
+    """Parting inside a stored prompt (a new question about one document) makes a point;
+    parting inside a stored answer is a conversation that sent the answer back changed (a
+    stop string cut): its turn point serves its next turn, and a review measured one unread
+    snapshot a turn pushing the turn entries out."""
+    pc = PrefixCache(1 << 30, min_tokens=4)
+    document, answer = list(range(100, 140)), list(range(200, 220))
+    pc.store(document + [1, 2] + answer, _hybrid(62, 1.0), "final", answer_start=42)
+    assert pc.shared_point(document + [3, 4, 5], start=0) == 40  # a new question: the document
+    assert pc.shared_point(document + [3, 4, 5], start=38) is None  # not min_tokens past the cache
+    assert pc.shared_point(document + [1, 2] + answer[:10] + [9, 9, 5], start=0) is None  # the answer, changed
+    assert pc.shared_point([7, 8, 9], start=0) is None  # nothing shared
+    pc.store(document[:30], _hybrid(30, 1.0), "turn")
+    assert pc.shared_point(document + [3, 4, 5], start=30) == 40
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
 async def test_questions_about_one_document_in_one_message_reuse_the_document(kind, request):
     """The template marks no point inside a message, and a hybrid model's cache cannot be

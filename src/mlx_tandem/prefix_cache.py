@@ -48,6 +48,7 @@ class _Entry:
     nbytes: int
     kind: str
     trimmable: bool
+    answer_start: Optional[int] = None  # a final entry's prompt length: its answer follows
 
 
 class PrefixCache:
@@ -155,7 +156,17 @@ class PrefixCache:
         tokens = list(tokens)[:-1]
         res = self._trie.search(_KEY, tokens) if tokens else None
         shared = 0 if res is None else len(tokens) if res.exact is not None else res.common_prefix
-        return shared if shared - start >= self.min_tokens and shared >= self.min_tokens else None
+        if shared - start < self.min_tokens or shared < self.min_tokens:
+            return None
+        if res.exact is None and res.longer is not None:
+            answer_start = self._get(res.longer).answer_start
+            if answer_start is not None and shared > answer_start:
+                # The prompt parts from a stored answer inside it: a conversation sent back
+                # an answer changed (a stop string cut, a call re-rendered). Its own turn
+                # point serves its next turn; a snapshot here was read by nobody (a review:
+                # one a turn, pushing out the turn entries).
+                return None
+        return shared
 
     def contains(self, tokens: Sequence[int]) -> bool:
         """Is there an entry for exactly these tokens?"""
@@ -166,8 +177,10 @@ class PrefixCache:
         return True
 
     # ------------------------------------------------------------------ insertion
-    def store(self, tokens: Sequence[int], cache: list[Any], kind: str) -> bool:
-        """Keep an independent copy of ``cache`` (the state after ``tokens``). False if skipped."""
+    def store(self, tokens: Sequence[int], cache: list[Any], kind: str, *,
+              answer_start: Optional[int] = None) -> bool:
+        """Keep an independent copy of ``cache`` (the state after ``tokens``; for a final
+        entry, its answer from ``answer_start`` on). False if skipped."""
         if kind not in KINDS:
             raise ValueError(f"unknown prefix cache kind {kind!r}")
         tokens = tuple(int(t) for t in tokens)
@@ -192,7 +205,7 @@ class PrefixCache:
             self._refuse(len(tokens), _least_nbytes(cache))
             return False
         owned, nbytes = _owned_copy(cache)
-        entry = _Entry(tokens, owned, nbytes, kind, can_trim_prompt_cache(cache))
+        entry = _Entry(tokens, owned, nbytes, kind, can_trim_prompt_cache(cache), answer_start)
         self._trie.add(_KEY, list(tokens), entry)
         self._lru[kind][tokens] = entry
         self.nbytes += nbytes

@@ -50,6 +50,7 @@ class _RowCaching:
     points: list[tuple[int, str]] = field(default_factory=list)  # (prompt length, kind), ascending
     store_final: bool = True
     claimed: list[Claim] = field(default_factory=list)  # one per point, same order
+    prompt_tokens: Optional[int] = None  # where its answer starts in its final entry
 
 
 @dataclass
@@ -234,7 +235,7 @@ class TextLane:
         points = self._snapshot_points(request, start)
         self._insert(request, split_at(prompt[start:], [p - start for p, _ in points]),
                      positioned(cache if cache is not None else make_prompt_cache(self._gen.model)),
-                     prompt[:start], sampler, processors, _RowCaching(start, points))
+                     prompt[:start], sampler, processors, _RowCaching(start, points, prompt_tokens=len(prompt)))
 
     def _snapshot_points(self, request: Request, start: int) -> list[tuple[int, str]]:
         """The request's cache points worth a snapshot: new ones, long enough to be stored,
@@ -413,7 +414,8 @@ class TextLane:
                     self.spec.rows.pop(r.uid, None)
                 caching = self._drop_caching(r.uid)
                 if caching is not None and caching.store_final and r.prompt_cache is not None:
-                    self.prefix_cache.store(r.all_tokens, r.prompt_cache, "final")
+                    self.prefix_cache.store(r.all_tokens, r.prompt_cache, "final",
+                                            answer_start=caching.prompt_tokens)
         events = sparse_events + list(by_rid.values())
         events = fail_errored(events, self._errors, self.remove)
         stats = LaneStepStats(

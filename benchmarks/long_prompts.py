@@ -335,7 +335,7 @@ async def bench_document(cfg, path: Path, name: str, bar) -> dict:
 
     def chat(i):
         return [{"role": "system", "content": "Answer from the context."},
-                {"role": "user", "content": f"Context:\n{document}\n\n{names[i]}: what does it return?"}]
+                {"role": "user", "content": f"Context:\n{document}\n\nQuestion {i}: what does {names[i]} return?"}]
 
     params = {"max_tokens": 4}
     times = {label: [] for label in engines}

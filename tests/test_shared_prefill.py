@@ -249,3 +249,29 @@ async def test_requests_sharing_few_shot_examples_prefill_them_twice_at_most(kin
     assert claims == 0
     if kind == "qwen3_5":  # recurrent state: only the history entry serves past the system prompt
         assert stats["prefix_cache"]["hits_by_kind"]["history"] == 2, stats["prefix_cache"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+async def test_requests_about_one_document_arriving_together_prefill_it_twice_at_most(kind, request):
+    """One document in one message, different questions, all at once: no stored entry
+    shares the document yet, but the first row's prompt in prefill does. The second request
+    finds it there, claims a "shared" point and stores it; the others wait for it, as for
+    any claim on a prefix of their prompt. Each answer equals its cold run."""
+    from .test_prefix_cache import _about_the_document
+
+    path = request.getfixturevalue(f"{kind}_path")
+    chats = [_about_the_document(q) for q in ("Bag: how often?", "Clamps: how often?", "Filter: how often?",
+                                              "Power: which circuit?", "Dust: where to?")]
+    async with Engine(path, show_progress=False, prefix_cache_min_tokens=8, coalesce_ms=300) as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        outs = await asyncio.gather(*[engine.chat(c, SamplingParams(max_tokens=6)) for c in chats])
+        stats = engine.stats()
+        idle = engine.run_on_owner_thread(lambda: (len(engine._core._lanes["text"]._claims),
+                                                   len(engine._core._lanes["text"]._in_prefill._by_uid)))
+    for out, p in zip(outs, ids):
+        assert out.token_ids == reference_greedy(path, p, 6)
+    document_end = min(next(i for i, (a, b) in enumerate(zip(ids[0], p)) if a != b) for p in ids[1:])
+    cached = [out.usage.cached_tokens for out in outs]
+    assert sum(c < document_end for c in cached) <= 2, (cached, document_end)  # the document twice at most
+    assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids) - sum(cached)
+    assert idle == (0, 0)

@@ -5,18 +5,24 @@ others, all missing the cache. A row in prefill *claims* each prefix it will sna
 request that shares a claimed prefix waits in the queue until the claim is given back (the
 snapshot stored, refused by the budget, or the row gone), then starts from the cache.
 
-A request waits only for claims older than its first wait. Where the budget refuses the
-snapshot, the waiters start together (and none claims it again: the prefix cache now knows it
-would refuse it, ``PrefixCache.would_refuse``); without that rule each waited for the one
-before it, one request at a time. A younger claim on a
-prefix longer than any the request waited for is waited for too: requests that waited for
-one's system prompt, where the first of them to start claims the few-shot examples they
-all hold, wait for those as well (each such wait is for a longer prefix, so they end).
+A request waits for a claim on any prefix of its prompt (``longest_prefix_of``), only for
+claims older than its first wait. Where the budget refuses the snapshot, the waiters start
+together (and none claims it again: the prefix cache now knows it would refuse it,
+``PrefixCache.would_refuse``); without that rule each waited for the one before it, one
+request at a time. A younger claim on a prefix longer than any the request waited for is
+waited for too: requests that waited for one's system prompt, where the first of them to
+start claims the few-shot examples (or the document) they all hold, wait for those as well
+(each such wait is for a longer prefix, so they end).
+
+``PromptsInPrefill`` keeps the prompts of rows in prefill, where a request that arrives
+with them finds what it shares with them before any is stored (a "shared" point).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Sequence
+
+from mlx_lm.models.cache import PromptTrie
 
 Claim = tuple[tuple[int, ...], int]  # (the prefix's tokens, the claim's serial number)
 
@@ -46,14 +52,55 @@ class PrefillClaims:
                 if not live:
                     del self._live[key]
 
-    def held(self, tokens: Iterable[int]) -> bool:
-        """Is any claim on exactly these tokens live?"""
-        return bool(self._live.get(tuple(tokens)))
-
-    def held_since(self, tokens: Iterable[int], serial: int) -> bool:
-        """Is a claim on exactly these tokens, made no later than claim ``serial``, live?"""
-        live = self._live.get(tuple(tokens))
-        return bool(live) and min(live) <= serial
+    def longest_prefix_of(self, prompt: tuple[int, ...], *, since: int, beyond: int) -> int:
+        """The longest live claim on a prefix of ``prompt``: made no later than claim
+        ``since``, or longer than ``beyond`` tokens. Any row's claim counts, not only on
+        the request's own cache points: a "shared" point another request found (a document
+        in one message) or an earlier turn of its conversation is a prefix too."""
+        n = len(prompt)
+        return max((len(key) for key, live in self._live.items()
+                    if len(key) < n and (min(live) <= since or len(key) > beyond) and prompt[:len(key)] == key),
+                   default=0)
 
     def clear(self) -> None:
         self._live.clear()
+
+
+class PromptsInPrefill:
+    """The prompts of rows still in prefill, for the longest prefix a new prompt shares with
+    one of them: requests that arrive together with one document in one message find no
+    stored entry to share it with, but the rows beside them hold it."""
+
+    _KEY = "prompts"
+
+    def __init__(self):
+        self._trie = PromptTrie()
+        self._by_uid: dict[int, list[int]] = {}
+
+    def add(self, uid: int, prompt: Sequence[int]) -> None:
+        self._by_uid[uid] = list(prompt)
+        self._trie.add(self._KEY, self._by_uid[uid], uid)
+
+    def discard(self, uid: int) -> None:
+        tokens = self._by_uid.pop(uid, None)
+        if tokens is None:
+            return
+        try:
+            if self._trie.get(self._KEY, tokens) == uid:
+                self._trie.pop(self._KEY, tokens)
+        except KeyError:  # an identical prompt's row had replaced it
+            pass
+        for other, same in self._by_uid.items():  # an identical prompt still in prefill stays findable
+            if same == tokens:
+                self._trie.add(self._KEY, same, other)
+                break
+
+    def shared_length(self, prompt: Sequence[int]) -> int:
+        if not self._by_uid or not prompt:
+            return 0
+        res = self._trie.search(self._KEY, list(prompt))
+        return len(prompt) if res.exact is not None else res.common_prefix
+
+    def clear(self) -> None:
+        self._trie = PromptTrie()
+        self._by_uid.clear()

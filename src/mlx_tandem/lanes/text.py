@@ -37,7 +37,7 @@ from ..specprefill import SpecPrefillConfig, SpecPrefillStats
 from ..specprefill.job import SparsePrefill
 from ..specprefill.positions import positioned
 from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
-from .claims import Claim, PrefillClaims
+from .claims import Claim, PrefillClaims, PromptsInPrefill
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ class TextLane:
         self._claims = PrefillClaims()
         self._wait_for_shared = wait_for_shared_prefill and prefix_cache is not None
         self._shared_points = shared_points and prefix_cache is not None
+        self._in_prefill = PromptsInPrefill()  # for shared points (prompts of rows in prefill)
 
     def _new_generator(self) -> BatchGenerator:
         if self.spec is not None:
@@ -190,8 +191,10 @@ class TextLane:
             return False
         since = request.extra.get("prefill_wait_since", self._claims.serial)
         waited = request.extra.get("prefill_waited_for", 0)
-        claimed = max((p for p, key in _prefix_keys(request).items()
-                       if self._claims.held_since(key, since) or (p > waited and self._claims.held(key))), default=0)
+        prompt = request.extra.get("prompt_key")
+        if prompt is None:  # made once: defer runs on every admission pass it waits through
+            prompt = request.extra["prompt_key"] = tuple(request.prompt_ids)
+        claimed = self._claims.longest_prefix_of(prompt, since=since, beyond=waited)
         if claimed - self.prefix_cache.cached_length(request.prompt_ids) < self.prefix_cache.min_tokens:
             return False
         if "prefill_wait_since" not in request.extra:
@@ -217,10 +220,8 @@ class TextLane:
                 self.prefix_cache.uncount(request.extra["prefix_lookup"])
             cache, start = self.prefix_cache.fetch(prompt)
             request.extra["prefix_lookup"] = self.prefix_cache.last_lookup
-            shared = self.prefix_cache.shared_point(prompt, start) if self._shared_points else None
-            if shared is not None and all(p != shared for p, _ in request.cache_points):
-                request.cache_points = [*request.cache_points, (shared, "shared")]
-                request.extra.pop("prefix_keys", None)  # made again with this point (claims)
+            if self._shared_points:
+                self._add_shared_point(request, start)
         request.cached_tokens = start
         try:
             job = self._sparse_prefill(request, cache, start)
@@ -236,6 +237,17 @@ class TextLane:
         self._insert(request, split_at(prompt[start:], [p - start for p, _ in points]),
                      positioned(cache if cache is not None else make_prompt_cache(self._gen.model)),
                      prompt[:start], sampler, processors, _RowCaching(start, points, prompt_tokens=len(prompt)))
+
+    def _add_shared_point(self, request: Request, start: int) -> None:
+        """A "shared" point where the prompt parts from a stored one (prefix_cache.py), or
+        from the prompt of a row still in prefill (requests that arrive together with one
+        document), if that is at least ``min_tokens`` past the cache and from its points."""
+        pc, prompt = self.prefix_cache, request.prompt_ids
+        shared = max(pc.shared_point(prompt, start) or 0, self._in_prefill.shared_length(prompt[:-1]))
+        if shared - start < pc.min_tokens or any(abs(p - shared) < pc.min_tokens for p, _ in request.cache_points):
+            return
+        request.cache_points = [*request.cache_points, (shared, "shared")]
+        request.extra.pop("prefix_keys", None)  # made again with this point (claims)
 
     def _snapshot_points(self, request: Request, start: int) -> list[tuple[int, str]]:
         """The request's cache points worth a snapshot: new ones, long enough to be stored,
@@ -268,6 +280,8 @@ class TextLane:
             if self._wait_for_shared:
                 keys = _prefix_keys(request)
                 caching.claimed = [self._claims.take(keys[p]) for p, _ in caching.points]
+            if self._shared_points:
+                self._in_prefill.add(uid, request.prompt_ids[:-1])
             self._caching[uid] = caching
         self._rows.add(uid, request.request_id)
         if self.spec is not None:
@@ -432,6 +446,8 @@ class TextLane:
         due: dict[int, str] = {}
         for r in prompt_responses:
             caching = self._caching.get(r.uid)
+            if r.end_of_prompt:
+                self._in_prefill.discard(r.uid)
             if caching is not None and r.end_of_prompt and caching.claimed:
                 # Past its prompt, a row stores no more boundaries: a claim left (a point
                 # not met where it was expected) must not hold its waiters for its answer.
@@ -451,6 +467,7 @@ class TextLane:
                 del self._caching[uid].claimed[:1]
 
     def _drop_caching(self, uid: int) -> Optional[_RowCaching]:
+        self._in_prefill.discard(uid)
         caching = self._caching.pop(uid, None)
         if caching is not None:
             self._claims.give_back(caching.claimed)
@@ -467,6 +484,7 @@ class TextLane:
         self._sparse.clear()
         self._caching.clear()
         self._claims.clear()
+        self._in_prefill.clear()
         self._gen.close()
         self._gen = self._new_generator()
         return dropped

@@ -14,7 +14,8 @@ array into a buffer of its own size and evaluates it at once, and the budget cou
 copies hold. A live request never sees, or changes, a stored snapshot: MLX arrays are
 immutable, and a fetched copy gets its own cache objects.
 
-Lookup uses mlx-lm's ``PromptTrie``; eviction is ours: least recently used first, within a
+Lookup uses ``TokenTrie`` (token_trie.py: mlx-lm's ``PromptTrie`` lookups grew with the square
+of long entries); eviction is ours: least recently used first, within a
 priority of kinds (``final`` answers go before ``turn`` checkpoints, which go before shared
 ``history`` prefixes, then ``system`` prompts), under a byte budget.
 """
@@ -29,8 +30,9 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import (ArraysCache, CacheList, KVCache, PromptTrie, can_trim_prompt_cache,
-                                  trim_prompt_cache)
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, can_trim_prompt_cache, trim_prompt_cache
+
+from .token_trie import TokenTrie
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,6 @@ logger = logging.getLogger(__name__)
 #: request held it (prompt.py), so it outlives a "turn" checkpoint, which one next turn reads;
 #: a "shared" one where a prompt stops sharing a stored entry's tokens (shared_point).
 KINDS = ("final", "turn", "shared", "history", "system")
-_KEY = "model"  # one cache per lane and model: PromptTrie wants a model key
 
 
 @dataclass
@@ -55,7 +56,7 @@ class PrefixCache:
     def __init__(self, budget_bytes: int, *, min_tokens: int = 1):
         self.budget_bytes = int(budget_bytes)
         self.min_tokens = max(1, int(min_tokens))
-        self._trie = PromptTrie()
+        self._trie = TokenTrie()
         self._lru: dict[str, OrderedDict[tuple[int, ...], _Entry]] = {k: OrderedDict() for k in KINDS}
         self.nbytes = 0
         self.hits = 0
@@ -125,20 +126,19 @@ class PrefixCache:
     def _find(self, tokens: list[int]) -> Optional[tuple[_Entry, int]]:
         if not tokens:
             return None
-        res = self._trie.search(_KEY, tokens)
+        res = self._trie.search(tokens)
         if res.exact is not None:
-            return self._get(res.exact), len(tokens)
+            return res.exact, len(tokens)
         best = None
-        if res.shorter is not None and len(res.shorter) >= self.min_tokens:
-            best = (self._get(res.shorter), len(res.shorter))
+        if res.shorter is not None and res.shorter_length >= self.min_tokens:
+            best = (res.shorter, res.shorter_length)
         if res.longer is not None and res.common_prefix >= self.min_tokens:
-            longer = self._get(res.longer)
-            if longer.trimmable and res.common_prefix > (best[1] if best else 0):
-                best = (longer, res.common_prefix)
+            if res.longer.trimmable and res.common_prefix > (best[1] if best else 0):
+                best = (res.longer, res.common_prefix)
         return best
 
     def _get(self, tokens: list[int]) -> _Entry:
-        return self._trie.get(_KEY, tokens)
+        return self._trie.get(tokens)
 
     def _touch(self, entry: _Entry) -> None:
         self._lru[entry.kind].move_to_end(entry.tokens)
@@ -154,12 +154,12 @@ class PrefixCache:
         only) already serves the shared part, so ``start`` is there and no point is made.
         """
         tokens = list(tokens)[:-1]
-        res = self._trie.search(_KEY, tokens) if tokens else None
-        shared = 0 if res is None else len(tokens) if res.exact is not None else res.common_prefix
+        res = self._trie.search(tokens) if tokens else None
+        shared = 0 if res is None else res.common_prefix
         if shared - start < self.min_tokens or shared < self.min_tokens:
             return None
         if res.exact is None and res.longer is not None:
-            answer_start = self._get(res.longer).answer_start
+            answer_start = res.longer.answer_start
             if answer_start is not None and shared > answer_start:
                 # The prompt parts from a stored answer inside it: a conversation sent back
                 # an answer changed (a stop string cut, a call re-rendered). Its own turn
@@ -206,16 +206,16 @@ class PrefixCache:
             return False
         owned, nbytes = _owned_copy(cache)
         entry = _Entry(tokens, owned, nbytes, kind, can_trim_prompt_cache(cache), answer_start)
-        self._trie.add(_KEY, list(tokens), entry)
+        self._trie.add(tokens, entry)
         self._lru[kind][tokens] = entry
         self.nbytes += nbytes
         self.stored += 1
         if entry.trimmable:
             # A trimmable entry serves every prefix of itself, so shorter copies are waste,
             # except those of a more durable kind: they must outlive this entry.
-            for _, old in self._trie.pop_prefixes(_KEY, list(tokens)):
+            for old in self._trie.pop_prefixes(tokens):
                 if KINDS.index(old.kind) > rank:
-                    self._trie.add(_KEY, list(old.tokens), old)
+                    self._trie.add(old.tokens, old)
                 else:
                     self._forget(old)
         self._evict_to(self.budget_bytes, keep=entry)
@@ -252,7 +252,7 @@ class PrefixCache:
             victim = next((e for k in KINDS for e in self._lru[k].values() if e is not keep), None)
             if victim is None:
                 return
-            self._trie.pop(_KEY, list(victim.tokens))
+            self._trie.pop(victim.tokens)
             self._forget(victim)
             self.evicted += 1
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from mlx_lm.models.cache import PromptTrie
+from ..token_trie import TokenTrie
 
 Claim = tuple[tuple[int, ...], int]  # (the prefix's tokens, the claim's serial number)
 
@@ -71,36 +71,29 @@ class PromptsInPrefill:
     one of them: requests that arrive together with one document in one message find no
     stored entry to share it with, but the rows beside them hold it."""
 
-    _KEY = "prompts"
-
     def __init__(self):
-        self._trie = PromptTrie()
+        self._trie = TokenTrie()
         self._by_uid: dict[int, list[int]] = {}
 
     def add(self, uid: int, prompt: Sequence[int]) -> None:
-        self._by_uid[uid] = list(prompt)
-        self._trie.add(self._KEY, self._by_uid[uid], uid)
+        tokens = self._by_uid[uid] = list(prompt)
+        try:
+            self._trie.get(tokens).append(uid)  # an identical prompt is in prefill too
+        except KeyError:
+            self._trie.add(tokens, [uid])
 
     def discard(self, uid: int) -> None:
         tokens = self._by_uid.pop(uid, None)
         if tokens is None:
             return
-        try:
-            if self._trie.get(self._KEY, tokens) == uid:
-                self._trie.pop(self._KEY, tokens)
-        except KeyError:  # an identical prompt's row had replaced it
-            pass
-        for other, same in self._by_uid.items():  # an identical prompt still in prefill stays findable
-            if same == tokens:
-                self._trie.add(self._KEY, same, other)
-                break
+        uids = self._trie.get(tokens)
+        uids.remove(uid)
+        if not uids:
+            self._trie.pop(tokens)
 
     def shared_length(self, prompt: Sequence[int]) -> int:
-        if not self._by_uid or not prompt:
-            return 0
-        res = self._trie.search(self._KEY, list(prompt))
-        return len(prompt) if res.exact is not None else res.common_prefix
+        return self._trie.common_prefix(prompt)
 
     def clear(self) -> None:
-        self._trie = PromptTrie()
+        self._trie.clear()
         self._by_uid.clear()

@@ -1,0 +1,66 @@
+"""TokenTrie against a brute-force reference: random stores, removals and lookups."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mlx_tandem.token_trie import TokenTrie
+
+
+class _Value:
+    def __init__(self, tokens):
+        self.tokens = tuple(tokens)
+
+
+def _lcp(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lookups_match_a_brute_force_reference(seed):
+    rng = random.Random(seed)
+    trie, stored = TokenTrie(), {}
+
+    def sequence():
+        base = list(rng.choice(list(stored))) if stored and rng.random() < 0.7 else []
+        cut = rng.randrange(len(base) + 1) if base else 0
+        return tuple(base[:cut] + [rng.randrange(4) for _ in range(rng.randrange(1, 8))])
+
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.45:
+            tokens = sequence()
+            stored[tokens] = _Value(tokens)
+            trie.add(tokens, stored[tokens])
+        elif op < 0.65 and stored:
+            tokens = rng.choice(list(stored))
+            assert trie.pop(tokens) is stored.pop(tokens)
+        elif op < 0.72 and stored:
+            tokens = rng.choice(list(stored)) + (rng.randrange(4),)
+            popped = trie.pop_prefixes(tokens)
+            expected = [stored.pop(k) for k in sorted(stored, key=len) if len(k) < len(tokens) and tokens[:len(k)] == k]
+            assert sorted(map(id, popped)) == sorted(map(id, expected))
+        query = sequence()
+        match = trie.search(query)
+        common = max((_lcp(query, k) for k in stored), default=0)
+        assert match.common_prefix == trie.common_prefix(query) == common
+        assert match.exact is stored.get(query)
+        if match.exact is None:
+            prefixes = [k for k in stored if 0 < len(k) < len(query) and query[:len(k)] == k]
+            longest = max(prefixes, key=len, default=None)
+            assert match.shorter is (stored[longest] if longest else None)
+            assert match.shorter_length == (len(longest) if longest else 0)
+            if common:
+                assert match.longer is not None and match.longer.tokens[:common] == query[:common]
+                assert stored.get(match.longer.tokens) is match.longer  # a live value
+            else:
+                assert match.longer is None
+        assert bool(trie) == bool(stored)
+    for tokens in list(stored):
+        trie.pop(tokens)
+    assert trie._root == {}  # nothing left behind

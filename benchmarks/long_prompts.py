@@ -296,24 +296,8 @@ async def bench_few_shot(cfg, path: Path, name: str, bar) -> dict:
             msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
         return msgs + [{"role": "user", "content": f"Question {i}: what does {docs[i].split(':')[0]} return?"}]
 
-    params = {"max_tokens": 4}
-    times = {label: [] for label in engines}
-    same = True
-    for i in range(cfg["few_shot"] + 2):
-        outputs = {}
-        for label, engine in engines.items():
-            t, outputs[label] = await ttft(engine, messages=chat(i), params=params)
-            times[label].append(t)
-        same &= outputs["without"] == outputs["with"]
-        bar.update()
-    prompt_tokens = len(engines["with"].apply_chat_template(chat(0)))
-    cached = engines["with"].stats()["prefix_cache"]["hits_by_kind"]
-    for engine in engines.values():
-        await engine.close()
-    mean = {label: sum(t[2:]) / len(t[2:]) for label, t in times.items()}
-    return {"model": name, "examples": len(examples), "prompt_tokens": prompt_tokens, "requests": len(times["with"]),
-            "ttft_per_request_s": times, "mean_ttft_without_s": mean["without"], "mean_ttft_with_s": mean["with"],
-            "speedup": mean["without"] / mean["with"], "history_hits": cached["history"], "identical_outputs": same}
+    run = await _alternate(engines, chat, cfg["few_shot"] + 2, bar)
+    return {"model": name, "examples": len(examples), **run, "history_hits": run["hits_by_kind"]["history"]}
 
 
 async def bench_document(cfg, path: Path, name: str, bar) -> dict:
@@ -337,13 +321,20 @@ async def bench_document(cfg, path: Path, name: str, bar) -> dict:
         return [{"role": "system", "content": "Answer from the context."},
                 {"role": "user", "content": f"Context:\n{document}\n\nQuestion {i}: what does {names[i]} return?"}]
 
-    params = {"max_tokens": 4}
+    run = await _alternate(engines, chat, cfg["few_shot"] + 2, bar)
+    return {"model": name, **run, "shared_hits": run["hits_by_kind"]["shared"]}
+
+
+async def _alternate(engines: dict, chat, n: int, bar) -> dict:
+    """Request ``chat(i)`` for i < n on the engine "without" a snapshot, then on the one
+    "with" it; TTFT of each, their mean from the third request on (the first two store what
+    the engine keeps), whether both answered alike. Closes the engines."""
     times = {label: [] for label in engines}
     same = True
-    for i in range(cfg["few_shot"] + 2):
+    for i in range(n):
         outputs = {}
         for label, engine in engines.items():
-            t, outputs[label] = await ttft(engine, messages=chat(i), params=params)
+            t, outputs[label] = await ttft(engine, messages=chat(i), params={"max_tokens": 4})
             times[label].append(t)
         same &= outputs["without"] == outputs["with"]
         bar.update()
@@ -352,9 +343,9 @@ async def bench_document(cfg, path: Path, name: str, bar) -> dict:
     for engine in engines.values():
         await engine.close()
     mean = {label: sum(t[2:]) / len(t[2:]) for label, t in times.items()}
-    return {"model": name, "prompt_tokens": prompt_tokens, "requests": len(times["with"]),
-            "ttft_per_request_s": times, "mean_ttft_without_s": mean["without"], "mean_ttft_with_s": mean["with"],
-            "speedup": mean["without"] / mean["with"], "shared_hits": hits["shared"], "identical_outputs": same}
+    return {"prompt_tokens": prompt_tokens, "requests": n, "ttft_per_request_s": times,
+            "mean_ttft_without_s": mean["without"], "mean_ttft_with_s": mean["with"],
+            "speedup": mean["without"] / mean["with"], "hits_by_kind": hits, "identical_outputs": same}
 
 
 async def bench(args) -> dict:

@@ -285,6 +285,28 @@ def test_a_sliding_window_refusal_does_not_bar_longer_snapshots_that_fit():
     assert not pc.store(list(range(40)), chunked, "system") and pc.would_refuse(44, "system")
 
 
+def test_a_lookup_trims_an_entry_that_can_be_trimmed_whatever_was_stored_first():
+    """Where a prompt parts from several entries, the one cut back is one that can be (then
+    the nearest, as mlx-lm's PromptTrie chose): the first stored was taken, and a sliding-
+    window entry past its window, which cannot be cut, hid a shorter one that could."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    def window(tokens: int) -> RotatingKVCache:
+        c = RotatingKVCache(max_size=8)
+        for _ in range(tokens):
+            c.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
+        return c
+
+    shared = [1, 2, 3, 4, 5, 6]
+    for order in (0, 1):
+        pc = PrefixCache(1 << 30, min_tokens=2)
+        entries = [(shared + [7, 8, 9, 10], [window(10)], "final"), (shared + [20], [window(7)], "history")]
+        for tokens, cache, kind in entries[::1 if order == 0 else -1]:
+            pc.store(tokens, cache, kind)
+        assert pc.cached_length(shared + [30, 31]) == 6, order
+        assert pc.fetch(shared + [30, 31])[1] == 6 and pc.hits_by_kind["history"] == 1
+
+
 def test_a_system_prompt_outlives_longer_trimmable_entries():
     pc = PrefixCache(1 << 20, min_tokens=2)
     pc.store([1, 2, 3, 4], [_kv(4, 1.0)], "system")
@@ -634,7 +656,9 @@ async def test_questions_about_one_document_in_one_message_reuse_the_document(ki
     entry instead, so it makes no such snapshot. Off, nothing shared is kept."""
     path = request.getfixturevalue(f"{kind}_path")
     questions = ["Bag: how often?", "Clamps: how often?", "Filter: how often?", "Power: which circuit?"]
-    async with _engine(path) as engine:
+    # Default settings: a request's own turn point lies just past the document (a review:
+    # a rule against near points then dropped every shared one at the default 32 tokens).
+    async with Engine(path, show_progress=False) as engine:
         ids = [engine.apply_chat_template(_about_the_document(q)) for q in questions]
         document_end = _common_prefix(ids[0], ids[1])
         outs = [await engine.chat(_about_the_document(q), SamplingParams(max_tokens=6)) for q in questions]
@@ -647,7 +671,7 @@ async def test_questions_about_one_document_in_one_message_reuse_the_document(ki
     if kind == "qwen3_5":
         assert cached[1] < document_end and cached[2] == cached[3] == document_end, (cached, document_end)
         assert stats["hits_by_kind"]["shared"] == 2
-        async with _engine(path, prefix_cache_shared=False) as engine:
+        async with Engine(path, show_progress=False, prefix_cache_shared=False) as engine:
             off = [await engine.chat(_about_the_document(q), SamplingParams(max_tokens=6)) for q in questions]
         assert [o.token_ids for o in off] == [o.token_ids for o in outs]
         assert all(o.usage.cached_tokens < document_end for o in off)

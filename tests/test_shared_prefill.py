@@ -262,7 +262,7 @@ async def test_requests_about_one_document_arriving_together_prefill_it_twice_at
     path = request.getfixturevalue(f"{kind}_path")
     chats = [_about_the_document(q) for q in ("Bag: how often?", "Clamps: how often?", "Filter: how often?",
                                               "Power: which circuit?", "Dust: where to?")]
-    async with Engine(path, show_progress=False, prefix_cache_min_tokens=8, coalesce_ms=300) as engine:
+    async with Engine(path, show_progress=False, coalesce_ms=300) as engine:  # min tokens: the default
         ids = [engine.apply_chat_template(c) for c in chats]
         outs = await asyncio.gather(*[engine.chat(c, SamplingParams(max_tokens=6)) for c in chats])
         stats = engine.stats()

@@ -21,10 +21,13 @@ def _lcp(a, b) -> int:
     return n
 
 
+@pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_lookups_match_a_brute_force_reference(seed):
+def test_lookups_match_a_brute_force_reference(seed, ranked):
+    """Ranked (here by length), the value a lookup may extend to is the nearest one, as
+    mlx-lm's PromptTrie gave it; the prefix cache ranks entries that can be trimmed first."""
     rng = random.Random(seed)
-    trie, stored = TokenTrie(), {}
+    trie, stored = TokenTrie(rank=(lambda v: len(v.tokens)) if ranked else None), {}
 
     def sequence():
         base = list(rng.choice(list(stored))) if stored and rng.random() < 0.7 else []
@@ -58,6 +61,9 @@ def test_lookups_match_a_brute_force_reference(seed):
             if common:
                 assert match.longer is not None and match.longer.tokens[:common] == query[:common]
                 assert stored.get(match.longer.tokens) is match.longer  # a live value
+                if ranked:
+                    nearest = min(len(k) for k in stored if k[:common] == query[:common])
+                    assert len(match.longer.tokens) == nearest
             else:
                 assert match.longer is None
         assert bool(trie) == bool(stored)

@@ -56,7 +56,8 @@ class PrefixCache:
     def __init__(self, budget_bytes: int, *, min_tokens: int = 1):
         self.budget_bytes = int(budget_bytes)
         self.min_tokens = max(1, int(min_tokens))
-        self._trie = TokenTrie()
+        # The entry a lookup may trim back: one that can be trimmed, then the nearest (mlx-lm's).
+        self._trie = TokenTrie(rank=lambda e: (not e.trimmable, len(e.tokens)))
         self._lru: dict[str, OrderedDict[tuple[int, ...], _Entry]] = {k: OrderedDict() for k in KINDS}
         self.nbytes = 0
         self.hits = 0

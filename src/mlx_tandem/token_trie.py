@@ -14,7 +14,7 @@ Owner thread only, as the caches that hold it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 # Node keys besides the token ids (which are >= 0): the node's own value, and one value stored
 # at or below it. Values are told apart by identity: store objects, not small ints.
@@ -34,19 +34,30 @@ class Match:
 
 
 class TokenTrie:
-    def __init__(self):
+    """``rank`` orders the values a node may name as the one below it (the smallest wins);
+    without it, the first stored stays."""
+
+    def __init__(self, rank: Optional[Callable[[Any], Any]] = None):
         self._root: dict[int, Any] = {}
+        self._rank = rank
+
+    def _better(self, value: Any, than: Any) -> bool:
+        return than is _NONE or (self._rank is not None and self._rank(value) < self._rank(than))
 
     def add(self, tokens: Iterable[int], value: Any) -> None:
+        tokens = list(tokens)
+        try:
+            self.pop(tokens)  # a value replaced: the nodes naming it choose again
+        except KeyError:
+            pass
         node = self._root
         path = [node]
         for t in tokens:
             node = node.setdefault(t, {})
             path.append(node)
-        replaced = node.get(_VALUE, _NONE)
         node[_VALUE] = value
         for n in path:
-            if _BELOW not in n or n[_BELOW] is replaced:
+            if self._better(value, n.get(_BELOW, _NONE)):
                 n[_BELOW] = value
 
     def get(self, tokens: Iterable[int]) -> Any:
@@ -66,9 +77,13 @@ class TokenTrie:
         for i in range(len(tokens), -1, -1):  # deepest first: a parent reads its children
             node = path[i]
             if node.get(_BELOW) is value:
-                other = node[_VALUE] if _VALUE in node else next(
-                    (child[_BELOW] for key, child in node.items() if key >= 0), None)
-                if other is None:
+                other = _NONE
+                for candidate in [node[_VALUE]] if _VALUE in node else []:
+                    other = candidate
+                for key, child in node.items():
+                    if key >= 0 and self._better(child[_BELOW], other):
+                        other = child[_BELOW]
+                if other is _NONE:
                     del node[_BELOW]
                 else:
                     node[_BELOW] = other

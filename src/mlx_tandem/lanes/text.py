@@ -241,10 +241,12 @@ class TextLane:
     def _add_shared_point(self, request: Request, start: int) -> None:
         """A "shared" point where the prompt parts from a stored one (prefix_cache.py), or
         from the prompt of a row still in prefill (requests that arrive together with one
-        document), if that is at least ``min_tokens`` past the cache and from its points."""
+        document), if that is at least ``min_tokens`` past the cache and its earlier points."""
         pc, prompt = self.prefix_cache, request.prompt_ids
         shared = max(pc.shared_point(prompt, start) or 0, self._in_prefill.shared_length(prompt[:-1]))
-        if shared - start < pc.min_tokens or any(abs(p - shared) < pc.min_tokens for p, _ in request.cache_points):
+        # A point of its own just before it holds nearly as much (the history before the
+        # question); one after it (its turn point) is not shared.
+        if shared - start < pc.min_tokens or any(0 <= shared - p < pc.min_tokens for p, _ in request.cache_points):
             return
         request.cache_points = [*request.cache_points, (shared, "shared")]
         request.extra.pop("prefix_keys", None)  # made again with this point (claims)

@@ -656,14 +656,6 @@ def test_a_decimal_is_held_to_what_a_decimal_takes():
 
 
 def test_a_relative_model_path_is_fixed_when_the_adapter_is_made(tmp_path, monkeypatch):
-    """Its engine is made on the first call: a relative path then followed the working
-    directory to another model. Fixed at construction, as Engine fixes it."""
-    for where, kind in (("a", "llama"), ("b", "qwen3_5")):
-        (tmp_path / where).mkdir()
-        (tmp_path / where / "model").symlink_to(PATHS[kind], target_is_directory=True)
-    monkeypatch.chdir(tmp_path / "a")
-    llm = MLXTandemLLM(model="model")
-    monkeypatch.chdir(tmp_path / "b")
-    assert llm.model == "model" and llm.engine.model_info(load=False).model_type == "llama"
-    llm.model = PATHS["qwen3_5"]  # changed afterwards: the new model
-    assert llm.engine.model_info(load=False).model_type == "qwen3_5"
+    from ..adapter_checks import relative_model_path_is_fixed_at_construction
+
+    relative_model_path_is_fixed_at_construction(MLXTandemLLM, PATHS, tmp_path, monkeypatch)

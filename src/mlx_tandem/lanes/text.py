@@ -296,9 +296,9 @@ class TextLane:
         The prompt up to its system-prompt boundary, or its shared history (few-shot
         examples), is prefilled densely (and snapshotted), so the next request that shares it
         hits the cache; the rest is scored by the draft and prefilled sparsely when it is at
-        least ``threshold`` tokens long (or the request asks for SpecPrefill). ``keep_pct`` 1.0 drops nothing, so such a request
-        takes the plain path: batched with others, and its snapshots stored, which a
-        sparse row's (not the exact state of its tokens) cannot be.
+        least ``threshold`` tokens long (or the request asks for SpecPrefill). ``keep_pct``
+        1.0 drops nothing, so such a request takes the plain path: batched with others, and
+        its snapshots stored, which a sparse row's (not the exact state of its tokens) cannot be.
         """
         sp = self.specprefill
         want = request.params.specprefill
@@ -310,8 +310,8 @@ class TextLane:
         n = len(request.prompt_ids)
         # The dense part ends at the longest shared point: the system prompt, or the history
         # (few-shot examples) once a second request holds it (prompt.py), so it is cached
-        # exactly and the next requests that share it start from it.
-        # Examples are dense only to be cached: not where the budget is known to refuse them.
+        # exactly and the next requests that share it start from it; examples only to be
+        # cached, so not where the budget is known to refuse them.
         pc = self.prefix_cache
         shared, kind = max(((p, k) for p, k in request.cache_points if p < n - 1 and (
             k == "system" or (k == "history" and pc is not None and not pc.would_refuse(p, k)))),

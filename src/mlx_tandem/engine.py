@@ -78,12 +78,13 @@ class Engine:
     _shared_lock = threading.Lock()
 
     def __init__(self, model: Optional[str | Path] = None, **options: Any):
-        _model_key(model)  # a model argument of the wrong type fails here, typed
+        key = _model_key(model)  # a model argument of the wrong type fails here, typed
         self.options = EngineOptions.from_kwargs(**options)
         # A local directory is fixed now, as its resolved path (what Engine.shared keys on):
         # resolved at load, a relative path followed the working directory to another model.
-        self._model_arg = None if model is None or names_default(model) else checkpoint_key(model)
-        self._model_name = DEFAULT_MODEL_NAME if self._model_arg is None else os.fspath(model)
+        default = model is None or names_default(model)
+        self._model_arg = None if default else key if key != "<default>" else checkpoint_key(model)
+        self._model_name = DEFAULT_MODEL_NAME if default else os.fspath(model)
         self._core: Optional[EngineCore] = None
         self._renderer: Optional[PromptRenderer] = None
         self._format: Optional[ChatFormat] = None

@@ -23,9 +23,9 @@ SpecPrefill's draft scores a request's whole prompt (and a lookahead) in a cache
 while the target's row holds only what it restored from the prefix cache; the target
 prefills the dense part (a system prompt, shared examples) and the kept chunks once the
 draft's cache is gone (until 2026-11-29 the dense part was counted beside the draft, and
-densely prefilled examples made requests that fit too large). The row's own reservation covers
-that peak unless the draft's cache is larger per token (a Qwen3 draft for a hybrid Qwen3.5
-target, whose layers are mostly recurrent): the difference is reserved besides.
+densely prefilled examples made requests that fit too large). The row's own reservation
+covers that peak unless the draft's cache is larger per token (a Qwen3 draft for a hybrid
+Qwen3.5 target, whose layers are mostly recurrent): the difference is reserved besides.
 
 Not counted, because they pass within a step or two: a step's activations; the copy while
 a prefill joins the batch; and, after rows leave, the buffer ``filter`` gathered at the old

@@ -15,9 +15,9 @@ copies hold. A live request never sees, or changes, a stored snapshot: MLX array
 immutable, and a fetched copy gets its own cache objects.
 
 Lookup uses ``TokenTrie`` (token_trie.py: mlx-lm's ``PromptTrie`` lookups grew with the square
-of long entries); eviction is ours: least recently used first, within a
-priority of kinds (``final`` answers go before ``turn`` checkpoints, which go before shared
-``history`` prefixes, then ``system`` prompts), under a byte budget.
+of long entries); eviction is ours: least recently used first, within a priority of kinds
+(``KINDS``: ``final`` answers, then ``turn`` checkpoints, ``shared`` and ``history``
+prefixes, then ``system`` prompts), under a byte budget.
 """
 
 from __future__ import annotations

@@ -24,7 +24,10 @@ Side by side in one run (the machines are noisy), time to first token (TTFT), gr
      Questions about one document written in one user message (a RAG template), on the
      hybrid model: without "shared" snapshots (``prefix_cache_shared=False``: only the
      system prompt is reused) vs with them (the document is stored where the second
-     prompt parts from the first); mean TTFT of the requests after those two.
+     prompt parts from the first); mean TTFT of the requests after those two. And a burst
+     of such questions about a new document, submitted at once: each prefilling the
+     document (``prefix_cache_shared=False``) vs the first storing it where the prompts
+     queued behind it part from its own, the others waiting for it.
 
 Prompts are natural text (Python standard-library docstrings) in the factory tokenizer.
 
@@ -242,13 +245,40 @@ async def bench_burst(cfg, path: Path, name: str, bar) -> dict:
     for engine in engines.values():
         await engine.start()
     encode = engines["shared"]._renderer.encode
+    waves = []
+    for rep in range(cfg["burst_reps"]):
+        system = engines["shared"].tokenizer.decode(natural_tokens(cfg["system_tokens"], encode, offset=11 + 5 * rep))
+        waves.append([[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: what does "
+                       f"{corpus()[i].split(':')[0]} return?"}] for i in range(cfg["burst"])])
+    return {"model": name, **await _bursts(engines, waves, bar)}
+
+
+async def bench_document_burst(cfg, path: Path, name: str, bar) -> dict:
+    """Questions about one new document in one user message, ``burst`` requests at once:
+    without "shared" snapshots each prefills the document; with them the first request
+    stores it where the prompts queued behind it part from its own, and they wait for it.
+    Alternated, a new document each repeat."""
+    engines = {label: Engine(path, show_progress=False, max_model_len=CONTEXT, mtp="off", prefix_cache_shared=on)
+               for label, on in (("separate", False), ("shared", True))}
+    for engine in engines.values():
+        await engine.start()
+    waves = []
+    for rep in range(cfg["burst_reps"]):
+        document, names = _document(engines["shared"]._renderer.encode, cfg["system_tokens"], offset=3 + rep)
+        waves.append([[{"role": "system", "content": "Answer from the context."},
+                       {"role": "user", "content": f"Context:\n{document}\n\nWhat does {names[i]} return?"}]
+                      for i in range(cfg["burst"])])
+    return {"model": name, **await _bursts(engines, waves, bar)}
+
+
+async def _bursts(engines: dict, waves: list, bar) -> dict:
+    """Each wave of chats submitted at once to the engine prefilling "separate" copies, then
+    to the one where they are "shared"; the best wave of each (by wall time), their ratios,
+    whether both answered alike. Closes the engines."""
     params = {"max_tokens": 4}
     runs = {label: [] for label in engines}
     same = True
-    for rep in range(cfg["burst_reps"]):
-        system = engines["shared"].tokenizer.decode(natural_tokens(cfg["system_tokens"], encode, offset=11 + 5 * rep))
-        chats = [[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: what does "
-                  f"{corpus()[i].split(':')[0]} return?"}] for i in range(cfg["burst"])]
+    for chats in waves:
         outputs = {}
         for label, engine in engines.items():
             before = engine.stats()["prefill_tokens"]
@@ -266,7 +296,7 @@ async def bench_burst(cfg, path: Path, name: str, bar) -> dict:
     for engine in engines.values():
         await engine.close()
     best = {label: min(r, key=lambda x: x["wall_s"]) for label, r in runs.items()}
-    return {"model": name, "requests": cfg["burst"], "prompt_tokens": prompt_tokens, **best,
+    return {"requests": len(chats), "prompt_tokens": prompt_tokens, **best,
             "speedup_mean_ttft": best["separate"]["mean_ttft_s"] / best["shared"]["mean_ttft_s"],
             "speedup_wall": best["separate"]["wall_s"] / best["shared"]["wall_s"],
             "prefill_waits": waits, "identical_outputs": same}
@@ -310,12 +340,7 @@ async def bench_document(cfg, path: Path, name: str, bar) -> dict:
                for label, on in (("without", False), ("with", True))}
     for engine in engines.values():
         await engine.start()
-    encode = engines["with"]._renderer.encode
-    docs, parts = corpus(), []
-    while len(encode("\n\n".join(parts))) < cfg["system_tokens"]:
-        parts.append(docs[(len(parts) * 7 + 2) % len(docs)][:1500])
-    document = "\n\n".join(parts)
-    names = [d.split(":")[0] for d in docs]
+    document, names = _document(engines["with"]._renderer.encode, cfg["system_tokens"], offset=2)
 
     def chat(i):
         return [{"role": "system", "content": "Answer from the context."},
@@ -323,6 +348,15 @@ async def bench_document(cfg, path: Path, name: str, bar) -> dict:
 
     run = await _alternate(engines, chat, cfg["few_shot"] + 2, bar)
     return {"model": name, **run, "shared_hits": run["hits_by_kind"]["shared"]}
+
+
+def _document(encode, tokens: int, *, offset: int) -> tuple[str, list[str]]:
+    """A document of about ``tokens`` tokens (docstrings, picked from ``offset`` on), and
+    the names of the functions the corpus documents."""
+    docs, parts = corpus(), []
+    while len(encode("\n\n".join(parts))) < tokens:
+        parts.append(docs[(len(parts) * 7 + offset) % len(docs)][:1500])
+    return "\n\n".join(parts), [d.split(":")[0] for d in docs]
 
 
 async def _alternate(engines: dict, chat, n: int, bar) -> dict:
@@ -365,7 +399,7 @@ async def bench(args) -> dict:
             print(f"building the {role} model ({kind}) at {paths[role]} ...", flush=True)
             make_tiny_model(kind, paths[role], seed=0, max_position_embeddings=CONTEXT, **sizes)
     total = (2 * len(cfg["lengths"]) * cfg["reps"] + 2 * cfg["cache_reps"] + 4 * cfg["turns"]
-             + 2 * cfg["burst_reps"] + 2 * (cfg["few_shot"] + 2))
+             + 4 * cfg["burst_reps"] + 2 * (cfg["few_shot"] + 2))
     bar = tqdm(total=total, desc="long-prompt benchmark", unit="run")
     results = {
         "models": {role: {"kind": models[role][0], **models[role][1]} for role in models},
@@ -377,13 +411,14 @@ async def bench(args) -> dict:
         "burst": await bench_burst(cfg, paths["hybrid"], "qwen3_5", bar),
         "few_shot": await bench_few_shot(cfg, paths["hybrid"], "qwen3_5", bar),
         "document": await bench_document(cfg, paths["hybrid"], "qwen3_5", bar),
+        "document_burst": await bench_document_burst(cfg, paths["hybrid"], "qwen3_5", bar),
     }
     bar.close()
     return results
 
 
 def plot(results: dict, plt):
-    fig, axes = plt.subplots(1, 6, figsize=(22, 3.6))
+    fig, axes = plt.subplots(1, 7, figsize=(26, 3.6))
     bars = [
         (axes[0], "SpecPrefill (keep 20%)",
          [(f"{r['prompt_tokens'] // 1024}K", r["ttft_full_s"], r["ttft_specprefill_s"]) for r in results["specprefill"]],
@@ -402,6 +437,10 @@ def plot(results: dict, plt):
         (axes[5], f"one document, new questions, {results['document']['prompt_tokens']} tokens",
          [(results["document"]["model"], results["document"]["mean_ttft_without_s"],
            results["document"]["mean_ttft_with_s"])], ("system prompt reused", "document reused")),
+        (axes[6], f"{results['document_burst']['requests']} at once, one document",
+         [(what, results["document_burst"]["separate"][key], results["document_burst"]["shared"][key])
+          for what, key in (("mean", "mean_ttft_s"), ("last", "last_ttft_s"))],
+         ("each prefills it", "prefilled once")),
     ]
     for ax, title, rows, names in bars:
         x = range(len(rows))
@@ -414,6 +453,16 @@ def plot(results: dict, plt):
         ax.set_ylabel("time to first token (s)")
         ax.legend(fontsize=7)
     return fig
+
+
+def _print_burst(b: dict, what: str) -> None:
+    print(f"\nA burst of {b['requests']} requests, {what} ({b['model']}, {b['prompt_tokens']} prompt tokens each)")
+    for label, how in (("separate", "each prefills it"), ("shared", "prefilled once")):
+        r = b[label]
+        print(f"{how:>17}: mean TTFT {r['mean_ttft_s']:.3f}s, last {r['last_ttft_s']:.3f}s, "
+              f"{r['prefill_tokens']} tokens prefilled")
+    print(f"{'':>17}  mean TTFT {b['speedup_mean_ttft']:.2f}x, burst {b['speedup_wall']:.2f}x, identical "
+          f"{b['identical_outputs']}")
 
 
 def main(argv=None) -> int:
@@ -437,15 +486,8 @@ def main(argv=None) -> int:
         print(f"{r['model']:>8}: {r['without_cache']['ttft_per_turn_s'][-1]:.3f}s without the prefix cache, "
               f"{r['with_cache']['ttft_per_turn_s'][-1]:.3f}s with it: {r['turn5_speedup']:.1f}x "
               f"({r['with_cache']['prompt_tokens_last_turn']} prompt tokens)")
-    b = results["burst"]
-    print(f"\nA burst of {b['requests']} requests with one new system prompt ({b['model']}, "
-          f"{b['prompt_tokens']} prompt tokens each)")
-    for label, what in (("separate", "each prefills it"), ("shared", "prefilled once")):
-        r = b[label]
-        print(f"{what:>17}: mean TTFT {r['mean_ttft_s']:.3f}s, last {r['last_ttft_s']:.3f}s, "
-              f"{r['prefill_tokens']} tokens prefilled")
-    print(f"{'':>17}  mean TTFT {b['speedup_mean_ttft']:.2f}x, burst {b['speedup_wall']:.2f}x, identical "
-          f"{b['identical_outputs']}")
+    b, db = results["burst"], results["document_burst"]
+    _print_burst(b, "one new system prompt")
     f = results["few_shot"]
     print(f"\nFew-shot examples as messages ({f['model']}, {f['examples']} examples, {f['prompt_tokens']} prompt "
           f"tokens): mean TTFT {f['mean_ttft_without_s']:.3f}s without the history snapshot, "
@@ -454,9 +496,10 @@ def main(argv=None) -> int:
     print(f"\nQuestions about one document in one message ({d['model']}, {d['prompt_tokens']} prompt tokens): "
           f"mean TTFT {d['mean_ttft_without_s']:.3f}s without shared snapshots, {d['mean_ttft_with_s']:.3f}s "
           f"with them: {d['speedup']:.1f}x, identical {d['identical_outputs']}")
+    _print_burst(db, "questions about one new document in one message")
     report.write(results, args.output, plot)
     if not all(r["identical_outputs"] for r in results["system_cache"]) or not b["identical_outputs"] \
-            or not f["identical_outputs"] or not d["identical_outputs"]:
+            or not f["identical_outputs"] or not d["identical_outputs"] or not db["identical_outputs"]:
         print("FAILED: a prefix-cache hit answered differently from a miss (the cache must be exact)",
               file=sys.stderr)
         return 1

@@ -61,8 +61,8 @@ class _Recorder:
             self.steps.append((frozenset(self.core._running), real, memory.reserved()))
             return out
 
-        def recording_add(request):
-            add(request)
+        def recording_add(request, *waiting):
+            add(request, *waiting)
             self.added.append(request.request_id)
 
         self.lane.step, self.lane.add = recording_step, recording_add

@@ -126,9 +126,9 @@ async def test_where_the_budget_refuses_the_snapshot_the_waiters_go_on_together(
         added_at = {}
         real_add = lane.add
 
-        def add(request):
+        def add(request, *waiting):
             added_at[request.request_id] = core.stats.steps
-            return real_add(request)
+            return real_add(request, *waiting)
 
         lane.add = add
         outs = await asyncio.gather(*[engine.chat(c, SamplingParams(max_tokens=6)) for c in chats])
@@ -224,11 +224,12 @@ async def test_a_claim_never_outlives_its_rows_prompt(qwen3_5_path):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
-async def test_requests_sharing_few_shot_examples_prefill_them_twice_at_most(kind, request):
+async def test_requests_sharing_few_shot_examples_prefill_them_once(kind, request):
     """Few-shot examples written as messages are no system prompt: requests arriving
-    together with the same examples and different questions each prefilled them. The first
-    request to hold them makes no point there (prompt.py: a history is found from its
-    second request on), the second stores them and the others wait for its snapshot."""
+    together with the same examples and different questions each prefilled them. The
+    renderer makes no point there for the first request to hold them (prompt.py: a history
+    is found from its second request on), but the first sees the others queued behind it,
+    stores the prefix they share (a "shared" point) and they wait for its snapshot."""
     from .test_prefix_cache import _few_shot
 
     path = request.getfixturevalue(f"{kind}_path")
@@ -244,19 +245,19 @@ async def test_requests_sharing_few_shot_examples_prefill_them_twice_at_most(kin
     cached = [out.usage.cached_tokens for out in outs]
     # (llama's cache can be cut back: a request admitted after the first finished may start
     # from its answer's entry instead, past the examples)
-    assert sum(c < history for c in cached) <= 2, (cached, history)
+    assert sum(c < history for c in cached) == 1, (cached, history)
     assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids) - sum(cached)
     assert claims == 0
-    if kind == "qwen3_5":  # recurrent state: only the history entry serves past the system prompt
-        assert stats["prefix_cache"]["hits_by_kind"]["history"] == 2, stats["prefix_cache"]
+    if kind == "qwen3_5":  # recurrent state: only the shared entry serves past the system prompt
+        assert stats["prefix_cache"]["hits_by_kind"]["shared"] == 3, stats["prefix_cache"]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
-async def test_requests_about_one_document_arriving_together_prefill_it_twice_at_most(kind, request):
+async def test_requests_about_one_document_arriving_together_prefill_it_once(kind, request):
     """One document in one message, different questions, all at once: no stored entry
-    shares the document yet, but the first row's prompt in prefill does. The second request
-    finds it there, claims a "shared" point and stores it; the others wait for it, as for
-    any claim on a prefix of their prompt. Each answer equals its cold run."""
+    shares the document yet, but the requests queued behind the first do. The first finds
+    the prefix they share, claims a "shared" point there and stores it; the others wait for
+    it, as for any claim on a prefix of their prompt. Each answer equals its cold run."""
     from .test_prefix_cache import _about_the_document
 
     path = request.getfixturevalue(f"{kind}_path")
@@ -272,6 +273,6 @@ async def test_requests_about_one_document_arriving_together_prefill_it_twice_at
         assert out.token_ids == reference_greedy(path, p, 6)
     document_end = min(next(i for i, (a, b) in enumerate(zip(ids[0], p)) if a != b) for p in ids[1:])
     cached = [out.usage.cached_tokens for out in outs]
-    assert sum(c < document_end for c in cached) <= 2, (cached, document_end)  # the document twice at most
+    assert sum(c < document_end for c in cached) == 1, (cached, document_end)  # the document once
     assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids) - sum(cached)
     assert idle == (0, 0)

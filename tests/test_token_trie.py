@@ -70,3 +70,22 @@ def test_lookups_match_a_brute_force_reference(seed, ranked):
     for tokens in list(stored):
         trie.pop(tokens)
     assert trie._root == {}  # nothing left behind
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefixes_shared_with_queued_prompts_match_a_brute_force_reference(seed):
+    """``common_prefix_length`` (binary search over slices) and ``shared_with_waiting`` (the
+    shortest usable prefix shared with a queued prompt, each leaving a token to feed)."""
+    from mlx_tandem.lanes.claims import common_prefix_length, shared_with_waiting
+
+    rng = random.Random(seed)
+    base = [rng.randrange(3) for _ in range(60)]
+    for _ in range(300):
+        a = tuple(base[: rng.randrange(61)] + [rng.randrange(3) for _ in range(rng.randrange(5))])
+        others = [tuple(base[: rng.randrange(61)] + [rng.randrange(3) for _ in range(rng.randrange(5))])
+                  for _ in range(rng.randrange(4))]
+        assert all(common_prefix_length(a, o) == _lcp(a, o) for o in others)
+        floor = rng.randrange(40)
+        usable = [min(_lcp(a, o), len(a) - 1, len(o) - 1) for o in others]
+        assert shared_with_waiting(a, others, lambda n: n >= floor) == min(
+            (n for n in usable if n >= floor), default=0)

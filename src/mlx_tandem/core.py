@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import itertools
 import logging
 import os
 import queue
@@ -385,7 +386,7 @@ class EngineCore:
                 if lane is None:
                     raise InvalidRequestError(f"this model has no {req.lane} lane")
                 req.detokenizer = RequestDetokenizer(self._decode, req.params.stop, req.stop_exempt)
-                lane.add(req)
+                lane.add(req, itertools.chain(kept, self._waiting))  # it may share a prefix with them
                 # A request the text lane gives SpecPrefill also holds its draft's cache:
                 # known only once the lane took it, so measured again.
                 tokens = self._row_tokens(req)

@@ -7,7 +7,7 @@ same protocol, so the core's step loop does not change when they are added.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Iterable, Optional, Protocol, Sequence
 
 from ..errors import InvalidRequestError, TandemError
 from ..request import Request
@@ -100,7 +100,9 @@ class Lane(Protocol):
         """Should the request wait in the queue a little longer (the text lane: a row now in
         prefill is about to store a prefix of its prompt)? It does not hold back others."""
 
-    def add(self, request: Request) -> None: ...
+    def add(self, request: Request, waiting: Iterable[Request] = ()) -> None:
+        """Start the request; ``waiting`` are the requests still queued (the text lane looks
+        for a prefix they share with it, to store it for them)."""
 
     def remove(self, request_ids: Sequence[str]) -> None: ...
 

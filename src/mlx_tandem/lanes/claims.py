@@ -15,12 +15,15 @@ start claims the few-shot examples (or the document) they all hold, wait for tho
 (each such wait is for a longer prefix, so they end).
 
 ``PromptsInPrefill`` keeps the prompts of rows in prefill, where a request that arrives
-with them finds what it shares with them before any is stored (a "shared" point).
+with them finds what it shares with them before any is stored (a "shared" point);
+``shared_with_waiting`` finds what it shares with requests still queued behind it, so the
+first of a burst about one document already stores the document (and the others wait).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from itertools import islice
+from typing import Callable, Iterable, Sequence
 
 from ..token_trie import TokenTrie
 
@@ -97,3 +100,27 @@ class PromptsInPrefill:
     def clear(self) -> None:
         self._trie.clear()
         self._by_uid.clear()
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share: a binary search over slice compares
+    (done in C), not a Python loop over tens of thousands of tokens."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def shared_with_waiting(prompt: Sequence[int], others: Iterable[Sequence[int]], usable: Callable[[int], bool],
+                        *, limit: int = 64) -> int:
+    """The shortest usable prefix ``prompt`` shares with any of ``others`` (the prompts of
+    requests queued behind it; the first ``limit``), else 0. The shortest, because every
+    other prompt that shares a usable prefix shares it: a snapshot there serves them all
+    (a document, where two questions may begin alike past it)."""
+    lengths = (min(common_prefix_length(prompt, other), len(prompt) - 1, len(other) - 1)
+               for other in islice(others, limit))  # each leaves a token to feed
+    return min(filter(usable, lengths), default=0)

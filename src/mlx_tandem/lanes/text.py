@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
@@ -37,7 +37,7 @@ from ..specprefill import SpecPrefillConfig, SpecPrefillStats
 from ..specprefill.job import SparsePrefill
 from ..specprefill.positions import positioned
 from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
-from .claims import Claim, PrefillClaims, PromptsInPrefill
+from .claims import Claim, PrefillClaims, PromptsInPrefill, shared_with_waiting
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,15 @@ def _prefix_keys(request: Request) -> dict[int, tuple[int, ...]]:
         keys = request.extra["prefix_keys"] = {p: tuple(request.prompt_ids[:p]) for p, _ in request.cache_points
                                                if p < n}
     return keys
+
+
+def _prompt_key(request: Request) -> tuple[int, ...]:
+    """The prompt as a tuple, made once: ``defer`` reads it on every admission pass it waits
+    through, and requests added before it compare their prompts with it."""
+    key = request.extra.get("prompt_key")
+    if key is None:
+        key = request.extra["prompt_key"] = tuple(request.prompt_ids)
+    return key
 
 
 def _banned_ids(bans) -> tuple[int, ...]:
@@ -191,9 +200,7 @@ class TextLane:
             return False
         since = request.extra.get("prefill_wait_since", self._claims.serial)
         waited = request.extra.get("prefill_waited_for", 0)
-        prompt = request.extra.get("prompt_key")
-        if prompt is None:  # made once: defer runs on every admission pass it waits through
-            prompt = request.extra["prompt_key"] = tuple(request.prompt_ids)
+        prompt = _prompt_key(request)
         claimed = self._claims.longest_prefix_of(prompt, since=since, beyond=waited)
         if claimed - self.prefix_cache.cached_length(request.prompt_ids) < self.prefix_cache.min_tokens:
             return False
@@ -203,7 +210,7 @@ class TextLane:
         request.extra["prefill_waited_for"] = max(waited, claimed)
         return True
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, waiting: Iterable[Request] = ()) -> None:
         rid = request.request_id
         sampler = make_request_sampler(request.params)
         extra = list(request.processors)
@@ -221,7 +228,7 @@ class TextLane:
             cache, start = self.prefix_cache.fetch(prompt)
             request.extra["prefix_lookup"] = self.prefix_cache.last_lookup
             if self._shared_points:
-                self._add_shared_point(request, start)
+                self._add_shared_point(request, start, waiting)
         request.cached_tokens = start
         try:
             job = self._sparse_prefill(request, cache, start)
@@ -238,15 +245,27 @@ class TextLane:
                      positioned(cache if cache is not None else make_prompt_cache(self._gen.model)),
                      prompt[:start], sampler, processors, _RowCaching(start, points, prompt_tokens=len(prompt)))
 
-    def _add_shared_point(self, request: Request, start: int) -> None:
-        """A "shared" point where the prompt parts from a stored one (prefix_cache.py), or
-        from the prompt of a row still in prefill (requests that arrive together with one
-        document), if that is at least ``min_tokens`` past the cache and its earlier points."""
+    def _add_shared_point(self, request: Request, start: int, waiting: Iterable[Request]) -> None:
+        """A "shared" point where the prompt parts from a stored one (prefix_cache.py), from
+        the prompt of a row still in prefill, or from those of requests queued behind it
+        (requests that arrive together with one document: the first stores it, the others
+        wait for it), if that is at least ``min_tokens`` past the cache and its earlier
+        points."""
         pc, prompt = self.prefix_cache, request.prompt_ids
-        shared = max(pc.shared_point(prompt, start) or 0, self._in_prefill.shared_length(prompt[:-1]))
-        # A point of its own just before it holds nearly as much (the history before the
-        # question); one after it (its turn point) is not shared.
-        if shared - start < pc.min_tokens or any(0 <= shared - p < pc.min_tokens for p, _ in request.cache_points):
+
+        def usable(shared: int) -> bool:
+            # A point of its own just before it holds nearly as much (the history before the
+            # question); one after it (its turn point) is not shared.
+            return shared - start >= pc.min_tokens and not any(
+                0 <= shared - p < pc.min_tokens for p, _ in request.cache_points)
+
+        others = (_prompt_key(w) for w in waiting if w is not request and w.lane == self.name)
+        # The shortest: the next prompts share it whichever they resemble (two questions
+        # may begin alike past the document they are about).
+        found = (pc.shared_point(prompt, start) or 0, self._in_prefill.shared_length(prompt[:-1]),
+                 shared_with_waiting(_prompt_key(request), others, usable))
+        shared = min(filter(usable, found), default=0)
+        if not shared:
             return
         request.cache_points = [*request.cache_points, (shared, "shared")]
         request.extra.pop("prefix_keys", None)  # made again with this point (claims)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -117,7 +117,7 @@ class VisionLane:
                                             **data)
         return {**data, **{k: v for k, v in emb.to_dict().items() if v is not None}}
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, waiting: Iterable[Request] = ()) -> None:
         self.prepare(request)
         staged, self._staged = self._staged, None
         if staged is not None and staged[0] == request.request_id:

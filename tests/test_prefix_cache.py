@@ -257,6 +257,48 @@ def test_the_cache_knows_which_snapshots_its_budget_would_refuse():
     assert pc.store(list(range(10, 18)), _hybrid(8, 1.0), "final")
 
 
+def test_a_floor_from_the_models_footprint_is_known_before_any_refusal():
+    """``learn_floor``: the fewest tokens whose snapshot passes the budget, from what every
+    snapshot of them holds at least; fewer tokens stay unknown, and a floor that never
+    passes the budget (sliding layers only) bars nothing."""
+    pc = PrefixCache(1000, min_tokens=2)
+    pc.learn_floor(lambda n: 100 + 10 * n)  # 100 + 10 * 91 > 1000 >= 100 + 10 * 90
+    assert pc.would_refuse(91, "system") and pc.would_refuse(4000, "final")
+    assert not pc.would_refuse(90, "final") and pc.refused == 0
+    assert pc.store(list(range(8)), _hybrid(8, 1.0), "final")  # what fits is kept
+    capped = PrefixCache(1000, min_tokens=2)
+    capped.learn_floor(lambda n: 10 * min(n, 64))
+    assert not capped.would_refuse(1 << 30, "final")
+    over = PrefixCache(1000, min_tokens=2)
+    over.learn_floor(lambda n: 2000 + n)  # the state alone is over the budget
+    assert over.would_refuse(2, "final")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+async def test_the_models_footprint_is_a_floor_for_its_real_snapshots(kind, request):
+    """The floor the engine learns at start (``CacheFootprint.held_bytes``) never passes
+    what a real snapshot holds, or a snapshot that fits would be barred: every stored
+    entry (system, turn, final; qwen3_5 with its MTP head) holds at least it."""
+    from mlx_tandem.memory import probe_footprint
+    from mlx_tandem.prefix_cache import _least_nbytes
+
+    path = request.getfixturevalue(f"{kind}_path")
+    async with Engine(path, show_progress=False, prefix_cache_min_tokens=8) as engine:
+        for i in range(3):
+            await engine.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user(i)}],
+                              SamplingParams(max_tokens=6))
+
+        def floors():
+            pc = engine._core._lanes["text"].prefix_cache
+            footprint = probe_footprint(engine._core.loaded.model)
+            return footprint.complete, [(footprint.held_bytes(len(e.tokens)), _least_nbytes(e.cache))
+                                        for kind_entries in pc._lru.values() for e in kind_entries.values()]
+
+        complete, pairs = engine.run_on_owner_thread(floors)
+    assert complete and len(pairs) >= 3
+    assert all(0 < floor <= least for floor, least in pairs), pairs
+
+
 def test_a_sliding_window_refusal_does_not_bar_longer_snapshots_that_fit():
     """A sliding-window layer holds the whole last chunk it was fed (``window - 1 + chunk``
     slots) until the next step trims it back, so a snapshot of more tokens can hold fewer

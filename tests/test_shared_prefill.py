@@ -115,12 +115,19 @@ async def test_a_request_waits_only_when_the_claim_adds_enough(qwen3_5_path):
         assert engine.run_on_owner_thread(lambda: probe(8)) == (1, True)  # prefix_cache_min_tokens
 
 
+def _forget_the_floor(engine: Engine) -> None:
+    """As for a model whose cache layout the footprint cannot read (``complete`` False): the
+    cache knows no snapshot it would refuse until it refuses one."""
+    engine.run_on_owner_thread(lambda: engine._core._lanes["text"].prefix_cache._refusals.clear())
+
+
 async def test_where_the_budget_refuses_the_snapshot_the_waiters_go_on_together(qwen3_5_path):
     """Each request waits once: released without a snapshot, the waiters all start in the
     next admission, instead of each waiting for the one before it to prefill the prefix."""
     chats = _chats(4)
     async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8, coalesce_ms=300,
                       prefix_cache_bytes=1) as engine:  # nothing fits: every store is refused
+        _forget_the_floor(engine)
         ids = [engine.apply_chat_template(c) for c in chats]
         lane, core = engine._core._lanes["text"], engine._core
         added_at = {}
@@ -140,11 +147,15 @@ async def test_where_the_budget_refuses_the_snapshot_the_waiters_go_on_together(
     assert first < waiters[0] == waiters[-1]  # one wait, then all three at once
 
 
-async def test_once_the_budget_refused_a_prefix_no_request_waits_for_it_again(qwen3_5_path):
+@pytest.mark.parametrize("floor", ["known", "learned"])
+async def test_once_the_budget_refused_a_prefix_no_request_waits_for_it_again(qwen3_5_path, floor):
     """A snapshot too large for the budget is not claimed again: later waves run as if the
-    cache were off (no waits, the prompt not cut), with the same answers."""
+    cache were off (no waits, the prompt not cut), with the same answers. Where the
+    model's footprint gives the floor, the first wave knows it too (it waited once)."""
     async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8, coalesce_ms=300,
                       prefix_cache_bytes=1) as engine:
+        if floor == "learned":
+            _forget_the_floor(engine)
         lane = engine._core._lanes["text"]
         waits, cut = [], []
         for wave in range(3):
@@ -159,7 +170,8 @@ async def test_once_the_budget_refused_a_prefix_no_request_waits_for_it_again(qw
                             cache_points=engine._renderer.cache_points(chats[0], ids[0]))
             cut.append(engine.run_on_owner_thread(lambda: lane._snapshot_points(probe, 0)))
         stats = engine.stats()["prefix_cache"]
-    assert waits[0] == 2 and waits[1] == waits[2] == 2  # the first wave learned it; no wait after
+    # Learned: the first wave waited and learned it, no wait after; known: no wait at all.
+    assert waits == ([2, 2, 2] if floor == "learned" else [0, 0, 0])
     assert cut == [[], [], []] and stats["entries"] == 0 and stats["refused"] >= 1
 
 

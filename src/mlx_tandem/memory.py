@@ -62,6 +62,8 @@ class CacheFootprint:
     attention_layers: int = 0
     #: Tokens a row may hold past prompt + max_tokens (a verify step's drafts).
     overshoot: int = 0
+    #: False when a cache kind this module does not know was counted as fixed state.
+    complete: bool = True
 
     def row_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
         """The longest a row may get: its prompt, its answer, and a verify step's drafts."""
@@ -81,6 +83,12 @@ class CacheFootprint:
         windowed = sum(b * min(slots, w) for b, w in self.windowed)
         return self.state_bytes_per_row + self.kv_bytes_per_token * slots + windowed
 
+    def held_bytes(self, tokens: int) -> int:
+        """What one row's cache holds for exactly ``tokens`` tokens, no spare slots: the
+        least any snapshot of them holds (prefix_cache.py)."""
+        windowed = sum(b * min(tokens, w) for b, w in self.windowed)
+        return self.state_bytes_per_row + self.kv_bytes_per_token * tokens + windowed
+
     def lane_bytes(self, rows: int, longest: int) -> int:
         """A lane's rectangular batch cache: ``rows`` rows as long as the longest."""
         return rows * self.row_bytes(longest) if rows else 0
@@ -99,7 +107,7 @@ def probe_footprint(model: Any) -> CacheFootprint:
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
     per_token = attention_layers = state = 0
-    windowed = []
+    windowed, complete = [], True
     for c in cache:
         if isinstance(c, RotatingKVCache):
             windowed.append((_kv_per_token(c), c.max_size))
@@ -112,8 +120,9 @@ def probe_footprint(model: Any) -> CacheFootprint:
             logger.warning("memory admission: unknown cache kind %s counted as fixed state",
                            type(c).__name__)
             state += int(getattr(c, "nbytes", 0))
+            complete = False
     return CacheFootprint(kv_bytes_per_token=per_token, windowed=tuple(windowed), state_bytes_per_row=state,
-                          attention_layers=attention_layers)
+                          attention_layers=attention_layers, complete=complete)
 
 
 def _kv_per_token(c) -> int:

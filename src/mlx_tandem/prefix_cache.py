@@ -26,7 +26,7 @@ import copy
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_map
@@ -232,6 +232,20 @@ class PrefixCache:
         """
         room = self.budget_bytes - self._durable_bytes(kind)
         return any(n <= n_tokens and nbytes > room for n, nbytes in self._refusals)
+
+    def learn_floor(self, held_bytes: Callable[[int], int]) -> None:
+        """Know from the start which snapshots no room could keep: ``held_bytes(n)`` is what
+        every snapshot of ``n`` tokens holds at least (the model's cache footprint,
+        memory.py). Without it the first requests learned it from a refusal: they cut
+        their prefill there and waited for a snapshot that was then refused."""
+        most = 1 << 40
+        if held_bytes(most) <= self.budget_bytes:
+            return
+        lo, hi = self.min_tokens, most  # the fewest tokens whose snapshot passes the budget
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if held_bytes(mid) > self.budget_bytes else (mid + 1, hi)
+        self._refusals.append((lo, held_bytes(lo)))  # known, not refused: not counted
 
     def _durable_bytes(self, kind: str) -> int:
         """Bytes held by entries more durable than ``kind``: a new entry cannot evict them."""

@@ -80,6 +80,9 @@ def make_ledger(loaded: LoadedModel, opts: EngineOptions, lanes: dict[str, Lane]
         logger.warning("could not probe %s's cache size; memory-aware admission is off",
                        loaded.path.name, exc_info=True)
         base = CacheFootprint(0)
+    prefix_cache = getattr(lanes["text"], "prefix_cache", None)
+    if prefix_cache is not None and base.complete:
+        prefix_cache.learn_floor(base.held_bytes)  # snapshots too large for it, known at once
     # Text rows may speculate; vision rows (the same backbone, no head) never do.
     footprint = base.speculating(head_layers=len(mtp_head.layers), depth=opts.mtp_depth) if mtp_head else base
     footprints = {"text": footprint, **({"vision": base} if "vision" in lanes else {})}

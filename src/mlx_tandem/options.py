@@ -62,9 +62,9 @@ class EngineOptions:
     #: request shares it (few-shot examples written as messages, one conversation fanned
     #: out to several last questions). Off: only system prompts, turns and answers.
     prefix_cache_history: bool = True
-    #: Also snapshot where a prompt stops sharing a stored prompt's tokens (a hybrid model's
-    #: cache cannot be cut back: questions about one document in one message). Off: only
-    #: the points the chat template marks.
+    #: Also snapshot where a prompt stops sharing the tokens of a stored prompt, or of those
+    #: in prefill or queued beside it (a hybrid model's cache cannot be cut back: questions
+    #: about one document in one message). Off: only the points the chat template marks.
     prefix_cache_shared: bool = True
     #: SpecPrefill draft: a checkpoint with the target's tokenizer (a small model). None
     #: turns SpecPrefill off. Long prompts are then scored by the draft and the target

@@ -288,3 +288,39 @@ async def test_requests_about_one_document_arriving_together_prefill_it_once(kin
     assert sum(c < document_end for c in cached) == 1, (cached, document_end)  # the document once
     assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids) - sum(cached)
     assert idle == (0, 0)
+
+
+async def test_a_request_keeps_both_the_prefix_a_row_in_prefill_shares_and_the_one_the_queue_shares(qwen3_5_path):
+    """A row in prefill holds document B; the request added next asks about B too, and the
+    requests queued behind it ask about document C, which begins with B's header. Its points
+    are where it parts from the row (B, for the next questions about B) and where it parts
+    from the queue (the header, for the questions about C), not only the shorter one."""
+    header = "Safety notice for every machine in the shop: wear goggles, keep guards on. " * 3
+    doc_b = header + "The dust extractor runs on a 16 A circuit; empty its bag weekly. " * 4
+    doc_c = header + "The band saw needs a sharp blade; tension it before every use. " * 4
+
+    def chat(doc, question):
+        return [{"role": "system", "content": "Answer from the context."},
+                {"role": "user", "content": f"Context:\n{doc}\n\nQuestion: {question}"}]
+
+    chats = {"row": chat(doc_b, "Bag?"), "new": chat(doc_b, "Circuit?"), "c1": chat(doc_c, "Blade?"),
+             "c2": chat(doc_c, "Tension?")}
+    async with Engine(qwen3_5_path, show_progress=False) as engine:
+        ids = {k: engine.apply_chat_template(c) for k, c in chats.items()}
+        requests = {k: Request(k, ids[k], SamplingParams(), sink=None, max_tokens=4,
+                               cache_points=engine._renderer.cache_points(chats[k], ids[k])) for k in chats}
+        lane = engine._core._lanes["text"]
+
+        def add():
+            lane.add(requests["row"])
+            lane.add(requests["new"], [requests["c1"], requests["c2"]])
+            points = [p for p, kind in requests["new"].cache_points if kind == "shared"]
+            lane.remove(["row", "new"])
+            return points
+
+        points = engine.run_on_owner_thread(add)
+
+    def parts(a, b):
+        return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+    assert points == sorted([parts(ids["new"], ids["c1"]), parts(ids["new"], ids["row"])]), points

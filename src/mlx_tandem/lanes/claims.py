@@ -103,9 +103,14 @@ class PromptsInPrefill:
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading items ``a`` and ``b`` share: a binary search over slice compares
-    (done in C), not a Python loop over tens of thousands of tokens."""
-    lo, hi = 0, min(len(a), len(b))
+    """How many leading items ``a`` and ``b`` share: slice compares (done in C), not a
+    Python loop over tens of thousands of tokens. The window doubles from 64 items until it
+    finds a difference (prompts that differ early cost little), then a binary search."""
+    lo, end = 0, min(len(a), len(b))
+    step = 64
+    while lo + step < end and a[lo:lo + step] == b[lo:lo + step]:
+        lo, step = lo + step, 2 * step
+    hi = min(lo + step, end)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[lo:mid] == b[lo:mid]:

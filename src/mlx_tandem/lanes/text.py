@@ -246,11 +246,11 @@ class TextLane:
                      prompt[:start], sampler, processors, _RowCaching(start, points, prompt_tokens=len(prompt)))
 
     def _add_shared_point(self, request: Request, start: int, waiting: Iterable[Request]) -> None:
-        """A "shared" point where the prompt parts from a stored one (prefix_cache.py), from
-        the prompt of a row still in prefill, or from those of requests queued behind it
-        (requests that arrive together with one document: the first stores it, the others
-        wait for it), if that is at least ``min_tokens`` past the cache and its earlier
-        points."""
+        """"Shared" points where the prompt parts from a stored one (prefix_cache.py) or the
+        prompt of a row still in prefill, and where it parts from those of requests queued
+        behind it (requests that arrive together with one document: the first stores it,
+        the others wait for it), each at least ``min_tokens`` past the cache and its
+        earlier points."""
         pc, prompt = self.prefix_cache, request.prompt_ids
 
         def usable(shared: int) -> bool:
@@ -259,16 +259,19 @@ class TextLane:
             return shared - start >= pc.min_tokens and not any(
                 0 <= shared - p < pc.min_tokens for p, _ in request.cache_points)
 
+        seen = max(pc.shared_point(prompt, start) or 0, self._in_prefill.shared_length(prompt[:-1]))
         others = (_prompt_key(w) for w in waiting if w is not request and w.lane == self.name)
-        # The shortest: the next prompts share it whichever they resemble (two questions
-        # may begin alike past the document they are about).
-        found = (pc.shared_point(prompt, start) or 0, self._in_prefill.shared_length(prompt[:-1]),
-                 shared_with_waiting(_prompt_key(request), others, usable))
-        shared = min(filter(usable, found), default=0)
-        if not shared:
+        queued = shared_with_waiting(_prompt_key(request), others, usable)
+        # Where it parts from the queue too, unless a few tokens from the other (a review:
+        # the shorter alone left out a document a row in prefill shares, past a header
+        # common to the queue's prompts).
+        points = [p for p in (seen, queued) if usable(p)]
+        if len(points) == 2 and abs(seen - queued) < pc.min_tokens:
+            points = [min(points)]  # the shorter serves more prompts
+        if not points:
             return
-        request.cache_points = [*request.cache_points, (shared, "shared")]
-        request.extra.pop("prefix_keys", None)  # made again with this point (claims)
+        request.cache_points = [*request.cache_points, *((p, "shared") for p in sorted(set(points)))]
+        request.extra.pop("prefix_keys", None)  # made again with these points (claims)
 
     def _snapshot_points(self, request: Request, start: int) -> list[tuple[int, str]]:
         """The request's cache points worth a snapshot: new ones, long enough to be stored,

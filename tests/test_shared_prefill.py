@@ -290,21 +290,27 @@ async def test_requests_about_one_document_arriving_together_prefill_it_once(kin
     assert idle == (0, 0)
 
 
+_HEADER = "Safety notice for every machine in the shop: wear goggles, keep guards on. " * 3
+_DOC_B = _HEADER + "The dust extractor runs on a 16 A circuit; empty its bag weekly. " * 4
+_DOC_C = _HEADER + "The band saw needs a sharp blade; tension it before every use. " * 4
+
+
+def _about(doc: str, question: str) -> list[dict]:
+    return [{"role": "system", "content": "Answer from the context."},
+            {"role": "user", "content": f"Context:\n{doc}\n\nQuestion: {question}"}]
+
+
+def _parts(a, b) -> int:
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+
 async def test_a_request_keeps_both_the_prefix_a_row_in_prefill_shares_and_the_one_the_queue_shares(qwen3_5_path):
     """A row in prefill holds document B; the request added next asks about B too, and the
     requests queued behind it ask about document C, which begins with B's header. Its points
     are where it parts from the row (B, for the next questions about B) and where it parts
     from the queue (the header, for the questions about C), not only the shorter one."""
-    header = "Safety notice for every machine in the shop: wear goggles, keep guards on. " * 3
-    doc_b = header + "The dust extractor runs on a 16 A circuit; empty its bag weekly. " * 4
-    doc_c = header + "The band saw needs a sharp blade; tension it before every use. " * 4
-
-    def chat(doc, question):
-        return [{"role": "system", "content": "Answer from the context."},
-                {"role": "user", "content": f"Context:\n{doc}\n\nQuestion: {question}"}]
-
-    chats = {"row": chat(doc_b, "Bag?"), "new": chat(doc_b, "Circuit?"), "c1": chat(doc_c, "Blade?"),
-             "c2": chat(doc_c, "Tension?")}
+    chats = {"row": _about(_DOC_B, "Bag?"), "new": _about(_DOC_B, "Circuit?"), "c1": _about(_DOC_C, "Blade?"),
+             "c2": _about(_DOC_C, "Tension?")}
     async with Engine(qwen3_5_path, show_progress=False) as engine:
         ids = {k: engine.apply_chat_template(c) for k, c in chats.items()}
         requests = {k: Request(k, ids[k], SamplingParams(), sink=None, max_tokens=4,
@@ -319,8 +325,25 @@ async def test_a_request_keeps_both_the_prefix_a_row_in_prefill_shares_and_the_o
             return points
 
         points = engine.run_on_owner_thread(add)
+    assert points == sorted([_parts(ids["new"], ids["c1"]), _parts(ids["new"], ids["row"])]), points
 
-    def parts(a, b):
-        return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
-    assert points == sorted([parts(ids["new"], ids["c1"]), parts(ids["new"], ids["row"])]), points
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+async def test_a_burst_about_two_documents_with_one_header_prefills_each_part_once(kind, request):
+    """Two questions about document B and two about C, which begins with B's header, all at
+    once: the first request stores the header and its own document, and the first about
+    the other document stores that one. Each answer equals its cold run."""
+    path = request.getfixturevalue(f"{kind}_path")
+    chats = [_about(_DOC_B, "Bag?"), _about(_DOC_B, "Circuit?"), _about(_DOC_C, "Blade?"), _about(_DOC_C, "Tension?")]
+    async with Engine(path, show_progress=False, coalesce_ms=300) as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        outs = await asyncio.gather(*[engine.chat(c, SamplingParams(max_tokens=6)) for c in chats])
+        stats = engine.stats()
+    for out, p in zip(outs, ids):
+        assert out.token_ids == reference_greedy(path, p, 6)
+    cached = [out.usage.cached_tokens for out in outs]
+    header, doc_b, doc_c = _parts(ids[0], ids[2]), _parts(ids[0], ids[1]), _parts(ids[2], ids[3])
+    # (admitted in any order) One request prefilled the header, one of each pair its document.
+    assert sum(c < header for c in cached) == 1, cached
+    assert min(cached[:2]) < doc_b <= max(cached[:2]) and min(cached[2:]) < doc_c <= max(cached[2:]), cached
+    assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids) - sum(cached)

@@ -74,9 +74,9 @@ def test_lookups_match_a_brute_force_reference(seed, ranked):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_prefixes_shared_with_queued_prompts_match_a_brute_force_reference(seed):
-    """``common_prefix_length`` (binary search over slices) and ``shared_with_waiting`` (the
-    shortest usable prefix shared with a queued prompt, each leaving a token to feed)."""
-    from mlx_tandem.lanes.claims import common_prefix_length, shared_with_waiting
+    """``common_prefix_length`` (slice compares), ``shared_with_waiting`` (the usable
+    prefixes shared with queued prompts, each leaving a token to feed) and ``spaced``."""
+    from mlx_tandem.lanes.claims import common_prefix_length, shared_with_waiting, spaced
 
     rng = random.Random(seed)
     base = [rng.randrange(3) for _ in range(60)]
@@ -87,5 +87,9 @@ def test_prefixes_shared_with_queued_prompts_match_a_brute_force_reference(seed)
         assert all(common_prefix_length(a, o) == _lcp(a, o) for o in others)
         floor = rng.randrange(40)
         usable = [min(_lcp(a, o), len(a) - 1, len(o) - 1) for o in others]
-        assert shared_with_waiting(a, others, lambda n: n >= floor) == min(
-            (n for n in usable if n >= floor), default=0)
+        assert shared_with_waiting(a, others, lambda n: n >= floor) == sorted({n for n in usable if n >= floor})
+        gap = rng.randrange(1, 9)
+        kept = spaced(usable, gap)
+        assert kept == sorted(kept) and set(kept) <= set(usable)
+        assert all(b - a >= gap for a, b in zip(kept, kept[1:]))
+        assert all(any(0 <= n - k < gap for k in kept) for n in usable)  # each left out is near a kept one

@@ -121,11 +121,20 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def shared_with_waiting(prompt: Sequence[int], others: Iterable[Sequence[int]], usable: Callable[[int], bool],
-                        *, limit: int = 64) -> int:
-    """The shortest usable prefix ``prompt`` shares with any of ``others`` (the prompts of
-    requests queued behind it; the first ``limit``), else 0. The shortest, because every
-    other prompt that shares a usable prefix shares it: a snapshot there serves them all
-    (a document, where two questions may begin alike past it)."""
+                        *, limit: int = 64) -> list[int]:
+    """The usable prefixes ``prompt`` shares with ``others`` (the prompts of requests queued
+    behind it; the first ``limit``), shortest first, each leaving a token to feed. Every
+    prompt that shares a longer one shares the shorter ones too."""
     lengths = (min(common_prefix_length(prompt, other), len(prompt) - 1, len(other) - 1)
-               for other in islice(others, limit))  # each leaves a token to feed
-    return min(filter(usable, lengths), default=0)
+               for other in islice(others, limit))
+    return sorted(set(filter(usable, lengths)))
+
+
+def spaced(points: Iterable[int], gap: int) -> list[int]:
+    """``points`` in order, less each one within ``gap`` of the one kept before it (two
+    snapshots a few tokens apart hold nearly the same; the shorter serves more prompts)."""
+    kept: list[int] = []
+    for p in sorted(set(points)):
+        if not kept or p - kept[-1] >= gap:
+            kept.append(p)
+    return kept

@@ -37,9 +37,12 @@ from ..specprefill import SpecPrefillConfig, SpecPrefillStats
 from ..specprefill.job import SparsePrefill
 from ..specprefill.positions import positioned
 from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
-from .claims import Claim, PrefillClaims, PromptsInPrefill, shared_with_waiting
+from .claims import Claim, PrefillClaims, PromptsInPrefill, shared_with_waiting, spaced
 
 logger = logging.getLogger(__name__)
+
+#: "Shared" points one request may make: each is a snapshot (a copy of the row's state).
+_MAX_SHARED_POINTS = 4
 
 
 @dataclass
@@ -261,16 +264,14 @@ class TextLane:
 
         seen = max(pc.shared_point(prompt, start) or 0, self._in_prefill.shared_length(prompt[:-1]))
         others = (_prompt_key(w) for w in waiting if w is not request and w.lane == self.name)
-        queued = shared_with_waiting(_prompt_key(request), others, usable)
-        # Where it parts from the queue too, unless a few tokens from the other (a review:
-        # the shorter alone left out a document a row in prefill shares, past a header
-        # common to the queue's prompts).
-        points = [p for p in (seen, queued) if usable(p)]
-        if len(points) == 2 and abs(seen - queued) < pc.min_tokens:
-            points = [min(points)]  # the shorter serves more prompts
+        # Every prefix it shares with the queue (questions about two documents that begin
+        # with one header: the header, and its own document), and with what is stored or
+        # in prefill (a review: the shortest alone left a document out), a few at most.
+        points = spaced([*shared_with_waiting(_prompt_key(request), others, usable),
+                         *([seen] if usable(seen) else [])], pc.min_tokens)[:_MAX_SHARED_POINTS]
         if not points:
             return
-        request.cache_points = [*request.cache_points, *((p, "shared") for p in sorted(set(points)))]
+        request.cache_points = [*request.cache_points, *((p, "shared") for p in points)]
         request.extra.pop("prefix_keys", None)  # made again with these points (claims)
 
     def _snapshot_points(self, request: Request, start: int) -> list[tuple[int, str]]:

@@ -8,6 +8,7 @@ the claims must always be given back (a leaked claim would hold its waiters for 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -91,9 +92,11 @@ async def test_a_claim_is_given_back_when_its_row_leaves_before_storing(qwen3_5_
 
 async def test_a_request_waits_only_when_the_claim_adds_enough(qwen3_5_path):
     """Waiting costs a step: a claimed prefix no longer than the cached one by
-    ``prefix_cache_min_tokens`` is not worth it."""
+    ``prefix_cache_min_tokens`` is not worth it. (Both rows hold one prompt: without shared
+    points, the second gives the first no point of its own where they part.)"""
     chats = _chats(2)
-    async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8) as engine:
+    async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8,
+                      prefix_cache_shared=False) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
         points = [engine._renderer.cache_points(c, p) for c, p in zip(chats, ids)]
         system = {k: p for p, k in points[0]}["system"]
@@ -346,4 +349,68 @@ async def test_a_burst_about_two_documents_with_one_header_prefills_each_part_on
     # (admitted in any order) One request prefilled the header, one of each pair its document.
     assert sum(c < header for c in cached) == 1, cached
     assert min(cached[:2]) < doc_b <= max(cached[:2]) and min(cached[2:]) < doc_c <= max(cached[2:]), cached
+    assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids) - sum(cached)
+
+
+async def test_a_row_that_came_alone_stores_the_document_for_the_requests_after_it(qwen3_5_path):
+    """The first question about a document is admitted alone and starts its prefill; the
+    next one finds it in prefill and gives it a point where their prompts part (its
+    remaining prompt is cut there), then waits for that snapshot instead of prefilling
+    the document beside it. Driven step by step on the owner thread."""
+    from .test_prefix_cache import _about_the_document
+
+    chats = [_about_the_document(q) for q in ("Bag: how often?", "Clamps: how often?")]
+    async with Engine(qwen3_5_path, show_progress=False, prefill_step_size=16) as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        requests = [Request(f"r{i}", p, SamplingParams(), sink=None, max_tokens=2,
+                            cache_points=engine._renderer.cache_points(c, p)) for i, (c, p) in enumerate(zip(chats, ids))]
+        lane = engine._core._lanes["text"]
+        parts = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+
+        def walk():
+            first, second = requests
+            lane.add(first)
+            lane.step()  # 16 tokens of the first prompt fed
+            waits = lane.defer(second)
+            points = list(lane._caching[lane._rows.uid("r0")].points)
+            steps = 0
+            while lane.defer(second) and steps < 100:
+                lane.step()
+                steps += 1
+            stored = lane.prefix_cache.contains(ids[1][:parts])
+            lane.remove(["r0"])
+            return waits, points, stored, len(lane._claims)
+
+        waits, points, stored, claims = engine.run_on_owner_thread(walk)
+    assert waits and (parts, "shared") in points and stored and claims == 0, (waits, points, parts)
+
+
+async def test_questions_after_a_first_one_that_came_alone_prefill_the_document_once(qwen3_5_path):
+    """End to end: the first question is already prefilling when three more arrive; each
+    answer equals its cold run, and the document is prefilled once."""
+    from .test_prefix_cache import _about_the_document
+
+    chats = [_about_the_document(q) for q in ("Bag: how often?", "Clamps: how often?", "Filter: how often?",
+                                              "Dust: where to?")]
+    async with Engine(qwen3_5_path, show_progress=False, prefill_step_size=16, coalesce_ms=300) as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        lane = engine._core._lanes["text"]
+        step = lane.step
+
+        def slow_step():  # the document takes 18 steps: the others arrive during them
+            time.sleep(0.03)
+            return step()
+
+        lane.step = slow_step
+        first = asyncio.ensure_future(engine.chat(chats[0], SamplingParams(max_tokens=6)))
+        while engine.stats()["prefill_tokens"] == 0:  # its prefill has started
+            await asyncio.sleep(0.005)
+        rest = await asyncio.gather(*[engine.chat(c, SamplingParams(max_tokens=6)) for c in chats[1:]])
+        outs = [await first, *rest]
+        stats = engine.stats()
+    for out, p in zip(outs, ids):
+        assert out.token_ids == reference_greedy(qwen3_5_path, p, 6)
+    document_end = min(next(i for i, (a, b) in enumerate(zip(ids[0], p)) if a != b) for p in ids[1:])
+    cached = [out.usage.cached_tokens for out in outs]
+    assert cached[0] == 0 and all(c >= document_end for c in cached[1:]), (cached, document_end)
     assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids) - sum(cached)

@@ -97,6 +97,13 @@ class PromptsInPrefill:
     def shared_length(self, prompt: Sequence[int]) -> int:
         return self._trie.common_prefix(prompt)
 
+    def sharing(self, prompt: Sequence[int]) -> tuple[int, list[int]]:
+        """The longest prefix of ``prompt`` a row in prefill shares, and the rows (uids)
+        whose prompt holds it (one prompt's rows)."""
+        match = self._trie.search(prompt)
+        uids = match.exact if match.exact is not None else match.longer
+        return match.common_prefix, list(uids or [])
+
     def clear(self) -> None:
         self._trie.clear()
         self._by_uid.clear()

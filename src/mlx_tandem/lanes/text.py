@@ -38,6 +38,7 @@ from ..specprefill.job import SparsePrefill
 from ..specprefill.positions import positioned
 from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
 from .claims import Claim, PrefillClaims, PromptsInPrefill, shared_with_waiting, spaced
+from .prefill_cut import cut_pending_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +200,8 @@ class TextLane:
         (claims.py): each further wait is for a longer prefix, so the waits are as many as
         its cache points at most.
         """
+        if self._wait_for_shared and self._shared_points and "late_point" not in request.extra:
+            request.extra["late_point"] = self._late_point(request)  # tried once per request
         if not (self._wait_for_shared and self._claims):
             return False
         since = request.extra.get("prefill_wait_since", self._claims.serial)
@@ -212,6 +215,30 @@ class TextLane:
             self.prefix_cache.prefill_waits += 1
         request.extra["prefill_waited_for"] = max(waited, claimed)
         return True
+
+    def _late_point(self, request: Request) -> bool:
+        """Give a row in prefill that shares a long stretch of this request's prompt a
+        "shared" point where they part, if it has not prefilled that far: it stores the
+        stretch on the way and this request waits for it (``defer``), instead of prefilling
+        it beside the row. The row came alone, a moment before the others (a first question
+        about a document), and had no reason to cut its prompt there (prefill_cut.py)."""
+        pc, prompt = self.prefix_cache, _prompt_key(request)
+        shared, uids = self._in_prefill.sharing(prompt[:-1])
+        if shared - pc.cached_length(prompt) < pc.min_tokens or pc.would_refuse(shared, "shared") \
+                or pc.contains(prompt[:shared]):
+            return False
+        for uid in uids:
+            caching = self._caching.get(uid)
+            if caching is None or len(caching.claimed) != len(caching.points) or any(
+                    0 <= shared - p < pc.min_tokens for p, _ in caching.points):
+                continue  # not a row that stores points, or one of its points serves as well
+            if not cut_pending_prompt(self._gen, uid, shared - caching.start):
+                continue
+            at = sum(p < shared for p, _ in caching.points)
+            caching.points.insert(at, (shared, "shared"))
+            caching.claimed.insert(at, self._claims.take(prompt[:shared]))
+            return True
+        return False
 
     def add(self, request: Request, waiting: Iterable[Request] = ()) -> None:
         rid = request.request_id

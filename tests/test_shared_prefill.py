@@ -414,3 +414,32 @@ async def test_questions_after_a_first_one_that_came_alone_prefill_the_document_
     cached = [out.usage.cached_tokens for out in outs]
     assert cached[0] == 0 and all(c >= document_end for c in cached[1:]), (cached, document_end)
     assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids) - sum(cached)
+
+
+@pytest.mark.parametrize("wait", [True, False])
+async def test_points_found_against_the_queue_are_found_again_when_a_request_is_added_again(qwen3_5_path, wait):
+    """A request added again (held for memory, prefilled plainly) finds its "shared" points
+    again: the queue it parted from has changed, and the points of its first add stayed.
+    Without waiting (``prefix_cache_wait_for_prefill=False``) the queue makes none: those
+    requests would prefill the same tokens beside it anyway."""
+    chats = {"new": _about(_DOC_B, "Circuit?"), "c1": _about(_DOC_C, "Blade?")}
+    async with Engine(qwen3_5_path, show_progress=False, prefix_cache_wait_for_prefill=wait) as engine:
+        ids = {k: engine.apply_chat_template(c) for k, c in chats.items()}
+        requests = {k: Request(k, ids[k], SamplingParams(), sink=None, max_tokens=4,
+                               cache_points=engine._renderer.cache_points(chats[k], ids[k])) for k in chats}
+        lane = engine._core._lanes["text"]
+
+        def shared():
+            return [p for p, kind in requests["new"].cache_points if kind == "shared"]
+
+        def add_twice():
+            lane.add(requests["new"], [requests["c1"]])
+            first = shared()
+            lane.remove(["new"])
+            lane.add(requests["new"], [])
+            second = shared()
+            lane.remove(["new"])
+            return first, second
+
+        first, second = engine.run_on_owner_thread(add_twice)
+    assert first == ([_parts(ids["new"], ids["c1"])] if wait else []) and second == [], (first, second)

@@ -282,6 +282,10 @@ class TextLane:
         the others wait for it), each at least ``min_tokens`` past the cache and its
         earlier points."""
         pc, prompt = self.prefix_cache, request.prompt_ids
+        # Found again when a request is added again (held for memory, prefilled plainly):
+        # the queue it parted from has changed.
+        request.cache_points = [(p, k) for p, k in request.cache_points if k != "shared"]
+        request.extra.pop("prefix_keys", None)  # made again with these points (claims)
 
         def usable(shared: int) -> bool:
             # A point of its own just before it holds nearly as much (the history before the
@@ -290,16 +294,18 @@ class TextLane:
                 0 <= shared - p < pc.min_tokens for p, _ in request.cache_points)
 
         seen = max(pc.shared_point(prompt, start) or 0, self._in_prefill.shared_length(prompt[:-1]))
-        others = (_prompt_key(w) for w in waiting if w is not request and w.lane == self.name)
+        seen = seen if usable(seen) else 0
         # Every prefix it shares with the queue (questions about two documents that begin
-        # with one header: the header, and its own document), and with what is stored or
-        # in prefill (a review: the shortest alone left a document out), a few at most.
-        points = spaced([*shared_with_waiting(_prompt_key(request), others, usable),
-                         *([seen] if usable(seen) else [])], pc.min_tokens)[:_MAX_SHARED_POINTS]
-        if not points:
-            return
+        # with one header: the header, and its own document), where queued requests wait
+        # for it, and with what is stored or in prefill (a review: the shortest alone left a
+        # document out), a few at most, that one kept.
+        others = (_prompt_key(w) for w in waiting if w is not request and w.lane == self.name)
+        queued = shared_with_waiting(_prompt_key(request), others, usable) if self._wait_for_shared else []
+        points = spaced([*queued, *([seen] if seen else [])], pc.min_tokens)
+        if len(points) > _MAX_SHARED_POINTS:
+            points = sorted({*points[:_MAX_SHARED_POINTS - 1], seen}) if seen in points \
+                else points[:_MAX_SHARED_POINTS]
         request.cache_points = [*request.cache_points, *((p, "shared") for p in points)]
-        request.extra.pop("prefix_keys", None)  # made again with these points (claims)
 
     def _snapshot_points(self, request: Request, start: int) -> list[tuple[int, str]]:
         """The request's cache points worth a snapshot: new ones, long enough to be stored,

@@ -230,8 +230,9 @@ class TextLane:
         for uid in uids:
             caching = self._caching.get(uid)
             if caching is None or len(caching.claimed) != len(caching.points) or any(
-                    0 <= shared - p < pc.min_tokens for p, _ in caching.points):
-                continue  # not a row that stores points, or one of its points serves as well
+                    0 <= shared - p < pc.min_tokens for p, _ in caching.points) or \
+                    sum(k == "shared" for _, k in caching.points) >= _MAX_SHARED_POINTS:
+                continue  # not a row that stores points, one of its points serves as well, or enough
             if not cut_pending_prompt(self._gen, uid, shared - caching.start):
                 continue
             at = sum(p < shared for p, _ in caching.points)

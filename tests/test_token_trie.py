@@ -76,7 +76,8 @@ def test_lookups_match_a_brute_force_reference(seed, ranked):
 def test_prefixes_shared_with_queued_prompts_match_a_brute_force_reference(seed):
     """``common_prefix_length`` (slice compares), ``shared_with_waiting`` (the usable
     prefixes shared with queued prompts, each leaving a token to feed) and ``spaced``."""
-    from mlx_tandem.lanes.claims import common_prefix_length, shared_with_waiting, spaced
+    from mlx_tandem.lanes.claims import shared_with_waiting, spaced
+    from mlx_tandem.token_trie import common_prefix_length
 
     rng = random.Random(seed)
     base = [rng.randrange(3) for _ in range(60)]
@@ -84,7 +85,7 @@ def test_prefixes_shared_with_queued_prompts_match_a_brute_force_reference(seed)
         a = tuple(base[: rng.randrange(61)] + [rng.randrange(3) for _ in range(rng.randrange(5))])
         others = [tuple(base[: rng.randrange(61)] + [rng.randrange(3) for _ in range(rng.randrange(5))])
                   for _ in range(rng.randrange(4))]
-        assert all(common_prefix_length(a, o) == _lcp(a, o) for o in others)
+        assert all(common_prefix_length(a, o) == _lcp(a, o) == common_prefix_length(list(a), o) for o in others)
         floor = rng.randrange(40)
         usable = [min(_lcp(a, o), len(a) - 1, len(o) - 1) for o in others]
         assert shared_with_waiting(a, others, lambda n: n >= floor) == sorted({n for n in usable if n >= floor})

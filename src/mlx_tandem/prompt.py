@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 from .errors import InvalidRequestError, TemplateError
 from .messages import CallTurns, Message, normalize_messages, text_of, TEXT_PART_TYPES
+from .token_trie import common_prefix_length
 
 
 # Part types as templates spell them (the adapters already write "image").
@@ -99,15 +100,6 @@ def _digest(msgs: list[Message], tools, template_kwargs) -> bytes:
     """A key for messages, tools and template kwargs, however long the messages."""
     text = json.dumps([msgs, tools, template_kwargs], sort_keys=True, default=str)
     return hashlib.sha1(text.encode("utf-8", "surrogatepass")).digest()
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class RenderedChat(NamedTuple):
@@ -290,12 +282,12 @@ class PromptRenderer:
         if n_system or tools:
             shared = self._before_a_user(msgs[:n_system], tools, template_kwargs, _digest(msgs[:n_system], tools,
                                                                                           template_kwargs))
-            points.append((_common_prefix(shared, prompt_ids), "system"))
+            points.append((common_prefix_length(shared, prompt_ids), "system"))
         try:
             before = self.encode(self._apply(msgs, tools, False, template_kwargs))
         except TemplateError:  # e.g. templates that insist on a final user turn
             before = []
-        points.append((_common_prefix(before, prompt_ids), "turn"))
+        points.append((common_prefix_length(before, prompt_ids), "turn"))
         last_reply = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=len(msgs))
         if history is not False and last_reply < len(msgs) - 1:
             earlier = msgs[:last_reply + 1]
@@ -303,7 +295,7 @@ class PromptRenderer:
             if history or self._seen_before(key):
                 # (appended last: a point that clashes with another keeps the other's kind)
                 shared = self._before_a_user(earlier, tools, template_kwargs, key)
-                points.append((_common_prefix(shared, prompt_ids), "history"))
+                points.append((common_prefix_length(shared, prompt_ids), "history"))
         out, seen = [], set()
         for n, kind in points:
             if 0 < n < len(prompt_ids) and n not in seen:
@@ -335,7 +327,7 @@ class PromptRenderer:
                                             template_kwargs)) for probe in _PROBES)
         except TemplateError:
             a = b = []
-        shared = a[: _common_prefix(a, b)]
+        shared = a[: common_prefix_length(a, b)]
         with self.lock:
             self._shared_prefixes[key] = shared
             while len(self._shared_prefixes) > 64:

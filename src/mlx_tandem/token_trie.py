@@ -14,7 +14,7 @@ Owner thread only, as the caches that hold it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 # Node keys besides the token ids (which are >= 0): the node's own value, and one value stored
 # at or below it. Values are told apart by identity: store objects, not small ints.
@@ -138,3 +138,23 @@ class TokenTrie:
 
     def clear(self) -> None:
         self._root = {}
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share: slice compares (done in C), not a
+    Python loop over tens of thousands of tokens. The window doubles from 64 items until it
+    finds a difference (prompts that differ early cost little), then a binary search."""
+    if type(a) is not type(b):  # a list never equals a tuple: compare like with like
+        a, b = tuple(a), tuple(b)
+    lo, end = 0, min(len(a), len(b))
+    step = 64
+    while lo + step < end and a[lo:lo + step] == b[lo:lo + step]:
+        lo, step = lo + step, 2 * step
+    hi = min(lo + step, end)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

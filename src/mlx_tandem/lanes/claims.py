@@ -25,7 +25,7 @@ from __future__ import annotations
 from itertools import islice
 from typing import Callable, Iterable, Sequence
 
-from ..token_trie import TokenTrie
+from ..token_trie import TokenTrie, common_prefix_length
 
 Claim = tuple[tuple[int, ...], int]  # (the prefix's tokens, the claim's serial number)
 
@@ -107,24 +107,6 @@ class PromptsInPrefill:
     def clear(self) -> None:
         self._trie.clear()
         self._by_uid.clear()
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading items ``a`` and ``b`` share: slice compares (done in C), not a
-    Python loop over tens of thousands of tokens. The window doubles from 64 items until it
-    finds a difference (prompts that differ early cost little), then a binary search."""
-    lo, end = 0, min(len(a), len(b))
-    step = 64
-    while lo + step < end and a[lo:lo + step] == b[lo:lo + step]:
-        lo, step = lo + step, 2 * step
-    hi = min(lo + step, end)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def shared_with_waiting(prompt: Sequence[int], others: Iterable[Sequence[int]], usable: Callable[[int], bool],

@@ -7,7 +7,6 @@ accept the same per-call keywords, so the merge lives here once.
 from __future__ import annotations
 
 import os
-
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence

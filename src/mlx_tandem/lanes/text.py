@@ -200,15 +200,20 @@ class TextLane:
         (claims.py): each further wait is for a longer prefix, so the waits are as many as
         its cache points at most.
         """
-        if self._wait_for_shared and self._shared_points and "late_point" not in request.extra:
-            request.extra["late_point"] = self._late_point(request)  # tried once per request
-        if not (self._wait_for_shared and self._claims):
+        if not self._wait_for_shared:
+            return False
+        prompt, cached = _prompt_key(request), None
+        if self._shared_points and "late_point" not in request.extra:
+            cached = self.prefix_cache.cached_length(prompt)
+            request.extra["late_point"] = self._late_point(request, cached)  # tried once per request
+        if not self._claims:
             return False
         since = request.extra.get("prefill_wait_since", self._claims.serial)
         waited = request.extra.get("prefill_waited_for", 0)
-        prompt = _prompt_key(request)
         claimed = self._claims.longest_prefix_of(prompt, since=since, beyond=waited)
-        if claimed - self.prefix_cache.cached_length(request.prompt_ids) < self.prefix_cache.min_tokens:
+        if cached is None:
+            cached = self.prefix_cache.cached_length(prompt)
+        if claimed - cached < self.prefix_cache.min_tokens:
             return False
         if "prefill_wait_since" not in request.extra:
             request.extra["prefill_wait_since"] = since
@@ -216,7 +221,7 @@ class TextLane:
         request.extra["prefill_waited_for"] = max(waited, claimed)
         return True
 
-    def _late_point(self, request: Request) -> bool:
+    def _late_point(self, request: Request, cached: int) -> bool:
         """Give a row in prefill that shares a long stretch of this request's prompt a
         "shared" point where they part, if it has not prefilled that far: it stores the
         stretch on the way and this request waits for it (``defer``), instead of prefilling
@@ -224,7 +229,7 @@ class TextLane:
         about a document), and had no reason to cut its prompt there (prefill_cut.py)."""
         pc, prompt = self.prefix_cache, _prompt_key(request)
         shared, uids = self._in_prefill.sharing(prompt[:-1])
-        if shared - pc.cached_length(prompt) < pc.min_tokens or pc.would_refuse(shared, "shared") \
+        if shared - cached < pc.min_tokens or pc.would_refuse(shared, "shared") \
                 or pc.contains(prompt[:shared]):
             return False
         for uid in uids:

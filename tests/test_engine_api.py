@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -84,6 +85,40 @@ async def test_template_kwargs_reach_the_template(llama_engine):
     off = llama_engine.apply_chat_template(msgs, template_kwargs={"enable_thinking": False})
     assert llama_engine.tokenizer.decode(off).endswith("<think>\n\n</think>\n\n")
     assert off[: len(on)] == on and len(off) > len(on)
+
+
+async def test_reasoning_none_keeps_the_templates_own_thinking_default(llama_engine, llama_path, tmp_path):
+    """``reasoning=None`` renders the template's default. mlx-lm's wrapper passed
+    ``enable_thinking=True`` to every template that knows ``<think>``, so one that thinks
+    only when asked (Qwen3.5's) thought anyway, and a small model's answer went to its
+    reasoning. A template that thinks by default still does."""
+    import shutil
+
+    from mlx_tandem.testing.chat_template import CHAT_TEMPLATE
+
+    msgs = [{"role": "user", "content": "hi"}]
+    # The factory template thinks unless told not to: None is the same as True there.
+    assert llama_engine.apply_chat_template(msgs) == llama_engine.apply_chat_template(msgs, reasoning=True)
+    default_on = "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    asked = ("{%- if enable_thinking is defined and enable_thinking is true -%}{{- '<think>\\n' -}}"
+             "{%- else -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}")
+    assert CHAT_TEMPLATE.count(default_on) == 1, "the factory template changed"
+    path = shutil.copytree(llama_path, tmp_path / "asked")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE.replace(default_on, asked)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.jinja").write_text(config["chat_template"])
+    async with Engine(path, show_progress=False) as engine:
+        text = {r: engine.tokenizer.decode(engine.apply_chat_template(msgs, reasoning=r)) for r in (None, True, False)}
+        assert text[None].endswith("assistant\n<think>\n\n</think>\n\n"), text[None]
+        assert text[False] == text[None]
+        assert text[True].endswith("assistant\n<think>\n"), text[True]
+        out = await engine.chat(msgs, SamplingParams(max_tokens=4))
+        assert out.prompt_token_ids == engine.apply_chat_template(msgs)
+        # A constrained request renders thinking off by default, as before.
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        assert engine.apply_chat_template(msgs, response_format={"type": "json_schema", "json_schema": {
+            "name": "a", "schema": schema}}) == engine.apply_chat_template(msgs)
 
 
 async def test_a_final_assistant_message_is_continued_only_when_asked(llama_engine, llama_path):

@@ -102,6 +102,28 @@ def _digest(msgs: list[Message], tools, template_kwargs) -> bytes:
     return hashlib.sha1(text.encode("utf-8", "surrogatepass")).digest()
 
 
+def render_template(tokenizer, msgs: list[Message], **kwargs) -> str:
+    """The chat template's text for ``msgs``, its own thinking default kept when the caller
+    names none (``reasoning=None``).
+
+    Why not ``TokenizerWrapper.apply_chat_template`` alone: mlx-lm 0.32's wrapper passes
+    ``enable_thinking=has_thinking`` (its ``_thinking_kwarg``) whenever the caller passes
+    none, so every template that knows ``<think>`` thought by default, Qwen3.5's too, which
+    opens thinking only when asked (``enable_thinking is true``): the answers of a request
+    that asked for nothing went to reasoning, to the whole budget on a small model. Without
+    the kwarg this renders through what the wrapper itself calls (its custom renderer, or
+    the Hugging Face tokenizer's template), as transformers and vLLM render it.
+    """
+    thinking = getattr(tokenizer, "_thinking_kwarg", None)
+    inner = getattr(tokenizer, "_tokenizer", None)
+    if thinking is None or inner is None or thinking in kwargs or "enable_thinking" in kwargs:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, **kwargs)
+    custom = getattr(tokenizer, "_chat_template", None)
+    if custom is not None:
+        return custom(msgs, **kwargs)
+    return inner.apply_chat_template(msgs, tokenize=False, return_dict=False, **kwargs)
+
+
 class RenderedChat(NamedTuple):
     text: str
     ids: list[int]
@@ -235,9 +257,7 @@ class PromptRenderer:
             add_generation_prompt = False  # the answer goes on inside the final message
         try:
             with self.lock:
-                return self._tokenizer.apply_chat_template(
-                    msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-                )
+                return render_template(self._tokenizer, msgs, add_generation_prompt=add_generation_prompt, **kwargs)
         except InvalidRequestError:
             raise
         except Exception as exc:  # jinja2 errors, raise_exception() in templates, ...

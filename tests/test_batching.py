@@ -17,6 +17,17 @@ def _max_tokens(i: int) -> int:
 
 
 async def test_batched_greedy_equals_one_at_a_time(engine, model_path):
+    await _batched_equals_alone(engine, model_path)
+
+
+async def test_batched_greedy_equals_one_at_a_time_on_a_mixture_of_experts_checkpoint(qwen3_5_moe_vl_path):
+    """Qwen3.5-MoE's layout (a vision checkpoint; its text served by the zero-copy text
+    lane): each token routes to its own experts, whatever rows share its batch."""
+    async with Engine(qwen3_5_moe_vl_path, show_progress=False) as engine:
+        await _batched_equals_alone(engine, qwen3_5_moe_vl_path)
+
+
+async def _batched_equals_alone(engine, model_path):
     prompts = chat_prompts(20)
     prompt_ids = [engine.apply_chat_template(p) for p in prompts]
     expected = [reference_greedy(model_path, ids, _max_tokens(i)) for i, ids in enumerate(prompt_ids)]

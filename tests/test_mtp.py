@@ -16,6 +16,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_tandem import Engine, SamplingParams
 from mlx_tandem.errors import InvalidRequestError, ModelLoadError
@@ -67,6 +68,18 @@ def test_greedy_output_identical_with_mtp(qwen3_5_mtp_path, greedy_reference, mo
     if batch > 1:  # rows that kept different numbers of tokens in the same step
         assert any(len(set(k)) > 1 for k in keeps)
     assert any(max(k) == depth + 1 for k in keeps) and any(min(k) == 1 for k in keeps)
+
+
+def test_greedy_output_identical_with_mtp_on_a_mixture_of_experts_checkpoint(qwen3_5_moe_mtp_path):
+    """Qwen3.5-MoE / Qwen3.6-35B-A3B: the head's experts are stored fused, as the
+    backbone's (``experts.gate_up_proj``); the head once failed to load from them. Its
+    router and experts verify, accept and roll back per row like a dense layer's."""
+    outs = {}
+    for mode in ("off", "on"):
+        outs[mode], stats = asyncio.run(_run(qwen3_5_moe_mtp_path, PROMPTS[:40], {"max_tokens": 24}, mtp=mode,
+                                             max_batch_size=8))
+    same_greedy_rows(outs["on"], outs["off"], judge=qwen3_5_moe_mtp_path, prompts=PROMPTS[:40])
+    assert stats["mtp"]["spec_steps"] > 0 and stats["mtp"]["acceptance_rate"] > 0.15, stats["mtp"]
 
 
 def test_max_tokens_and_eos_exact_with_multi_token_steps(qwen3_5_mtp_path):
@@ -372,15 +385,18 @@ def test_add_mtp_head_gives_a_quantized_checkpoint_its_head_back(qwen3_5_mtp_pat
     assert main([str(tmp_path / "nowhere"), str(converted)]) == 1
 
 
-def test_head_matches_mlx_vlm_drafter(qwen3_5_mtp_path):
+@pytest.mark.parametrize("checkpoint", ["qwen3_5_mtp_path", "qwen3_5_moe_mtp_path"])
+def test_head_matches_mlx_vlm_drafter(checkpoint, request):
     """Our MTPHead (mlx-lm layers) computes what mlx-vlm's Qwen3.5 MTP drafter computes from
-    the same checkpoint weights: the weight conventions (zero-centred norms) agree."""
+    the same checkpoint weights: the weight conventions (zero-centred norms, a mixture of
+    experts' fused experts) agree."""
     from mlx_lm.utils import load_model
     from mlx_vlm.speculative.drafters.qwen3_5_mtp import Model as VLMDrafter
     from mlx_vlm.speculative.drafters.qwen3_5_mtp import ModelConfig
 
     from mlx_tandem.spec.mtp_head import load_mtp_head
 
+    qwen3_5_mtp_path = request.getfixturevalue(checkpoint)
     model, config = load_model(qwen3_5_mtp_path)
     model.set_dtype(mx.float32)
     ours = load_mtp_head(qwen3_5_mtp_path, model.language_model, config, dtype=mx.float32)
@@ -393,6 +409,39 @@ def test_head_matches_mlx_vlm_drafter(qwen3_5_mtp_path):
     a = ours(emb, hid)
     b = theirs._forward_hidden(emb, hid, None, mx.arange(5)[None])
     assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_a_head_with_one_tensor_per_expert_loads_as_the_fused_one(qwen3_5_moe_mtp_path, tmp_path):
+    """Qwen3-Next stores its experts one tensor per expert and projection; the head loads
+    the same parameters from that layout as from the fused one."""
+    from mlx_lm.utils import load_model
+
+    from mlx_tandem.spec.mtp_head import load_mtp_head
+
+    def per_expert(weights):
+        out = {}
+        for k, v in weights.items():
+            if k.endswith(".experts.gate_up_proj"):
+                prefix = k[: -len(".gate_up_proj")]
+                gate, up = mx.split(v, 2, axis=-2)
+                for e in range(v.shape[0]):
+                    out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate[e], up[e]
+            elif k.endswith(".experts.down_proj") and k.startswith("mtp."):
+                for e in range(v.shape[0]):
+                    out[f"{k[: -len('.down_proj')]}.{e}.down_proj.weight"] = v[e]
+            else:
+                out[k] = v
+        return out
+
+    split = _copy(qwen3_5_moe_mtp_path, tmp_path / "per-expert")
+    _rewrite(split, lambda w: {**{k: v for k, v in w.items() if not k.startswith("mtp.")},
+                               **per_expert({k: v for k, v in w.items() if k.startswith("mtp.")})})
+    model, config = load_model(qwen3_5_moe_mtp_path)
+    fused = load_mtp_head(qwen3_5_moe_mtp_path, model.language_model, config)
+    apart = load_mtp_head(split, model.language_model, config)
+    a, b = dict(tree_flatten(fused.parameters())), dict(tree_flatten(apart.parameters()))
+    assert a.keys() == b.keys() and any("switch_mlp" in k for k in a)
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
 
 
 def test_missing_or_broken_head_is_an_error_under_on_and_a_logged_fallback_under_auto(

@@ -69,7 +69,7 @@ def qwen3_5_vl_4bit_path(qwen3_5_vl_path, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("checkpoint", ["qwen3_5_vl_path", "qwen3_5_vl_4bit_path"])
+@pytest.mark.parametrize("checkpoint", ["qwen3_5_vl_path", "qwen3_5_vl_4bit_path", "qwen3_5_moe_vl_path"])
 def test_text_model_shares_every_array_with_the_vlm(checkpoint, request):
     import json
 

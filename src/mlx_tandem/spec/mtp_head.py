@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -105,6 +106,36 @@ def _head_is_zero_centred(head_files: list[tuple[dict, str]]) -> bool:
     return _hf_layout(conv) if conv else True
 
 
+_PER_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def _switch_layout(weights: dict) -> dict:
+    """The head's MoE experts as mlx-lm's ``SwitchGLU`` holds them (``mlp.switch_mlp.*``).
+
+    A mixture-of-experts checkpoint (Qwen3.5-MoE, Qwen3.6-35B-A3B) stores its MTP layer's
+    experts as the backbone's: fused, ``experts.gate_up_proj`` (E, 2I, H) and
+    ``experts.down_proj``; Qwen3-Next one tensor per expert and projection. mlx-lm 0.32's
+    and mlx-vlm 0.7.10's model sanitizes convert only the backbone's layers, and mlx-vlm's
+    own MTP drafter converts its head as done here (with mlx-vlm's helpers for the fused
+    form). Without it the head did not load (``mtp="auto"`` decoded plainly, "on" failed).
+    """
+    from mlx_vlm.models.switch_layers import move_expert_projection, split_expert_projection
+
+    for key in [k for k in weights if k.endswith(".experts.gate_up_proj")]:
+        prefix = key[: -len(".experts.gate_up_proj")]
+        split_expert_projection(weights, key, [f"{prefix}.switch_mlp.gate_proj", f"{prefix}.switch_mlp.up_proj"])
+        move_expert_projection(weights, f"{prefix}.experts.down_proj", f"{prefix}.switch_mlp.down_proj")
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for key in weights:
+        if m := _PER_EXPERT.fullmatch(key):
+            groups.setdefault((m[1], m[3]), {})[int(m[2])] = key
+    for (prefix, proj), keys in groups.items():
+        if sorted(keys) != list(range(len(keys))):
+            raise MTPHeadError(f"MTP experts of {prefix} are not numbered 0..{len(keys) - 1}")
+        weights[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([weights.pop(keys[e]) for e in sorted(keys)])
+    return weights
+
+
 def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[MTPHead]:
     """The MTP head of the checkpoint at ``path``, or None when it has none.
 
@@ -133,7 +164,7 @@ def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[
                                "out; `mlx-tandem-add-mtp-head ORIGINAL_DIR CONVERTED_DIR` puts the "
                                "original's head back)")
         return None
-    if any(k.endswith((".scales", ".biases")) for k in found):
+    if any(k.endswith((".scales", ".biases", "_scales", "weight_scale_inv")) for k in found):
         raise MTPHeadError(f"{path}: the MTP head is quantized; dequantize it (quantized heads "
                            "accept almost no drafts)")
     layer_ids = {int(k.split(".")[1]) for k in found if k.startswith("layers.")}
@@ -147,6 +178,7 @@ def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[
         found = {k: (v + 1.0 if is_zero_centred_norm(k, v) else v) for k, v in found.items()}
     head = MTPHead(text_model.args, num_layers)
     try:
+        found = _switch_layout(found)
         head.load_weights(list(found.items()), strict=True)
     except ValueError as exc:
         raise MTPHeadError(f"{path}: the MTP head does not fit this model: {exc}") from exc

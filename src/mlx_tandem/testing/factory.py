@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from .. import _platform  # noqa: F401  - before mlx
 from .tokenizer import write_tokenizer
 
-KINDS = ("llama", "qwen3_5", "qwen3_5_vl", "draft")
+KINDS = ("llama", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe_vl", "draft")
 
 _LLAMA_DEFAULTS = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                        num_attention_heads=4, num_key_value_heads=2)
@@ -261,9 +261,16 @@ def _write_qwen3_5_vl(path: Path, ids: dict, **kw):
     write_qwen3_5_vl(path, ids, **kw)
 
 
+def _write_qwen3_5_moe_vl(path: Path, ids: dict, **kw):
+    from .vlm_factory import write_qwen3_5_vl
+
+    write_qwen3_5_vl(path, ids, moe=True, **kw)
+
+
 _WRITERS: dict[str, Callable] = {
     "llama": _write_llama,
     "draft": _write_draft,
     "qwen3_5": _write_qwen3_5,
     "qwen3_5_vl": _write_qwen3_5_vl,
+    "qwen3_5_moe_vl": _write_qwen3_5_moe_vl,
 }

@@ -58,6 +58,7 @@ def distill_mtp_head(path: str | Path, *, prompts: Optional[Sequence[str]] = Non
     from tqdm.auto import tqdm
 
     from ..spec.mtp_head import MTPHead, is_zero_centred_norm, load_mtp_head
+    from .vlm_factory import fused_experts
 
     path = Path(path)
     model, config = load_model(path)
@@ -125,7 +126,7 @@ def distill_mtp_head(path: str | Path, *, prompts: Optional[Sequence[str]] = Non
         weights.update(mx.load(str(f)))
     dtype = next(v.dtype for k, v in weights.items() if not k.startswith("mtp."))
     weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
-    for k, v in tree_flatten(head.parameters()):
+    for k, v in fused_experts(dict(tree_flatten(head.parameters()))).items():  # HF's MoE layout
         weights["mtp." + k] = (v - 1.0 if is_zero_centred_norm(k, v) else v).astype(dtype)
     mx.eval(weights)
     for f in files:

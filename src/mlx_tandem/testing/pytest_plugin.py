@@ -52,6 +52,11 @@ def qwen3_5_vl_path(tiny_models):
 
 
 @pytest.fixture(scope="session")
+def qwen3_5_moe_vl_path(tiny_models):
+    return tiny_models.get("qwen3_5_moe_vl")
+
+
+@pytest.fixture(scope="session")
 def qwen3_5_mtp_path(tiny_models):
     """A qwen3_5 factory model whose MTP head is self-distilled on the backbone's greedy
     continuations of ``mtp_distill.default_prompts(64)``: drafts for those prompts are
@@ -63,5 +68,20 @@ def qwen3_5_mtp_path(tiny_models):
         from .factory import make_tiny_model
 
         make_tiny_model("qwen3_5", path, seed=0, mtp_layers=1)
+        distill_mtp_head(path, n_prompts=64, max_tokens=40, steps=250)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_mtp_path(tiny_models):
+    """The mixture-of-experts factory VLM (experts fused as Qwen3.5-MoE checkpoints store
+    them, the MTP head's too), its head self-distilled as ``qwen3_5_mtp_path``'s is."""
+    from .mtp_distill import distill_mtp_head
+
+    path = tiny_models.root / "qwen3_5_moe_vl-mtp-distilled"
+    if not (path / "config.json").exists():
+        from .factory import make_tiny_model
+
+        make_tiny_model("qwen3_5_moe_vl", path, seed=0, mtp_layers=1)
         distill_mtp_head(path, n_prompts=64, max_tokens=40, steps=250)
     return path

@@ -3,6 +3,10 @@
 Same text backbone and MTP head as ``qwen3_5``, plus a tiny vision tower and the
 processor files mlx-vlm's Qwen3-VL processor reads. Loadable by ``mlx_vlm.load`` (both
 lanes) and ``mlx_lm.load`` (text lane; it drops the vision keys).
+
+``qwen3_5_moe_vl`` is the mixture-of-experts variant (Qwen3.5-MoE, Qwen3.6-35B-A3B): every
+layer's MLP, the MTP head's too, is a router over experts plus a shared expert, stored as
+those checkpoints store it (``experts.gate_up_proj`` fused, ``experts.down_proj``).
 """
 
 from __future__ import annotations
@@ -100,13 +104,48 @@ def _vlm_to_hf(params: dict) -> dict:
     return hf
 
 
-def write_qwen3_5_vl(path: Path, ids: dict, *, seed, mtp_layers, dtype, max_position_embeddings, sizes, **_):
+_MOE_DEFAULTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=32)
+
+
+def qwen3_5_moe_vl_config(ids: dict, *, sizes: dict, **kw) -> dict:
+    moe = _sizes(_MOE_DEFAULTS, {k: v for k, v in sizes.items() if k in _MOE_DEFAULTS})
+    config = qwen3_5_vl_config(ids, sizes={k: v for k, v in sizes.items() if k not in _MOE_DEFAULTS}, **kw)
+    config.update(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe")
+    config["vision_config"]["model_type"] = "qwen3_5_moe"
+    text = config["text_config"]
+    del text["intermediate_size"]  # every MLP is a mixture of experts
+    text.update(model_type="qwen3_5_moe_text", decoder_sparse_step=1, mlp_only_layers=[],
+                router_aux_loss_coef=0.001, **moe)
+    return config
+
+
+def fused_experts(weights: dict) -> dict:
+    """mlx's ``switch_mlp.{gate,up,down}_proj`` as Qwen3.5-MoE checkpoints store them:
+    ``experts.gate_up_proj`` (gate rows, then up rows) and ``experts.down_proj``."""
+    import mlx.core as mx
+
+    out = {}
+    for k, v in weights.items():
+        if k.endswith(".switch_mlp.gate_proj.weight"):
+            prefix = k[: -len(".switch_mlp.gate_proj.weight")]
+            out[f"{prefix}.experts.gate_up_proj"] = mx.concatenate(
+                [v, weights[f"{prefix}.switch_mlp.up_proj.weight"]], axis=-2)
+            out[f"{prefix}.experts.down_proj"] = weights[f"{prefix}.switch_mlp.down_proj.weight"]
+        elif ".switch_mlp." not in k:
+            out[k] = v
+    return out
+
+
+def write_qwen3_5_vl(path: Path, ids: dict, *, seed, mtp_layers, dtype, max_position_embeddings, sizes,
+                     moe: bool = False, **_):
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
-    config = qwen3_5_vl_config(ids, mtp_layers=mtp_layers, max_position_embeddings=max_position_embeddings,
-                               sizes=sizes, dtype=dtype)
+    make_config = qwen3_5_moe_vl_config if moe else qwen3_5_vl_config
+    config = make_config(ids, mtp_layers=mtp_layers, max_position_embeddings=max_position_embeddings,
+                         sizes=sizes, dtype=dtype)
     mx.random.seed(seed)
     cfg = copy.deepcopy(config)  # mlx-vlm's configs rewrite rope_parameters in place
     arch, _ = get_model_and_args(cfg)
@@ -115,6 +154,8 @@ def write_qwen3_5_vl(path: Path, ids: dict, *, seed, mtp_layers, dtype, max_posi
     hf = _vlm_to_hf(params)
     if mtp_layers > 0:
         hf.update(mtp_weights(config["text_config"], seed))
+    if moe:
+        hf = fused_experts(hf)
     _write_config(path, config)
     _write_processor_files(path)
     _save(path, hf, dtype)

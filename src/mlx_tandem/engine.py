@@ -270,7 +270,8 @@ class Engine:
     def _make_request(self, spec: CallSpec, sink) -> tuple[Request, Optional[ChatOutputParser]]:
         if spec.request_id is not None and not isinstance(spec.request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {type(spec.request_id).__name__}")
-        params = SamplingParams.coerce(spec.params)
+        # Fields the request left unset sample as the checkpoint recommends (model_info.py).
+        params = SamplingParams.coerce(spec.params).with_defaults(self.loaded.sampling_defaults)
         if params.top_k >= self.loaded.vocab_size:
             # Keeps every token, as top_k=0 does (mlx-lm's top-k needs k < vocab, and its
             # failure inside a compiled sampler would fail the whole batch's step).

@@ -29,6 +29,9 @@ class ModelInfo:
     supports_reasoning: bool
     #: Images reach the model (a vision checkpoint: requests with images take the vision lane).
     supports_images: bool = False
+    #: What the checkpoint's generation_config.json recommends (``sampling_defaults_of``):
+    #: a request that leaves these fields unset samples with them.
+    sampling_defaults: Optional[dict] = None
 
 
 def context_length_of(config: dict) -> int:
@@ -65,6 +68,42 @@ def _template_text(path: Path) -> str:
     return text
 
 
+def sampling_defaults_of(path: Path) -> dict:
+    """The sampling values the checkpoint's ``generation_config.json`` recommends, for the
+    fields a request leaves unset (``SamplingParams.with_defaults``).
+
+    As vLLM reads it (``generation_config="auto"``, its default): temperature, top_p,
+    top_k, min_p and repetition_penalty where the file sets them. Qwen3 and Qwen3.5 ship
+    temperature 0.6, top_p 0.95, top_k 20 and warn that greedy decoding repeats itself in
+    thinking mode; a request, or an adapter field, that sets a value keeps it (0 is
+    greedy). ``"do_sample": false`` means greedy, as transformers reads it, so nothing is
+    taken. A value SamplingParams refuses is left out with a warning.
+    """
+    import logging
+
+    from .errors import InvalidRequestError
+    from .params import MODEL_DEFAULTS
+
+    f = path / "generation_config.json"
+    try:
+        config = json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, UnicodeDecodeError, ValueError):
+        config = {}
+    if not isinstance(config, dict) or config.get("do_sample") is False:
+        return {}
+    out = {}
+    for key in MODEL_DEFAULTS:
+        if config.get(key) is None:
+            continue
+        try:
+            SamplingParams(**{key: config[key]})
+        except InvalidRequestError as exc:
+            logging.getLogger(__name__).warning("%s: %s is not used: %s", f, key, exc)
+            continue
+        out[key] = config[key]
+    return out
+
+
 def read_model_info(path: Path, *, name: str, max_model_len: Optional[int] = None) -> ModelInfo:
     try:
         config = json.loads((path / "config.json").read_text())
@@ -85,4 +124,5 @@ def read_model_info(path: Path, *, name: str, max_model_len: Optional[int] = Non
         supports_tools="tools" in template and "tool_call" in template,
         supports_reasoning="<think>" in template or "enable_thinking" in template,
         supports_images=isinstance(config.get("vision_config"), dict),
+        sampling_defaults=sampling_defaults_of(path),
     )

@@ -10,13 +10,13 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from . import _platform
 from .errors import ModelLoadError
-from .model_info import context_length_of
+from .model_info import context_length_of, sampling_defaults_of
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ class LoadedModel:
     #: built on the VLM's own arrays (zero copies).
     vlm: Any = None
     processor: Any = None
+    #: generation_config.json's sampling values, for requests that leave them unset.
+    sampling_defaults: dict = field(default_factory=dict)
 
     @property
     def supports_images(self) -> bool:
@@ -207,9 +209,13 @@ def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
         dtype=_compute_dtype(params),
         vlm=vlm,
         processor=processor,
+        sampling_defaults=sampling_defaults_of(path),
     )
     logger.info("loaded %s (%s, %s%s, context %d, BLAS %s)", path, loaded.model_type, loaded.dtype,
                 _quantization_label(config), loaded.context_length, _platform.active_blas())
+    if loaded.sampling_defaults:
+        logger.info("sampling defaults from generation_config.json: %s (a request's own values win)",
+                    ", ".join(f"{k}={v}" for k, v in loaded.sampling_defaults.items()))
     return loaded
 
 

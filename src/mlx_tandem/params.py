@@ -23,6 +23,9 @@ MAX_TEMPERATURE = 1e6
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 #: A repetition_context_size past this (longer than any context) is lowered to it.
 MAX_CONTEXT_SIZE = 2**31 - 1
+#: The sampling fields a checkpoint's generation_config.json may recommend (the ones vLLM
+#: reads from it), and their values when neither the request nor the checkpoint sets them.
+MODEL_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 def _as_tuple(value: Any, name: str) -> tuple:
@@ -59,11 +62,13 @@ class SamplingParams:
     """
 
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    #: None in these five: the checkpoint's ``generation_config.json`` value where it has one
+    #: (``with_defaults``), else the value in ``MODEL_DEFAULTS`` (greedy, no filters).
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     repetition_context_size: int = 20
     stop: tuple[str, ...] = ()
     seed: Optional[int] = None
@@ -76,8 +81,17 @@ class SamplingParams:
     #: Share of prompt chunks SpecPrefill keeps for this request (None: the engine's).
     keep_pct: Optional[float] = None
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
+    #: The fields of ``MODEL_DEFAULTS`` the request left unset (None), filled with the
+    #: built-in values until the engine applies the checkpoint's (``with_defaults``).
+    unset: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self):
+        unset = set(self.unset)
+        for name, value in MODEL_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+                unset.add(name)
+        object.__setattr__(self, "unset", frozenset(unset))
         # Accept a single string or any sequence for stop; a list for processors.
         if isinstance(self.stop, Mapping):
             raise InvalidRequestError(f"SamplingParams.stop={self.stop!r}: must be a string or a list of strings")
@@ -140,7 +154,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def with_updates(self, **changes) -> "SamplingParams":
-        return replace(self, **changes)
+        return replace(self, unset=self.unset - changes.keys(), **changes)
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> "SamplingParams":
+        """The checkpoint's sampling defaults (``model_info.sampling_defaults_of``) in the
+        fields this request left unset; a value the request gave, 0 included, wins."""
+        chosen = {k: v for k, v in defaults.items() if k in self.unset}
+        return self.with_updates(**chosen) if chosen else self
 
     @classmethod
     def coerce(cls, params: "SamplingParams | dict | None", **overrides) -> "SamplingParams":
@@ -148,7 +168,7 @@ class SamplingParams:
         if params is None:
             params = cls()
         elif isinstance(params, dict):
-            unknown = set(params) - set(cls.__dataclass_fields__)
+            unknown = set(params) - (set(cls.__dataclass_fields__) - {"unset"})
             if unknown:
                 raise InvalidRequestError(f"unknown sampling parameters: {sorted(unknown)}")
             params = cls(**params)

@@ -52,14 +52,15 @@ class ChatMLX(BaseChatModel):
     """
 
     model: Optional[str] = None
-    # None in a sampling field is the engine's default (SamplingParams'), as ChatOpenAI
-    # reads it; the defaults shown are the same values.
-    temperature: Optional[float] = 0.0
+    # None in a sampling field is the checkpoint's recommendation (its generation_config.json)
+    # where it has one, else the engine's default (greedy, no filters), as ChatOpenAI leaves
+    # an unset value to its server.
+    temperature: Optional[float] = None
     max_tokens: Optional[int] = None
-    top_p: Optional[float] = 1.0
-    top_k: Optional[int] = 0
-    min_p: Optional[float] = 0.0
-    repetition_penalty: Optional[float] = 1.0
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     repetition_context_size: Optional[int] = 20
     """How many of the latest tokens ``repetition_penalty`` looks back on."""
     stop: Optional[list[str]] = Field(default=None, alias="stop_sequences")

@@ -87,12 +87,15 @@ class MLXTandemLLM(FunctionCallingLLM):
     model_config = ConfigDict(extra="forbid")
 
     model: Optional[str] = Field(default=None, description="Checkpoint directory or hub repo id; None = default model.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 samples greedily.")
+    # None in a sampling field: the checkpoint's generation_config.json value, else the
+    # engine's default (greedy, no filters).
+    temperature: Optional[float] = Field(
+        default=None, ge=0.0, description="0 samples greedily; None = the checkpoint's default, else 0.")
     max_tokens: Optional[int] = Field(default=None, gt=0, description="Output budget per call (None = engine default).")
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     repetition_context_size: int = Field(
         default=20, description="How many of the latest tokens repetition_penalty looks back on.")
     stop: Optional[list[str]] = Field(default=None, description="Stop strings (never emitted).")

@@ -1,0 +1,88 @@
+"""Sampling fields a request leaves unset follow the checkpoint's generation_config.json (as
+vLLM reads it); the values a request or an adapter gives win, 0 included."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+
+from mlx_tandem import Engine, SamplingParams
+from mlx_tandem.model_info import sampling_defaults_of
+from mlx_tandem.params import MODEL_DEFAULTS
+
+from .prompts import chat_prompts
+
+RECOMMENDED = {"temperature": 1.0, "top_k": 5, "top_p": 0.9}
+
+
+@pytest.fixture(scope="module")
+def recommending_path(llama_path, tmp_path_factory):
+    """The factory llama whose generation_config.json recommends sampling (Qwen3's ships
+    temperature 0.6, top_p 0.95, top_k 20)."""
+    path = shutil.copytree(llama_path, tmp_path_factory.mktemp("sampling") / "llama")
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, **RECOMMENDED}))
+    return path
+
+
+def test_unset_fields_take_defaults_and_given_ones_win():
+    assert SamplingParams().unset == frozenset(MODEL_DEFAULTS)
+    assert SamplingParams().temperature == 0.0 and SamplingParams().greedy  # the built-ins until applied
+    filled = SamplingParams(top_p=0.5).with_defaults(RECOMMENDED)
+    assert (filled.temperature, filled.top_k, filled.top_p) == (1.0, 5, 0.5)
+    assert filled.unset == {"min_p", "repetition_penalty"}
+    greedy = SamplingParams(temperature=0).with_defaults(RECOMMENDED)
+    assert greedy.greedy and greedy.top_k == 5  # an explicit 0 is kept; the filters still apply
+    assert SamplingParams.coerce({"temperature": None}).with_defaults(RECOMMENDED).temperature == 1.0
+    # A field set later is no longer unset: a default does not overwrite it.
+    assert SamplingParams().with_updates(temperature=0.3).with_defaults(RECOMMENDED).temperature == 0.3
+
+
+def test_generation_config_is_read_as_vllm_reads_it(tmp_path, caplog):
+    def read(config) -> dict:
+        (tmp_path / "generation_config.json").write_text(json.dumps(config))
+        return sampling_defaults_of(tmp_path)
+
+    assert sampling_defaults_of(tmp_path / "nowhere") == {}
+    assert read({"eos_token_id": 2, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 9}) \
+        == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert read({"do_sample": False, "temperature": 0.6}) == {}  # greedy, as transformers reads it
+    with caplog.at_level(logging.WARNING, logger="mlx_tandem.model_info"):
+        assert read({"temperature": 0.7, "top_p": 0, "top_k": -1}) == {"temperature": 0.7}
+    assert "top_p is not used" in caplog.text and "top_k is not used" in caplog.text
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert sampling_defaults_of(tmp_path) == {}
+
+
+async def test_a_request_samples_as_the_checkpoint_recommends(recommending_path, llama_path):
+    prompt = chat_prompts(1)[0]
+    async with Engine(recommending_path, show_progress=False) as engine, \
+            Engine(llama_path, show_progress=False) as plain:
+        assert engine.model_info().sampling_defaults == RECOMMENDED
+        assert plain.model_info().sampling_defaults == {}
+        unset = await engine.chat(prompt, SamplingParams(max_tokens=16, seed=7))
+        given = await plain.chat(prompt, SamplingParams(max_tokens=16, seed=7, **RECOMMENDED))
+        greedy = await plain.chat(prompt, SamplingParams(max_tokens=16))
+        assert unset.token_ids == given.token_ids != greedy.token_ids
+        # A request's own values win: temperature 0 is greedy here too (top_k 5 keeps the top token).
+        assert (await engine.chat(prompt, SamplingParams(max_tokens=16, temperature=0))).token_ids == greedy.token_ids
+
+
+def test_the_adapters_leave_unset_fields_to_the_checkpoint(recommending_path, llama_path):
+    from langchain_mlx_tandem import ChatMLX
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.mlx_tandem import MLXTandemLLM
+
+    prompt = chat_prompts(1)[0][-1]["content"]
+    with Engine(llama_path, show_progress=False) as plain:
+        given = plain.chat_sync([{"role": "user", "content": prompt}],
+                                SamplingParams(max_tokens=12, seed=3, **RECOMMENDED)).text
+        greedy = plain.chat_sync([{"role": "user", "content": prompt}], SamplingParams(max_tokens=12)).text
+    assert given != greedy
+    assert ChatMLX(model=str(recommending_path), max_tokens=12, seed=3).invoke(prompt).content == given
+    assert ChatMLX(model=str(recommending_path), max_tokens=12, temperature=0).invoke(prompt).content == greedy
+    llm = MLXTandemLLM(model=str(recommending_path), max_tokens=12, seed=3)
+    assert llm.chat([ChatMessage(role="user", content=prompt)]).message.content == given

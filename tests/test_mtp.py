@@ -411,9 +411,10 @@ def test_head_matches_mlx_vlm_drafter(checkpoint, request):
     assert mx.allclose(a, b, atol=1e-4).item()
 
 
-def test_a_head_with_one_tensor_per_expert_loads_as_the_fused_one(qwen3_5_moe_mtp_path, tmp_path):
+def test_a_head_with_one_tensor_per_expert_loads_as_the_fused_one(tiny_models, tmp_path):
     """Qwen3-Next stores its experts one tensor per expert and projection; the head loads
-    the same parameters from that layout as from the fused one."""
+    the same parameters from that layout as from the fused one (12 experts: "10" sorts
+    before "2" as text)."""
     from mlx_lm.utils import load_model
 
     from mlx_tandem.spec.mtp_head import load_mtp_head
@@ -433,15 +434,36 @@ def test_a_head_with_one_tensor_per_expert_loads_as_the_fused_one(qwen3_5_moe_mt
                 out[k] = v
         return out
 
-    split = _copy(qwen3_5_moe_mtp_path, tmp_path / "per-expert")
+    moe = tiny_models.get("qwen3_5_moe_vl", num_experts=12)
+    split = _copy(moe, tmp_path / "per-expert")
     _rewrite(split, lambda w: {**{k: v for k, v in w.items() if not k.startswith("mtp.")},
                                **per_expert({k: v for k, v in w.items() if k.startswith("mtp.")})})
-    model, config = load_model(qwen3_5_moe_mtp_path)
-    fused = load_mtp_head(qwen3_5_moe_mtp_path, model.language_model, config)
+    model, config = load_model(moe)
+    fused = load_mtp_head(moe, model.language_model, config)
     apart = load_mtp_head(split, model.language_model, config)
     a, b = dict(tree_flatten(fused.parameters())), dict(tree_flatten(apart.parameters()))
     assert a.keys() == b.keys() and any("switch_mlp" in k for k in a)
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+@pytest.mark.parametrize("key", ["mtp.fc.scales", "mtp.layers.0.mlp.experts.gate_up_proj_scales",
+                                 "mtp.fc.weight_scale_inv", "mtp.fc.weight_scale_2"])
+def test_a_quantized_head_is_refused_by_name_when_added_and_when_loaded(qwen3_5_mtp_path, tmp_path, key):
+    """mlx's affine, fused experts', FP8 and NVFP4 quantization: the head is refused as
+    quantized (it accepts almost no drafts), by the loader and by mlx-tandem-add-mtp-head,
+    which wrote an FP8 head without complaint (a review)."""
+    from mlx_lm.utils import load_model
+
+    from mlx_tandem.spec.add_head import add_mtp_head
+    from mlx_tandem.spec.mtp_head import load_mtp_head
+
+    quantized = _copy(qwen3_5_mtp_path, tmp_path / "quantized")
+    _rewrite(quantized, lambda w: {**w, key: mx.ones((4,))})
+    model, config = load_model(qwen3_5_mtp_path)
+    with pytest.raises(MTPHeadError, match="quantized"):
+        load_mtp_head(quantized, model.language_model, config)
+    with pytest.raises(ModelLoadError, match="quantized"):
+        add_mtp_head(quantized, _copy(qwen3_5_mtp_path, tmp_path / "dest"))
 
 
 def test_missing_or_broken_head_is_an_error_under_on_and_a_logged_fallback_under_auto(

@@ -238,8 +238,8 @@ class TextLane:
                     0 <= shared - p < pc.min_tokens for p, _ in caching.points) or \
                     sum(k == "shared" for _, k in caching.points) >= _MAX_SHARED_POINTS:
                 # Not a row that stores points, one of its points serves as well, or enough.
-                # Only points before ``shared`` are weighed: one after it does not serve this
-                # request, which parts from the row there.
+                # A point serves as well only if it lies just before ``shared``: one after it
+                # does not serve this request, which parts from the row there.
                 continue
             if not cut_pending_prompt(self._gen, uid, shared - caching.start):
                 continue

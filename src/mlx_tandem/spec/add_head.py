@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ModelLoadError
-from .mtp_head import MTP_PREFIXES
+from .mtp_head import MTP_PREFIXES, is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def add_mtp_head(source: str | Path, dest: str | Path) -> Path:
             formats.add((metadata or {}).get("format") or "")
     if not head:
         raise ModelLoadError(f"{source} has no mtp.* tensors")
-    if any(k.endswith((".scales", ".biases")) for k in head):
+    if is_quantized(head):
         raise ModelLoadError(f"{source}: its MTP head is quantized; use the unquantized original")
     if len(formats) > 1:
         raise ModelLoadError(f"{source}: the head's shards disagree on their format ({sorted(formats)})")

@@ -41,6 +41,16 @@ MTP_NORM_SUFFIXES = (
 )
 
 
+#: Tensor names of a quantized head: mlx's affine (``.scales``, ``.biases``), fused experts'
+#: (``gate_up_proj_scales``), FP8 (``weight_scale_inv``) and NVFP4 (``weight_scale_2``,
+#: ``weight_global_scale``) checkpoints.
+QUANTIZED_SUFFIXES = (".scales", ".biases", "_scales", "weight_scale_inv", "weight_scale_2", "weight_global_scale")
+
+
+def is_quantized(keys) -> bool:
+    return any(k.endswith(QUANTIZED_SUFFIXES) for k in keys)
+
+
 class MTPHeadError(ModelLoadError):
     """The checkpoint's MTP head is missing pieces, has wrong shapes, or cannot be used."""
 
@@ -164,7 +174,7 @@ def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[
                                "out; `mlx-tandem-add-mtp-head ORIGINAL_DIR CONVERTED_DIR` puts the "
                                "original's head back)")
         return None
-    if any(k.endswith((".scales", ".biases", "_scales", "weight_scale_inv")) for k in found):
+    if is_quantized(found):
         raise MTPHeadError(f"{path}: the MTP head is quantized; dequantize it (quantized heads "
                            "accept almost no drafts)")
     layer_ids = {int(k.split(".")[1]) for k in found if k.startswith("layers.")}

@@ -112,11 +112,14 @@ def render_template(tokenizer, msgs: list[Message], **kwargs) -> str:
     opens thinking only when asked (``enable_thinking is true``): the answers of a request
     that asked for nothing went to reasoning, to the whole budget on a small model. Without
     the kwarg this renders through what the wrapper itself calls (its custom renderer, or
-    the Hugging Face tokenizer's template), as transformers and vLLM render it.
+    the Hugging Face tokenizer's template), as transformers and vLLM render it. A tokenizer
+    without think markers keeps the wrapper's ``enable_thinking=False``: the output parser
+    could not tell its reasoning from its answer (chat_format.py).
     """
     thinking = getattr(tokenizer, "_thinking_kwarg", None)
     inner = getattr(tokenizer, "_tokenizer", None)
-    if thinking is None or inner is None or thinking in kwargs or "enable_thinking" in kwargs:
+    if thinking is None or inner is None or thinking in kwargs or "enable_thinking" in kwargs \
+            or not getattr(tokenizer, "has_thinking", False):
         return tokenizer.apply_chat_template(msgs, tokenize=False, **kwargs)
     custom = getattr(tokenizer, "_chat_template", None)
     if custom is not None:

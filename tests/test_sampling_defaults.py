@@ -3,6 +3,7 @@ vLLM reads it); the values a request or an adapter gives win, 0 included."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -30,15 +31,21 @@ def recommending_path(llama_path, tmp_path_factory):
 
 def test_unset_fields_take_defaults_and_given_ones_win():
     assert SamplingParams().unset == frozenset(MODEL_DEFAULTS)
-    assert SamplingParams().temperature == 0.0 and SamplingParams().greedy  # the built-ins until applied
+    assert SamplingParams().temperature is None and SamplingParams().greedy  # greedy unless told
     filled = SamplingParams(top_p=0.5).with_defaults(RECOMMENDED)
-    assert (filled.temperature, filled.top_k, filled.top_p) == (1.0, 5, 0.5)
-    assert filled.unset == {"min_p", "repetition_penalty"}
+    assert (filled.temperature, filled.top_k, filled.top_p, filled.min_p, filled.repetition_penalty) \
+        == (1.0, 5, 0.5, 0.0, 1.0)  # the rest: the built-ins
+    assert filled.unset == frozenset() and filled.with_defaults({"min_p": 0.1}) is filled
     greedy = SamplingParams(temperature=0).with_defaults(RECOMMENDED)
     assert greedy.greedy and greedy.top_k == 5  # an explicit 0 is kept; the filters still apply
     assert SamplingParams.coerce({"temperature": None}).with_defaults(RECOMMENDED).temperature == 1.0
-    # A field set later is no longer unset: a default does not overwrite it.
+    # However a field is set, a default does not overwrite it; set back to None, it does.
     assert SamplingParams().with_updates(temperature=0.3).with_defaults(RECOMMENDED).temperature == 0.3
+    assert dataclasses.replace(SamplingParams(), temperature=0.3).with_defaults(RECOMMENDED).temperature == 0.3
+    assert SamplingParams(temperature=0.3).with_updates(temperature=None).with_defaults(RECOMMENDED).temperature == 1.0
+    # Left unset and set to the built-in value are different requests.
+    assert SamplingParams() != SamplingParams(temperature=0.0)
+    assert SamplingParams.coerce(dataclasses.asdict(SamplingParams(top_k=3))) == SamplingParams(top_k=3)
 
 
 def test_generation_config_is_read_as_vllm_reads_it(tmp_path, caplog):
@@ -50,9 +57,15 @@ def test_generation_config_is_read_as_vllm_reads_it(tmp_path, caplog):
     assert read({"eos_token_id": 2, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 9}) \
         == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert read({"do_sample": False, "temperature": 0.6}) == {}  # greedy, as transformers reads it
+    assert read({"top_k": -1, "temperature": 0.5}) == {"top_k": 0, "temperature": 0.5}  # vLLM's "off"
+    assert read({"top_k": 20.0}) == {"top_k": 20}
     with caplog.at_level(logging.WARNING, logger="mlx_tandem.model_info"):
-        assert read({"temperature": 0.7, "top_p": 0, "top_k": -1}) == {"temperature": 0.7}
+        assert read({"temperature": 0.7, "top_p": 0, "top_k": -2}) == {"temperature": 0.7}
     assert "top_p is not used" in caplog.text and "top_k is not used" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mlx_tandem.model_info"):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+        assert sampling_defaults_of(tmp_path, warn=False) == {} and not caplog.text  # model_info() reads
     (tmp_path / "generation_config.json").write_text("{not json")
     assert sampling_defaults_of(tmp_path) == {}
 
@@ -61,7 +74,9 @@ async def test_a_request_samples_as_the_checkpoint_recommends(recommending_path,
     prompt = chat_prompts(1)[0]
     async with Engine(recommending_path, show_progress=False) as engine, \
             Engine(llama_path, show_progress=False) as plain:
-        assert engine.model_info().sampling_defaults == RECOMMENDED
+        assert engine.model_info(load=False).sampling_defaults == RECOMMENDED  # from the files
+        assert engine.model_info().sampling_defaults == RECOMMENDED  # what the loaded engine applies
+        hash(engine.model_info())
         assert plain.model_info().sampling_defaults == {}
         unset = await engine.chat(prompt, SamplingParams(max_tokens=16, seed=7))
         given = await plain.chat(prompt, SamplingParams(max_tokens=16, seed=7, **RECOMMENDED))

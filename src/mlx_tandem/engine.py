@@ -244,7 +244,8 @@ class Engine:
         info = read_model_info(loaded.path, name=name, max_model_len=self.options.max_model_len)
         return dataclasses.replace(
             info, context_length=self.context_length, supports_tools=fmt.has_tool_calling,
-            supports_reasoning=fmt.has_thinking, supports_images=loaded.supports_images)
+            supports_reasoning=fmt.has_thinking, supports_images=loaded.supports_images,
+            sampling_defaults=dict(loaded.sampling_defaults))  # what requests get, read at load
 
     def stats(self) -> dict[str, Any]:
         """Counters and rates: requests, running, waiting, max batch size seen, tokens/s, ..."""

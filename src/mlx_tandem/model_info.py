@@ -10,7 +10,7 @@ parser and think markers) replaces the file heuristics.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -31,7 +31,7 @@ class ModelInfo:
     supports_images: bool = False
     #: What the checkpoint's generation_config.json recommends (``sampling_defaults_of``):
     #: a request that leaves these fields unset samples with them.
-    sampling_defaults: Optional[dict] = None
+    sampling_defaults: Optional[dict] = field(default=None, hash=False, compare=False)
 
 
 def context_length_of(config: dict) -> int:
@@ -68,7 +68,7 @@ def _template_text(path: Path) -> str:
     return text
 
 
-def sampling_defaults_of(path: Path) -> dict:
+def sampling_defaults_of(path: Path, *, warn: bool = True) -> dict:
     """The sampling values the checkpoint's ``generation_config.json`` recommends, for the
     fields a request leaves unset (``SamplingParams.with_defaults``).
 
@@ -77,7 +77,8 @@ def sampling_defaults_of(path: Path) -> dict:
     temperature 0.6, top_p 0.95, top_k 20 and warn that greedy decoding repeats itself in
     thinking mode; a request, or an adapter field, that sets a value keeps it (0 is
     greedy). ``"do_sample": false`` means greedy, as transformers reads it, so nothing is
-    taken. A value SamplingParams refuses is left out with a warning.
+    taken. ``top_k`` -1 (vLLM's "off") is 0, and a whole float is an int. A value
+    SamplingParams refuses is left out, with a warning (the loader's, once) if ``warn``.
     """
     import logging
 
@@ -89,18 +90,22 @@ def sampling_defaults_of(path: Path) -> dict:
         config = json.loads(f.read_text()) if f.is_file() else {}
     except (OSError, UnicodeDecodeError, ValueError):
         config = {}
-    if not isinstance(config, dict) or config.get("do_sample") is False:
+    if not isinstance(config, dict) or config.get("do_sample") in (False, 0):
         return {}
     out = {}
     for key in MODEL_DEFAULTS:
-        if config.get(key) is None:
+        value = config.get(key)
+        if value is None:
             continue
+        if key == "top_k" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = 0 if value == -1 else int(value) if float(value).is_integer() else value
         try:
-            SamplingParams(**{key: config[key]})
+            SamplingParams(**{key: value})
         except InvalidRequestError as exc:
-            logging.getLogger(__name__).warning("%s: %s is not used: %s", f, key, exc)
+            if warn:
+                logging.getLogger(__name__).warning("%s: %s is not used: %s", f, key, exc)
             continue
-        out[key] = config[key]
+        out[key] = value
     return out
 
 
@@ -124,5 +129,5 @@ def read_model_info(path: Path, *, name: str, max_model_len: Optional[int] = Non
         supports_tools="tools" in template and "tool_call" in template,
         supports_reasoning="<think>" in template or "enable_thinking" in template,
         supports_images=isinstance(config.get("vision_config"), dict),
-        sampling_defaults=sampling_defaults_of(path),
+        sampling_defaults=sampling_defaults_of(path, warn=False),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
 from .errors import InvalidRequestError
@@ -62,8 +63,9 @@ class SamplingParams:
     """
 
     max_tokens: int = 256
-    #: None in these five: the checkpoint's ``generation_config.json`` value where it has one
-    #: (``with_defaults``), else the value in ``MODEL_DEFAULTS`` (greedy, no filters).
+    #: None in these five: the checkpoint's ``generation_config.json`` value where it has one,
+    #: else the value in ``MODEL_DEFAULTS`` (greedy, no filters), filled in by the engine
+    #: when it takes the request (``with_defaults``).
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -81,17 +83,8 @@ class SamplingParams:
     #: Share of prompt chunks SpecPrefill keeps for this request (None: the engine's).
     keep_pct: Optional[float] = None
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
-    #: The fields of ``MODEL_DEFAULTS`` the request left unset (None), filled with the
-    #: built-in values until the engine applies the checkpoint's (``with_defaults``).
-    unset: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self):
-        unset = set(self.unset)
-        for name, value in MODEL_DEFAULTS.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
-                unset.add(name)
-        object.__setattr__(self, "unset", frozenset(unset))
         # Accept a single string or any sequence for stop; a list for processors.
         if isinstance(self.stop, Mapping):
             raise InvalidRequestError(f"SamplingParams.stop={self.stop!r}: must be a string or a list of strings")
@@ -102,9 +95,9 @@ class SamplingParams:
 
         object.__setattr__(self, "mtp", normalize_mode(self.mtp, what="SamplingParams.mtp"))
         self.validate()
-        if 0 < self.temperature < GREEDY_BELOW:
+        if self.temperature is not None and 0 < self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
-        if self.top_p < TOP_P_FLOOR:
+        if self.top_p is not None and self.top_p < TOP_P_FLOOR:
             object.__setattr__(self, "top_p", TOP_P_FLOOR)
         if self.repetition_context_size > MAX_CONTEXT_SIZE:
             # Longer than any context means the whole context; mlx slices take 32-bit
@@ -119,18 +112,19 @@ class SamplingParams:
             bad("max_tokens", "must be an integer >= 1")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             v = getattr(self, name)
-            if not is_finite_number(v):
+            if v is not None and not is_finite_number(v):
                 bad(name, "must be a finite number")
-        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+        if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
             bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}]")
-        if not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not 0 <= self.min_p < 1:
+        if self.min_p is not None and not 0 <= self.min_p < 1:
             bad("min_p", "must be in [0, 1)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
+                                       or self.top_k < 0):
             bad("top_k", "must be an integer >= 0 (0 disables it)")
         low, high = REPETITION_PENALTY_RANGE
-        if not low <= self.repetition_penalty <= high:
+        if self.repetition_penalty is not None and not low <= self.repetition_penalty <= high:
             bad("repetition_penalty", f"must be in [{low:g}, {high:g}] (1 disables it)")
         if (not isinstance(self.repetition_context_size, int) or isinstance(self.repetition_context_size, bool)
                 or self.repetition_context_size < 1):
@@ -151,16 +145,25 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return not self.temperature  # None samples as the built-in default: greedy
+
+    @property
+    def unset(self) -> frozenset:
+        """The fields of ``MODEL_DEFAULTS`` this request left to the checkpoint (None)."""
+        return frozenset(k for k in MODEL_DEFAULTS if getattr(self, k) is None)
 
     def with_updates(self, **changes) -> "SamplingParams":
-        return replace(self, unset=self.unset - changes.keys(), **changes)
+        return replace(self, **changes)
 
-    def with_defaults(self, defaults: Mapping[str, Any]) -> "SamplingParams":
-        """The checkpoint's sampling defaults (``model_info.sampling_defaults_of``) in the
-        fields this request left unset; a value the request gave, 0 included, wins."""
-        chosen = {k: v for k, v in defaults.items() if k in self.unset}
-        return self.with_updates(**chosen) if chosen else self
+    def with_defaults(self, defaults: Mapping[str, Any] = MappingProxyType({})) -> "SamplingParams":
+        """Every field left unset filled: the checkpoint's value (``defaults``, from
+        ``model_info.sampling_defaults_of``) where it has one, else the built-in one. A
+        value the request gave, 0 included, wins. The engine does this when it takes a
+        request; the samplers do it for params that reach them unfilled."""
+        unset = self.unset
+        if not unset:
+            return self
+        return replace(self, **{k: defaults.get(k, MODEL_DEFAULTS[k]) for k in unset})
 
     @classmethod
     def coerce(cls, params: "SamplingParams | dict | None", **overrides) -> "SamplingParams":
@@ -168,7 +171,7 @@ class SamplingParams:
         if params is None:
             params = cls()
         elif isinstance(params, dict):
-            unknown = set(params) - (set(cls.__dataclass_fields__) - {"unset"})
+            unknown = set(params) - set(cls.__dataclass_fields__)
             if unknown:
                 raise InvalidRequestError(f"unknown sampling parameters: {sorted(unknown)}")
             params = cls(**params)

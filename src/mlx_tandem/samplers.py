@@ -101,6 +101,7 @@ def banned_sampler(base: Optional[Sampler], banned: tuple[int, ...]) -> BannedSa
 
 
 def make_request_sampler(p: SamplingParams) -> Optional[Sampler]:
+    p = p.with_defaults()  # the engine fills unset fields first; this covers direct callers
     if p.greedy:
         return None
     if p.seed is not None:
@@ -115,6 +116,7 @@ def make_request_processors(p: SamplingParams, on_error: Callable[[BaseException
     An exception in a user's processor must fail that request only: the guard records it
     (the engine fails the request after the step) and passes the logits through unchanged.
     """
+    p = p.with_defaults()
     processors = []
     if p.repetition_penalty != 1.0:
         processors += make_logits_processors(

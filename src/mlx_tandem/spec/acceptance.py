@@ -25,7 +25,7 @@ from ..params import SamplingParams
 from ..samplers import SeededSampler, sampling_filters
 
 
-_GREEDY = SamplingParams()
+_GREEDY = SamplingParams().with_defaults()
 
 
 def row_logprobs(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
@@ -82,7 +82,7 @@ class Drafter:
                  k: int, vocab: int):
         # Rows that do not draft sample their next token through their own sampler (the
         # caller does that); here they count as greedy so they draw no noise from their chain.
-        params = [p if d else _GREEDY for p, d in zip(params, drafting)]
+        params = [p.with_defaults() if d else _GREEDY for p, d in zip(params, drafting)]
         self.params = params
         self.drafting = mx.array(list(drafting))
         self.k = k

@@ -33,6 +33,7 @@ def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) 
 
 def sampling_filters(p: SamplingParams):
     """mlx-lm's make_sampler filters for these settings, in its order (top-p, min-p, top-k)."""
+    p = p.with_defaults()
     out = []
     if 0 < p.top_p < 1.0:
         out.append(lambda x: apply_top_p(x, p.top_p))
@@ -49,6 +50,7 @@ class SeededSampler:
     same chain through ``next_key``)."""
 
     def __init__(self, p: SamplingParams):
+        p = p.with_defaults()
         self._key = mx.random.key(p.seed)
         self._filters = sampling_filters(p)
         self._inv_temp = 1.0 / p.temperature

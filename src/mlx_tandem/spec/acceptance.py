@@ -36,6 +36,7 @@ def row_logprobs(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array
     and the residual computed in bf16 moved the distribution MTP samples from by up to 0.7%
     (total variation, temperature 1) away from the one plain decoding samples from.
     """
+    params = [p.with_defaults() for p in params]  # unset fields: the built-ins, for direct callers
     logits = logits.astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     groups: dict[tuple, list[int]] = defaultdict(list)

@@ -15,7 +15,7 @@ from .errors import InvalidRequestError
 from .params import SamplingParams
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
-                   "seed", "mtp", "specprefill", "keep_pct")
+                   "presence_penalty", "frequency_penalty", "seed", "mtp", "specprefill", "keep_pct")
 CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning")
 
 

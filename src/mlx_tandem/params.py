@@ -72,6 +72,11 @@ class SamplingParams:
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     repetition_context_size: int = 20
+    #: OpenAI's additive penalties, as mlx-lm applies them: ``presence_penalty`` once for a
+    #: token that occurs in the last ``repetition_context_size`` tokens, ``frequency_penalty``
+    #: per occurrence there; each in [-2, 2] (0 disables it).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stop: tuple[str, ...] = ()
     seed: Optional[int] = None
     #: Speculative decoding for this request: "auto" | "on" | "off" (True/False accepted);
@@ -126,6 +131,10 @@ class SamplingParams:
         low, high = REPETITION_PENALTY_RANGE
         if self.repetition_penalty is not None and not low <= self.repetition_penalty <= high:
             bad("repetition_penalty", f"must be in [{low:g}, {high:g}] (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_finite_number(v) or not -2 <= v <= 2:
+                bad(name, "must be a number in [-2, 2] (0 disables it), as OpenAI's")
         if (not isinstance(self.repetition_context_size, int) or isinstance(self.repetition_context_size, bool)
                 or self.repetition_context_size < 1):
             bad("repetition_context_size", "must be an integer >= 1")

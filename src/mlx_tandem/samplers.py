@@ -120,10 +120,13 @@ def make_request_processors(p: SamplingParams, on_error: Callable[[BaseException
     """
     p = p.with_defaults()
     processors = []
-    if p.repetition_penalty != 1.0:
+    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        window = p.repetition_context_size  # one window for the three, as SamplingParams says
         processors += make_logits_processors(
-            repetition_penalty=p.repetition_penalty,
-            repetition_context_size=p.repetition_context_size,
+            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
+            repetition_context_size=window,
+            presence_penalty=p.presence_penalty, presence_context_size=window,
+            frequency_penalty=p.frequency_penalty, frequency_context_size=window,
         )
     for user_fn in p.logits_processors:
         processors.append(_guard(user_fn, on_error))

@@ -62,7 +62,11 @@ class ChatMLX(BaseChatModel):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     repetition_context_size: Optional[int] = 20
-    """How many of the latest tokens ``repetition_penalty`` looks back on."""
+    """How many of the latest tokens the repetition, presence and frequency penalties look back on."""
+    presence_penalty: Optional[float] = None
+    """OpenAI's presence penalty, in [-2, 2], over the last ``repetition_context_size`` tokens."""
+    frequency_penalty: Optional[float] = None
+    """OpenAI's frequency penalty, in [-2, 2], over the last ``repetition_context_size`` tokens."""
     stop: Optional[list[str]] = Field(default=None, alias="stop_sequences")
     seed: Optional[int] = None
     mtp: Optional[Union[StrictStr, StrictBool]] = None  # strict: 1 is not True (per call it is refused too)
@@ -124,6 +128,8 @@ class ChatMLX(BaseChatModel):
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
             "repetition_context_size": self.repetition_context_size,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
             "seed": self.seed,
             "mtp": self.mtp,
             "specprefill": self.specprefill,

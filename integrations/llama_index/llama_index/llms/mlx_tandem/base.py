@@ -97,7 +97,10 @@ class MLXTandemLLM(FunctionCallingLLM):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     repetition_context_size: int = Field(
-        default=20, description="How many of the latest tokens repetition_penalty looks back on.")
+        default=20, description="How many of the latest tokens the repetition, presence and frequency penalties "
+                                "look back on.")
+    presence_penalty: Optional[float] = Field(default=None, description="OpenAI's presence penalty, in [-2, 2].")
+    frequency_penalty: Optional[float] = Field(default=None, description="OpenAI's frequency penalty, in [-2, 2].")
     stop: Optional[list[str]] = Field(default=None, description="Stop strings (never emitted).")
     seed: Optional[int] = None
     mtp: Optional[Union[StrictStr, StrictBool]] = Field(

@@ -51,6 +51,8 @@ async def test_penalised_rows_decode_as_mlx_lm_does_alone(llama_engine, llama_pa
 def test_penalties_out_of_openais_range_are_typed_errors(bad):
     with pytest.raises(InvalidRequestError, match=next(iter(bad))):
         SamplingParams(**bad)
+    # None is "off", as OpenAI reads a null penalty.
+    assert SamplingParams.coerce({"presence_penalty": None, "frequency_penalty": None}) == SamplingParams()
 
 
 def test_the_adapters_pass_the_penalties(llama_path):

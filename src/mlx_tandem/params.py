@@ -74,9 +74,9 @@ class SamplingParams:
     repetition_context_size: int = 20
     #: OpenAI's additive penalties, as mlx-lm applies them: ``presence_penalty`` once for a
     #: token that occurs in the last ``repetition_context_size`` tokens, ``frequency_penalty``
-    #: per occurrence there; each in [-2, 2] (0 disables it).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    #: per occurrence there; each in [-2, 2] (0, or None, disables it).
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
     stop: tuple[str, ...] = ()
     seed: Optional[int] = None
     #: Speculative decoding for this request: "auto" | "on" | "off" (True/False accepted);
@@ -90,6 +90,9 @@ class SamplingParams:
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
+        for name in ("presence_penalty", "frequency_penalty"):  # None is "off", as OpenAI reads null
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, 0.0)
         # Accept a single string or any sequence for stop; a list for processors.
         if isinstance(self.stop, Mapping):
             raise InvalidRequestError(f"SamplingParams.stop={self.stop!r}: must be a string or a list of strings")

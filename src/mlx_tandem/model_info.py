@@ -10,12 +10,15 @@ parser and think markers) replaces the file heuristics.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .errors import ModelLoadError
-from .params import SamplingParams
+from .errors import InvalidRequestError, ModelLoadError
+from .params import MODEL_DEFAULTS, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,11 +83,6 @@ def sampling_defaults_of(path: Path, *, warn: bool = True) -> dict:
     taken. ``top_k`` -1 (vLLM's "off") is 0, and a whole float is an int. A value
     SamplingParams refuses is left out, with a warning (the loader's, once) if ``warn``.
     """
-    import logging
-
-    from .errors import InvalidRequestError
-    from .params import MODEL_DEFAULTS
-
     f = path / "generation_config.json"
     try:
         config = json.loads(f.read_text()) if f.is_file() else {}
@@ -103,7 +101,7 @@ def sampling_defaults_of(path: Path, *, warn: bool = True) -> dict:
             SamplingParams(**{key: value})
         except InvalidRequestError as exc:
             if warn:
-                logging.getLogger(__name__).warning("%s: %s is not used: %s", f, key, exc)
+                logger.warning("%s: %s is not used: %s", f, key, exc)
             continue
         out[key] = value
     return out

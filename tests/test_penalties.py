@@ -1,10 +1,12 @@
-"""OpenAI's presence and frequency penalties, applied as mlx-lm applies them: batched rows
-decode as mlx-lm's single-request generate_step does with its own processors."""
+"""OpenAI's presence and frequency penalties, over the whole answer and never the prompt (as
+OpenAI and vLLM apply them), and mlx-lm's repetition penalty over its window: batched rows
+decode as mlx-lm's single-request generate_step does with a reference processor."""
 
 from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
@@ -18,15 +20,29 @@ PENALTIES = [dict(presence_penalty=2.0), dict(frequency_penalty=1.5), dict(prese
              dict(presence_penalty=1.0, repetition_penalty=1.2, repetition_context_size=40)]
 
 
+def _answer_penalties(presence: float, frequency: float):
+    """The reference: counts the tokens sampled since its first call (generate_step's first
+    call holds the prompt's tail, each later one one more token) with numpy."""
+    import mlx.core as mx
+
+    start = None
+
+    def processor(tokens, logits):
+        nonlocal start
+        start = len(tokens) if start is None else start
+        counts = np.bincount(np.array(tokens[start:], dtype=np.int64), minlength=logits.shape[-1])
+        return logits - mx.array((frequency * counts + presence * (counts > 0))[None], dtype=logits.dtype)
+
+    return processor
+
+
 def _reference(path, prompt_ids: list[int], max_tokens: int, penalties: dict) -> list[int]:
     import mlx.core as mx
 
     model, tokenizer = _load(str(path))
-    window = penalties.get("repetition_context_size", 20)
-    processors = make_logits_processors(
-        repetition_penalty=penalties.get("repetition_penalty"), repetition_context_size=window,
-        presence_penalty=penalties.get("presence_penalty"), presence_context_size=window,
-        frequency_penalty=penalties.get("frequency_penalty"), frequency_context_size=window)
+    processors = make_logits_processors(repetition_penalty=penalties.get("repetition_penalty"),
+                                        repetition_context_size=penalties.get("repetition_context_size", 20))
+    processors.append(_answer_penalties(penalties.get("presence_penalty", 0.0), penalties.get("frequency_penalty", 0.0)))
     out = []
     for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, logits_processors=processors):
         if int(token) in tokenizer.eos_token_ids:
@@ -39,10 +55,11 @@ async def test_penalised_rows_decode_as_mlx_lm_does_alone(llama_engine, llama_pa
     prompts = chat_prompts(8)
     ids = [llama_engine.apply_chat_template(p) for p in prompts]
     settings = [PENALTIES[i % len(PENALTIES)] for i in range(len(prompts))]
-    outs = await asyncio.gather(*(llama_engine.complete(i, {"max_tokens": 24, **s}) for i, s in zip(ids, settings)))
-    plain = await asyncio.gather(*(llama_engine.complete(i, {"max_tokens": 24}) for i in ids))
+    # 48 tokens: an answer longer than the repetition window, whose early tokens still count.
+    outs = await asyncio.gather(*(llama_engine.complete(i, {"max_tokens": 48, **s}) for i, s in zip(ids, settings)))
+    plain = await asyncio.gather(*(llama_engine.complete(i, {"max_tokens": 48}) for i in ids))
     for i, (out, s) in enumerate(zip(outs, settings)):
-        assert out.token_ids == _reference(llama_path, ids[i], 24, s), (i, s)
+        assert out.token_ids == _reference(llama_path, ids[i], 48, s), (i, s)
     assert any(o.token_ids != p.token_ids for o, p in zip(outs, plain))  # the penalties act
 
 
@@ -88,3 +105,23 @@ def test_penalised_rows_beside_speculating_rows_decode_as_without_mtp(qwen3_5_mt
     spec, mtp = asyncio.run(run("on"))
     assert spec == plain
     assert mtp["spec_steps"] > 0 and mtp["accepted"] > 0, mtp
+
+
+def test_cached_prompts_and_image_rows_penalise_the_answer_only(qwen3_5_vl_path):
+    """A row restored from the prefix cache and an image row (its prompt expanded by the
+    processor) count from where their answers start: each decodes as the same request with
+    the reference processor in place of the built-in penalties."""
+    from .test_routing import _data_uri, _image, _img_part, _text, _user
+
+    system = {"role": "system", "content": "You answer questions about the weather. " * 12}
+    text = [system, {"role": "user", "content": "Is it going to rain tomorrow?"}]
+    image = [_user(_img_part(_data_uri(_image(3, 64))), _text("What is in this picture?"))]
+    s = dict(presence_penalty=-2.0, frequency_penalty=-2.0)  # the random model repeats nothing unpushed
+    with Engine(qwen3_5_vl_path, show_progress=False) as engine:
+        for messages in (text, text, image):
+            got = engine.chat_sync(messages, {"max_tokens": 40, **s})
+            want = engine.chat_sync(messages, {"max_tokens": 40, "logits_processors": [_answer_penalties(**{
+                "presence": s["presence_penalty"], "frequency": s["frequency_penalty"]})]})
+            assert got.token_ids == want.token_ids
+            assert got.token_ids != engine.chat_sync(messages, {"max_tokens": 40}).token_ids  # they act
+        assert engine.stats()["prefix_cache"]["hits"] > 0

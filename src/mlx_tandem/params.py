@@ -72,9 +72,10 @@ class SamplingParams:
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     repetition_context_size: int = 20
-    #: OpenAI's additive penalties, as mlx-lm applies them: ``presence_penalty`` once for a
-    #: token that occurs in the last ``repetition_context_size`` tokens, ``frequency_penalty``
-    #: per occurrence there; each in [-2, 2] (0, or None, disables it).
+    #: OpenAI's additive penalties, over the whole answer so far and never the prompt, as
+    #: OpenAI and vLLM apply them: ``presence_penalty`` once for a token the answer holds,
+    #: ``frequency_penalty`` per occurrence; each in [-2, 2] (0, or None, disables it).
+    #: ``repetition_context_size`` is the repetition penalty's window only (mlx-lm's).
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
     stop: tuple[str, ...] = ()

@@ -112,28 +112,53 @@ def make_request_sampler(p: SamplingParams) -> Optional[Sampler]:
 
 
 def make_request_processors(p: SamplingParams, on_error: Callable[[BaseException], None],
-                            extra: Sequence = ()) -> list:
+                            extra: Sequence = (), *, prompt_tokens: int = 0) -> list:
     """mlx-lm processors for the request, with user and engine processors guarded.
 
+    ``prompt_tokens`` is the prompt's length: the presence and frequency penalties count the
+    answer only, which follows it in the token context both lanes pass (AnswerPenalties).
     An exception in a user's processor must fail that request only: the guard records it
     (the engine fails the request after the step) and passes the logits through unchanged.
     """
     p = p.with_defaults()
     processors = []
-    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-        window = p.repetition_context_size  # one window for the three, as SamplingParams says
-        processors += make_logits_processors(
-            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
-            repetition_context_size=window,
-            presence_penalty=p.presence_penalty, presence_context_size=window,
-            frequency_penalty=p.frequency_penalty, frequency_context_size=window,
-        )
+    if p.repetition_penalty != 1.0:
+        processors += make_logits_processors(repetition_penalty=p.repetition_penalty,
+                                             repetition_context_size=p.repetition_context_size)
+    if p.presence_penalty or p.frequency_penalty:
+        processors.append(AnswerPenalties(prompt_tokens, p.presence_penalty, p.frequency_penalty))
     for user_fn in p.logits_processors:
         processors.append(_guard(user_fn, on_error))
     # Engine processors (grammar masks, bans) go last: a constraint has the final word.
     for fn in extra:
         processors.append(_guard(fn, on_error))
     return processors
+
+
+class AnswerPenalties:
+    """OpenAI's presence and frequency penalties over the whole answer so far, as OpenAI and
+    vLLM apply them: ``presence`` once for each token the answer holds, ``frequency`` once per
+    occurrence; the prompt is not counted.
+
+    mlx-lm 0.32's own processors read the last N tokens of the context instead, prompt
+    included: at N = 20 a penalty hit the template's turn markers (``<|im_start|>``,
+    ``</think>``) for the answer's first tokens and missed a loop longer than N, the one
+    Qwen recommends a presence penalty against. A pure function of the context, so a
+    replayed or hypothetical context gets the same penalty.
+    """
+
+    def __init__(self, prompt_tokens: int, presence: float, frequency: float):
+        self.prompt_tokens = int(prompt_tokens)
+        self.presence = float(presence or 0.0)
+        self.frequency = float(frequency or 0.0)
+
+    def __call__(self, tokens, logits: mx.array) -> mx.array:
+        answer = tokens[self.prompt_tokens:]
+        if len(answer) == 0:
+            return logits
+        counts = mx.zeros((logits.shape[-1],), dtype=mx.float32).at[mx.array(answer)].add(1.0)
+        penalty = self.frequency * counts + self.presence * (counts > 0)
+        return logits - penalty.astype(logits.dtype)
 
 
 def _guard(fn, on_error):

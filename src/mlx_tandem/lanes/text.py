@@ -258,7 +258,8 @@ class TextLane:
             sampler = banned_sampler(sampler, _banned_ids(bans))
             extra = [p for p in extra if not isinstance(p, TokenBan)]
         processors = make_request_processors(
-            request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc)), extra=extra)
+            request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc)), extra=extra,
+            prompt_tokens=len(request.prompt_ids))
         prompt = list(request.prompt_ids)
         cache, start = None, 0
         if self.prefix_cache is not None:

@@ -133,7 +133,7 @@ class VisionLane:
         rid = request.request_id
         processors = make_request_processors(
             request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc)),
-            extra=request.processors)
+            extra=request.processors, prompt_tokens=len(ids))
         sampler = make_request_sampler(request.params)
         if sampler is not None:
             processors.append(_SampleAsProcessor(sampler))

@@ -479,7 +479,7 @@ class EngineCore:
         mtp = getattr(lane, "mtp_stats", None)
         if mtp is not None and (snap := mtp()) is not None:
             self.stats.set_mtp(lane.name, snap)
-        for section in ("prefix_cache", "specprefill"):
+        for section in ("prefix_cache", "specprefill", "vision_prefix_cache"):
             report = getattr(lane, f"{section}_stats", None)
             if report is not None and (snap := report()) is not None:
                 self.stats.set_section(section, snap)

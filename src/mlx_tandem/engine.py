@@ -298,13 +298,15 @@ class Engine:
                 constrain_calls=self.options.constrain_tool_calls)
             text, prompt_ids, turns = renderer.render_chat(
                 messages, tools=plan.tools, template_kwargs=plan.template_kwargs)
+            opts = self.options
             if lane == "vision":
                 media = {"images": self._load_images(messages, turns), "text": text}
-            elif self.options.prefix_cache_bytes or self.options.specprefill_draft is not None:
-                # The prefix cache's snapshot points; SpecPrefill keeps the system prompt dense.
+            caching = opts.vision_cache_bytes if lane == "vision" else opts.prefix_cache_bytes
+            if caching or (lane == "text" and opts.specprefill_draft is not None):
+                # The prefix caches' snapshot points; SpecPrefill keeps the system prompt dense.
                 cache_points = renderer.cache_points(
                     messages, prompt_ids, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns,
-                    history=None if self.options.prefix_cache_history and self.options.prefix_cache_bytes else False)
+                    history=None if opts.prefix_cache_history and caching else False)
             fmt = self._format
             starts_in_reasoning = fmt.opens_in_reasoning(text, renderer.continued_text(
                 messages, text, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns))

@@ -52,6 +52,10 @@ class EngineOptions:
     #: Bytes of prompt-cache snapshots kept for reuse (system prompts, earlier turns,
     #: finished answers); 0 turns the prefix cache off.
     prefix_cache_bytes: int = 1 << 30
+    #: Bytes of the vision lane's snapshots (prompts with images: earlier turns, answers
+    #: asked again); None: a quarter of ``prefix_cache_bytes`` on a vision checkpoint. 0 turns
+    #: it off, and image prompts then prefill several at a time (lanes/vision_cache.py).
+    vision_prefix_cache_bytes: Optional[int] = None
     #: Shortest prefix worth storing or reusing, in tokens.
     prefix_cache_min_tokens: int = 32
     #: A request whose prompt shares a prefix that a running request is about to store (one
@@ -98,10 +102,13 @@ class EngineOptions:
             # A local draft as its resolved path: Engine.shared keys on the options, and two
             # spellings of one directory made two engines.
             object.__setattr__(self, "specprefill_draft", _draft_path(self.specprefill_draft))
-        for name in ("prefix_cache_bytes", "prefix_cache_min_tokens"):
+        for name in ("prefix_cache_bytes", "prefix_cache_min_tokens", "vision_prefix_cache_bytes"):
             v = getattr(self, name)
+            if v is None and name == "vision_prefix_cache_bytes":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 0")
+                none = " (or None)" if name == "vision_prefix_cache_bytes" else ""
+                raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 0{none}")
         for name in ("constrain_tool_calls", "show_progress", "allow_remote_images", "prefix_cache_wait_for_prefill",
                      "prefix_cache_history", "prefix_cache_shared"):
             if not isinstance(getattr(self, name), bool):
@@ -116,6 +123,12 @@ class EngineOptions:
             raise InvalidRequestError(f"engine option mtp_depth={self.mtp_depth!r}: must be 1, 2 or 3")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise InvalidRequestError(f"engine option max_model_len={self.max_model_len!r}: must be an integer >= 2")
+
+    @property
+    def vision_cache_bytes(self) -> int:
+        """``vision_prefix_cache_bytes``, None resolved."""
+        v = self.vision_prefix_cache_bytes
+        return self.prefix_cache_bytes // 4 if v is None else v
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineOptions":

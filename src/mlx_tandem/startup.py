@@ -46,6 +46,7 @@ def build_lanes(loaded: LoadedModel, opts: EngineOptions, lanes: dict[str, Lane]
     )
     if loaded.vlm is not None:
         from .lanes.vision import VisionLane
+        from .lanes.vision_cache import VisionPrefixCache
 
         lanes["vision"] = VisionLane(
             loaded.vlm, loaded.processor,
@@ -54,6 +55,8 @@ def build_lanes(loaded: LoadedModel, opts: EngineOptions, lanes: dict[str, Lane]
             prefill_batch_size=opts.prefill_batch_size,
             prefill_step_size=opts.prefill_step_size,
             context_length=opts.max_model_len or loaded.context_length,
+            prefix_cache=(VisionPrefixCache(opts.vision_cache_bytes, min_tokens=opts.prefix_cache_min_tokens)
+                          if opts.vision_cache_bytes else None),
         )
     return mtp_head
 
@@ -95,6 +98,8 @@ def make_ledger(loaded: LoadedModel, opts: EngineOptions, lanes: dict[str, Lane]
     prefix_bytes = opts.prefix_cache_bytes
     if opts.specprefill_draft is not None:
         prefix_bytes += prefix_bytes // 8  # the draft's own snapshots (lanes/text.py)
+    if "vision" in lanes:
+        prefix_bytes += opts.vision_cache_bytes
     budget = derive_budget(opts.request_memory_bytes, opts.memory_fraction, in_use=mx.get_active_memory(),
                            prefix_cache_bytes=prefix_bytes, device_bytes=device_memory_bytes())
     ledger = MemoryLedger(footprints, budget)

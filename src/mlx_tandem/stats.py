@@ -14,6 +14,11 @@ from .prefix_cache import PrefixCache
 _EMPTY_PREFIX_CACHE = PrefixCache(0).snapshot()
 
 
+# The vision lane's (lanes/vision_cache.py), under "prefix_cache": "vision".
+_EMPTY_VISION_PREFIX_CACHE = {"hits": 0, "misses": 0, "hit_tokens": 0, "stored": 0, "evicted": 0, "entries": 0,
+                              "bytes": 0, "budget_bytes": 0}
+
+
 _EMPTY_MEMORY = {"budget_bytes": 0, "reserved_bytes": 0, "rows": {}, "waiting_for_memory": 0}
 
 
@@ -47,7 +52,7 @@ class EngineStats:
         self.decode_rows = 0  # sum of decode batch sizes (a speculative step emits more tokens than rows)
         self.mtp_lanes: dict[str, dict] = {}
         self.lane_requests: dict[str, int] = {"text": 0, "vision": 0}
-        self.sections: dict[str, dict] = {}  # "prefix_cache", "specprefill": set by the lanes
+        self.sections: dict[str, dict] = {}  # "prefix_cache", "specprefill", ...: set by the lanes
 
     def record_step(self, *, batch_size: int, prompt_tokens: int, prompt_time: float,
                     generation_tokens: int, decode_time: float) -> None:
@@ -129,7 +134,8 @@ class EngineStats:
                 "uptime_s": time.perf_counter() - self.started_at,
                 "mtp": self._mtp(),
                 "lane_requests": dict(self.lane_requests),
-                "prefix_cache": copy.deepcopy(self.sections.get("prefix_cache") or _EMPTY_PREFIX_CACHE),
+                "prefix_cache": {**copy.deepcopy(self.sections.get("prefix_cache") or _EMPTY_PREFIX_CACHE),
+                                 "vision": dict(self.sections.get("vision_prefix_cache") or _EMPTY_VISION_PREFIX_CACHE)},
                 "specprefill": dict(self.sections.get("specprefill") or _EMPTY_SPECPREFILL),
                 "memory": {**(self.sections.get("memory") or _EMPTY_MEMORY), "waits": self.memory_waits},
             }

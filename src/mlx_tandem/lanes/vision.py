@@ -3,7 +3,9 @@
 Requests without media never come here; they run on the text lane, on a text model that
 shares this VLM's arrays. Here each request's images go through the checkpoint's processor
 (image-pad expansion, pixel values, m-RoPE positions) and the VLM's embedding step when it
-is admitted; mlx-vlm's generator then prefills and decodes the rows together.
+is admitted; mlx-vlm's generator then prefills and decodes the rows together. With a
+VisionPrefixCache (vision_cache.py), a prompt that extends an earlier one with the same
+images starts from its snapshot.
 
 mlx-vlm 0.7.10's generator takes one sampler for the whole batch. Per-request sampling is
 therefore a last logits processor that draws from the request's own sampler and leaves only
@@ -22,6 +24,7 @@ from ..errors import ContextLengthError, InvalidRequestError
 from ..request import Request
 from ..samplers import make_request_processors, make_request_sampler
 from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
+from .vision_cache import VisionPrefixCache, expanded_points
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +60,19 @@ class VisionLane:
     name = "vision"
 
     def __init__(self, vlm, processor, *, eos_token_ids: Sequence[int], max_batch_size: int,
-                 prefill_batch_size: int, prefill_step_size: int, context_length: int):
+                 prefill_batch_size: int, prefill_step_size: int, context_length: int,
+                 prefix_cache: Optional[VisionPrefixCache] = None):
+        from mlx_vlm.apc import multimodal_token_ids_from_config
+
         self.vlm = vlm
         self.processor = processor
         self._eos = set(int(t) for t in eos_token_ids)
         self._context_length = context_length
+        self.prefix_cache = prefix_cache
+        self._media_ids = multimodal_token_ids_from_config(vlm.config)
+        self._prefilling: dict[int, Request] = {}  # uid -> its request, until its first token
+        if prefix_cache is not None:  # one prompt per prefill batch (vision_cache.py)
+            prefill_batch_size = 1
         # mlx-vlm 0.7.10 starts a prefill only when completion_batch_size minus the decoding
         # rows is at least prefill_batch_size, so with completion == max_batch_size a new image
         # request waited for the batch to drain. The core already caps this lane's rows at
@@ -78,7 +89,12 @@ class VisionLane:
     def _new_generator(self):
         from mlx_vlm.generate.ar import BatchGenerator
 
-        return BatchGenerator(self.vlm.language_model, self.processor, stop_tokens=self._eos, **self._opts)
+        cache = self.prefix_cache
+        gen = BatchGenerator(self.vlm.language_model, self.processor, stop_tokens=self._eos,
+                             apc_manager=cache.manager if cache is not None else None, **self._opts)
+        if cache is not None:
+            cache.attach(gen)
+        return gen
 
     @property
     def num_active(self) -> int:
@@ -104,6 +120,9 @@ class VisionLane:
             raise ContextLengthError(
                 f"with its images the prompt has {len(ids)} tokens; the context window is "
                 f"{self._context_length}", prompt_tokens=len(ids), max_context=self._context_length)
+        if self.prefix_cache is not None and request.cache_points:
+            request.cache_points = [(n, "turn") for n in expanded_points(
+                request.prompt_ids, ids, [n for n, _ in request.cache_points], self._media_ids)]
         request.prompt_ids = ids  # usage and admission count the expanded image tokens
         request.max_tokens = min(request.max_tokens, self._context_length - len(ids))
         media["expanded"] = True
@@ -127,6 +146,9 @@ class VisionLane:
             _, inputs = expand_images(self.vlm, self.processor, media["images"], media["text"])
         ids = request.prompt_ids
         kwargs = self._embed(inputs)
+        if self.prefix_cache is not None:
+            kwargs["_apc_semantic_hash"] = self.prefix_cache.key(inputs)
+            self.prefix_cache.expect(ids, [n for n, _ in request.cache_points])
         for p in request.processors:  # grammars plan their closing within the real budget
             if hasattr(p, "cap_budget"):
                 p.cap_budget(request.max_tokens)
@@ -140,6 +162,18 @@ class VisionLane:
         (uid,) = self._gen.insert([ids], [request.max_tokens], prompt_kwargs=[kwargs],
                                   logits_processors=[processors])
         self._rows.add(uid, rid)
+        self._prefilling[uid] = request
+
+    def _prefilled(self, uid: int) -> None:
+        """The row's prompt is in: its restored length is known, its points are stored."""
+        request = self._prefilling.pop(uid, None)
+        cache = self.prefix_cache
+        if request is None or cache is None:
+            return
+        request.cached_tokens = cache.restored.pop(uid, 0)
+        ids = request.prompt_ids
+        if not any(r.prompt_ids == ids for r in self._prefilling.values()):
+            cache.forget(ids)
 
     def discard_tokens(self, n: int) -> None:  # no speculation here: nothing counts drafts
         pass
@@ -155,6 +189,7 @@ class VisionLane:
             uid = self._rows.pop(rid)
             if uid is not None:
                 self._gen.remove(uid)
+                self._prefilled(uid)
 
     def step(self) -> tuple[list[TokenEvent], LaneStepStats]:
         tic = time.perf_counter()
@@ -165,6 +200,8 @@ class VisionLane:
             rid = self._rows.request_id(r.uid)
             if rid is None:
                 continue
+            if r.uid in self._prefilling:
+                self._prefilled(r.uid)
             ev = events.setdefault(rid, TokenEvent(rid, []))
             ev.tokens.append(int(r.token))
             if r.finish_reason is not None:
@@ -181,10 +218,16 @@ class VisionLane:
                                   decode_time=max(0.0, elapsed - prompt_time),
                                   batch_size=len({r.uid for r in responses}))
 
+    def vision_prefix_cache_stats(self) -> dict | None:
+        return self.prefix_cache.snapshot() if self.prefix_cache is not None else None
+
     def reset(self) -> list[str]:
         dropped = self._rows.clear()
         self._errors.clear()
         self._staged = None
+        self._prefilling.clear()
+        if self.prefix_cache is not None:  # a step failed: keep no snapshot it may have half-made
+            self.prefix_cache.close()
         self._gen.close()
         self._gen = self._new_generator()
         self._counters = (0, 0.0, 0)
@@ -192,6 +235,8 @@ class VisionLane:
 
     def close(self) -> None:
         self._gen.close()
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()
         # A closed lane keeps nothing: the frames of a failed step that a caller's error
         # still holds (the engine loop's own) may name it after the engine closed.
         vars(self).clear()

@@ -1,0 +1,127 @@
+"""The vision lane's prefix cache: mlx-vlm's automatic prefix cache (APC), set up for this
+engine. Owner thread only (the cache holds mlx arrays).
+
+Image rows run on mlx-vlm's BatchGenerator, whose ``insert`` takes no cache, so the text
+lane's PrefixCache cannot serve them; mlx-vlm's own APC restores a row inside its prompt
+batch, m-RoPE positions included. Out of the box (mlx-vlm 0.7.10) it did not serve a chat,
+so this module sets it up and goes around it in four places, each measured on the
+factory's Qwen3.5 vision model:
+
+- **Key.** APC salts a prefix with a hash of every prompt input, the prompt's whole
+  ``inputs_embeds`` included, which differ for every prompt: no later prompt ever hit. The
+  salt here is the content of the request's images (pixel values and grid), passed as
+  ``_apc_semantic_hash``, the key APC reads first. Two images with equal token ids never
+  share an entry.
+- **Points.** A hybrid model's recurrent state cannot be cut back, so APC reuses exact
+  snapshots only, taken where a prompt ends less one token. The next turn of a chat does not
+  extend that (Qwen's template drops the think block of earlier turns), so the lane also
+  snapshots at the request's "turn" and "history" points (prompt.py, the text lane's),
+  mapped onto the expanded prompt (``expanded_points``).
+- **Prefill one prompt at a time.** APC pads a prefill batch that mixes a restored row with
+  others on the right, and the padding runs through GatedDeltaNet's state: the restored
+  row's answer changed. With the cache on, mlx-vlm prefills one image prompt per batch (the
+  rows still decode together). Attention-only vision models would not need it; there is no
+  such factory model to test them on, so they get the same.
+- **Memory.** The RAM tier only (no disk tier, no environment settings), a budget of its own
+  (``vision_prefix_cache_bytes``) and no reserve of free memory: the engine's ledger admits.
+
+Which prefix APC restores (``restored``) is read where mlx-vlm picks it, for usage and stats.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+logger = logging.getLogger(__name__)
+
+#: Snapshots kept at most besides the byte budget (each prompt stores one to three).
+MAX_ENTRIES = 64
+
+
+class VisionPrefixCache:
+    def __init__(self, budget_bytes: int, *, min_tokens: int):
+        from mlx_vlm.apc import APCManager
+
+        self.budget_bytes = int(budget_bytes)
+        self.manager = APCManager(disk=None, overrides={
+            "memory_max_gb": self.budget_bytes / (1 << 30), "memory_reserve_gb": 0,
+            "checkpoint_entries": MAX_ENTRIES, "checkpoint_guard_tokens": 1,
+            "checkpoint_interval_tokens": 0})  # our points, not every 2048 tokens
+        self.manager.exact_cache_min_tokens = max(1, int(min_tokens))  # env-only in mlx-vlm
+        self._points: dict[tuple[int, ...], list[int]] = {}
+        self.restored: dict[int, int] = {}  # generator uid -> prompt tokens restored
+        self.hits = self.misses = self.hit_tokens = 0
+
+    def attach(self, gen) -> None:
+        """Wrap a new generator's checkpoint plan and prefix pick (module docstring)."""
+        if getattr(gen, "apc", None) is None:  # this model's caches are not restorable
+            logger.warning("the vision prefix cache is off: mlx-vlm cannot restore this model's caches")
+            return
+        plan, pick = gen.apc.checkpoint_lengths, gen._apc_pick_for
+
+        def checkpoint_lengths(token_ids, media_token_ids):
+            ours = self._points.get(tuple(int(t) for t in token_ids), ())
+            return sorted(set(plan(token_ids, media_token_ids)) | set(ours))
+
+        def apc_pick_for(sequence):
+            chosen = pick(sequence)
+            n = int(chosen["prefix_len"]) if chosen else 0
+            self.restored[sequence[0]] = n
+            self.hits, self.misses = self.hits + bool(n), self.misses + (not n)
+            self.hit_tokens += n
+            return chosen
+
+        gen.apc.checkpoint_lengths = checkpoint_lengths
+        gen._apc_pick_for = apc_pick_for
+
+    def key(self, inputs: dict) -> int:
+        """The salt of a request's prefixes: its images' content."""
+        from mlx_vlm.apc import hash_image_payload, semantic_extra_hash
+
+        return semantic_extra_hash(image_hash=hash_image_payload(pixel_values=inputs.get("pixel_values")),
+                                   media={"grid": inputs.get("image_grid_thw")})
+
+    def expect(self, ids: Sequence[int], points: Sequence[int]) -> None:
+        """Snapshot the prompt ``ids`` also at ``points`` when it is prefilled."""
+        if points:
+            self._points[tuple(ids)] = list(points)
+
+    def forget(self, ids: Sequence[int]) -> None:
+        self._points.pop(tuple(ids), None)
+
+    def snapshot(self) -> dict:
+        s = self.manager.stats_snapshot()
+        return {"hits": self.hits, "misses": self.misses, "hit_tokens": self.hit_tokens,
+                "stored": s["exact_stores"] + s["stores"], "evicted": s["evictions"],
+                "entries": len(self.manager._exact_cache) + s["pool_used"], "bytes": s["resident_bytes"],
+                "budget_bytes": self.budget_bytes}
+
+    def close(self) -> None:
+        self.manager.clear()
+        self._points.clear()
+        self.restored.clear()
+
+
+def expanded_points(unexpanded: Sequence[int], expanded: Sequence[int], points: Sequence[int],
+                    media_token_ids: set[int]) -> list[int]:
+    """``points`` (lengths of ``unexpanded``) as lengths of ``expanded``, where the processor
+    repeated each media placeholder; only those past the last media token, the least a
+    restored prefix must hold (mlx-vlm restores only before a text-only suffix). Empty if
+    the two do not align."""
+    at, j = {}, 0
+    wanted = set(points)
+    for i, tok in enumerate(unexpanded):
+        if i in wanted:
+            at[i] = j
+        if j >= len(expanded) or expanded[j] != tok:
+            return []
+        j += 1
+        if tok in media_token_ids:
+            while j < len(expanded) and expanded[j] == tok:
+                j += 1
+    if len(unexpanded) in wanted:
+        at[len(unexpanded)] = j
+    last_media = max((k + 1 for k, t in enumerate(expanded) if t in media_token_ids), default=0)
+    return sorted(n for n in at.values() if last_media <= n < len(expanded))
+

@@ -1,0 +1,121 @@
+"""The vision lane's prefix cache (lanes/vision_cache.py, over mlx-vlm's APC): later turns of a
+conversation about an image start from a snapshot and answer exactly as without the cache;
+another image with the same words never reads it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mlx_tandem import Engine, InvalidRequestError
+from mlx_tandem.lanes.vision_cache import expanded_points
+from mlx_tandem.options import EngineOptions
+
+from .test_routing import _data_uri, _image, _img_part, _text, _user
+
+TOKENS = 12
+
+
+def _conversation(seed: int, size: int = 64):
+    return [{"role": "system", "content": "You describe pictures for people who cannot see them."},
+            _user(_img_part(_data_uri(_image(seed, size))), _text(f"What is in picture {seed}?"))]
+
+
+async def _turns(engine, conversations, turns: int):
+    """Every conversation's turns, the conversations at once: token ids and cached tokens
+    per turn."""
+    conversations = [list(c) for c in conversations]
+    ids, cached = [], []
+    for t in range(turns):
+        outs = await asyncio.gather(*(engine.chat(c, {"max_tokens": TOKENS}) for c in conversations))
+        ids.append([o.token_ids for o in outs])
+        cached.append([o.usage.cached_tokens for o in outs])
+        for c, o in zip(conversations, outs):
+            c += [{"role": "assistant", "content": o.text}, {"role": "user", "content": f"Tell me more ({t})."}]
+    return ids, cached
+
+
+def _run(path, conversations, turns, **options):
+    async def go():
+        async with Engine(path, show_progress=False, **options) as engine:
+            out = await _turns(engine, conversations, turns)
+            return (*out, engine.stats()["prefix_cache"]["vision"])
+    return asyncio.run(go())
+
+
+def test_later_turns_about_an_image_start_from_a_snapshot_and_answer_as_without_it(qwen3_5_vl_path):
+    conversations = [_conversation(1), _conversation(2), _conversation(3, 96)]
+    ids, cached, stats = _run(qwen3_5_vl_path, conversations, 3)
+    plain, plain_cached, off = _run(qwen3_5_vl_path, conversations, 3, vision_prefix_cache_bytes=0)
+    assert ids == plain
+    assert cached[0] == [0, 0, 0] and plain_cached == [[0, 0, 0]] * 3 and off["hits"] == 0
+    # Each later turn restores at least the turn before it ("turn" points, not only the end).
+    for earlier, later in zip(cached, cached[1:]):
+        assert all(0 < c and e <= c for e, c in zip(earlier, later)), cached
+    assert stats["hits"] == 6 and stats["misses"] == 3 and stats["hit_tokens"] == sum(map(sum, cached))
+    assert 0 < stats["bytes"] <= stats["budget_bytes"]
+
+
+def test_other_images_with_the_same_words_never_read_a_snapshot(qwen3_5_vl_path):
+    """The prompts' token ids are equal (each image expands to as many tokens): only the
+    images' content tells them apart."""
+    def chat(seed):
+        return [_conversation(1)[0], _user(_img_part(_data_uri(_image(seed, 64))), _text("What is in the picture?"))]
+
+    async def go(**options):
+        async with Engine(qwen3_5_vl_path, show_progress=False, **options) as engine:
+            assert engine.apply_chat_template(chat(1)) == engine.apply_chat_template(chat(2))
+            outs = [await engine.chat(chat(s), {"max_tokens": TOKENS}) for s in (1, 2, 1)]
+            return [o.token_ids for o in outs], [o.usage.cached_tokens for o in outs]
+
+    ids, cached = asyncio.run(go())
+    plain, _ = asyncio.run(go(vision_prefix_cache_bytes=0))
+    assert ids == plain
+    assert ids[0] != ids[1]  # the images do change the answer
+    assert cached[1] == 0 and cached[2] > 0  # the same image again reads its own snapshot
+
+
+def test_a_restored_prompt_prefilled_beside_a_new_one_answers_as_alone(qwen3_5_vl_path):
+    """A second turn (restored) and a new conversation (cold) submitted at once. mlx-vlm
+    0.7.10 pads such a mixed prefill batch on the right, through the recurrent state, so the
+    lane prefills one image prompt at a time (vision_cache.py)."""
+    first = _conversation(4)
+
+    async def go(**options):
+        async with Engine(qwen3_5_vl_path, show_progress=False, **options) as engine:
+            reply = await engine.chat(first, {"max_tokens": TOKENS})
+            second = first + [{"role": "assistant", "content": reply.text},
+                              {"role": "user", "content": "And the colours?"}]
+            outs = await asyncio.gather(engine.chat(second, {"max_tokens": TOKENS}),
+                                        engine.chat(_conversation(5, 96), {"max_tokens": TOKENS}))
+            return [o.token_ids for o in outs], outs[0].usage.cached_tokens
+
+    ids, cached = asyncio.run(go())
+    plain, _ = asyncio.run(go(vision_prefix_cache_bytes=0))
+    assert cached > 0
+    assert ids == plain
+
+
+def test_points_move_past_each_expanded_image():
+    pad, other = 7, 9
+    unexpanded = [1, 2, pad, 3, 4, 5, pad, 6, 8]
+    expanded = [1, 2, pad, pad, pad, 3, 4, 5, pad, pad, 6, 8]
+    # 4 is before the second image (a restored prefix must hold every image): dropped.
+    assert expanded_points(unexpanded, expanded, [4, 8, 9], {pad}) == [11]
+    assert expanded_points(unexpanded, expanded, [7], {pad}) == [10]
+    assert expanded_points(unexpanded, [1, 2, pad, other], [2], {pad}) == []  # they do not align
+
+
+def test_the_vision_cache_option():
+    assert EngineOptions().vision_cache_bytes == EngineOptions().prefix_cache_bytes // 4
+    assert EngineOptions(prefix_cache_bytes=0).vision_cache_bytes == 0
+    assert EngineOptions(vision_prefix_cache_bytes=5).vision_cache_bytes == 5
+    with pytest.raises(InvalidRequestError, match="vision_prefix_cache_bytes"):
+        EngineOptions(vision_prefix_cache_bytes=-1)
+
+
+def test_a_text_engine_reports_an_empty_vision_cache(qwen3_5_engine):
+    stats = qwen3_5_engine.stats()["prefix_cache"]["vision"]
+    assert stats == {"hits": 0, "misses": 0, "hit_tokens": 0, "stored": 0, "evicted": 0, "entries": 0, "bytes": 0,
+                     "budget_bytes": 0}

@@ -29,6 +29,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/long_prompts.py benchmarks/results/long_prompts.json
 	$(PY) benchmarks/admission.py benchmarks/results/admission.json
 	$(PY) benchmarks/structured.py benchmarks/results/structured.json
+	$(PY) benchmarks/vision_prefix.py benchmarks/results/vision_prefix.json
 
 bench-quick: $(VENV)/.installed
 	$(PY) benchmarks/batching.py benchmarks/results/batching-quick.json --quick
@@ -36,6 +37,7 @@ bench-quick: $(VENV)/.installed
 	$(PY) benchmarks/long_prompts.py benchmarks/results/long_prompts-quick.json --quick
 	$(PY) benchmarks/admission.py benchmarks/results/admission-quick.json --quick
 	$(PY) benchmarks/structured.py benchmarks/results/structured-quick.json --quick
+	$(PY) benchmarks/vision_prefix.py benchmarks/results/vision_prefix-quick.json --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache benchmarks/results

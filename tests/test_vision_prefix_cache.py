@@ -119,3 +119,38 @@ def test_a_text_engine_reports_an_empty_vision_cache(qwen3_5_engine):
     stats = qwen3_5_engine.stats()["prefix_cache"]["vision"]
     assert stats == {"hits": 0, "misses": 0, "hit_tokens": 0, "stored": 0, "evicted": 0, "entries": 0, "bytes": 0,
                      "budget_bytes": 0}
+
+
+def test_new_images_at_once_still_prefill_together(qwen3_5_vl_path, monkeypatch):
+    """Only a prompt that may be restored prefills alone: new images share prefill batches
+    as without the cache, and a second turn submitted beside new ones is restored alone."""
+    import sys
+
+    from mlx_vlm.generate import ar  # noqa: F401 - loads the module the generator's batches come from
+
+    batch_class = sys.modules["mlx_vlm.generate.ar"].PromptProcessingBatch
+    sizes = []
+    init = batch_class.__init__
+
+    def spy(self, *args, **kwargs):
+        sizes.append((len(kwargs["uids"]), kwargs.get("warm_cache") is not None))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(batch_class, "__init__", spy)
+
+    async def go():
+        async with Engine(qwen3_5_vl_path, show_progress=False, prefill_batch_size=4) as engine:
+            first = _conversation(6)
+            reply = await engine.chat(first, {"max_tokens": TOKENS})
+            sizes.clear()
+            await asyncio.gather(*(engine.chat(_conversation(10 + i), {"max_tokens": TOKENS}) for i in range(3)))
+            new = list(sizes)
+            sizes.clear()
+            second = first + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "More?"}]
+            await asyncio.gather(engine.chat(second, {"max_tokens": TOKENS}),
+                                 *(engine.chat(_conversation(20 + i), {"max_tokens": TOKENS}) for i in range(3)))
+            return new, list(sizes)
+
+    new, beside_a_second_turn = asyncio.run(go())
+    assert max(n for n, _ in new) > 1 and not any(warm for _, warm in new), new
+    assert [n for n, warm in beside_a_second_turn if warm] == [1], beside_a_second_turn

@@ -71,13 +71,11 @@ class VisionLane:
         self.prefix_cache = prefix_cache
         self._media_ids = multimodal_token_ids_from_config(vlm.config)
         self._prefilling: dict[int, Request] = {}  # uid -> its request, until its first token
-        if prefix_cache is not None:  # one prompt per prefill batch (vision_cache.py)
-            prefill_batch_size = 1
         # mlx-vlm 0.7.10 starts a prefill only when completion_batch_size minus the decoding
         # rows is at least prefill_batch_size, so with completion == max_batch_size a new image
         # request waited for the batch to drain. The core already caps this lane's rows at
         # max_batch_size, so the generator's own cap is raised to admit whenever a row is free.
-        prefill = min(prefill_batch_size, max_batch_size)
+        prefill = self._prefill_batch_size = min(prefill_batch_size, max_batch_size)
         self._opts = dict(completion_batch_size=max_batch_size + prefill - 1, prefill_batch_size=prefill,
                           prefill_step_size=prefill_step_size, compute_logprobs=False)
         self._gen = self._new_generator()
@@ -146,8 +144,9 @@ class VisionLane:
             _, inputs = expand_images(self.vlm, self.processor, media["images"], media["text"])
         ids = request.prompt_ids
         kwargs = self._embed(inputs)
+        key = None
         if self.prefix_cache is not None:
-            kwargs["_apc_semantic_hash"] = self.prefix_cache.key(inputs)
+            key = kwargs["_apc_semantic_hash"] = self.prefix_cache.key(inputs)
             self.prefix_cache.expect(ids, [n for n, _ in request.cache_points])
         for p in request.processors:  # grammars plan their closing within the real budget
             if hasattr(p, "cap_budget"):
@@ -163,6 +162,8 @@ class VisionLane:
                                   logits_processors=[processors])
         self._rows.add(uid, rid)
         self._prefilling[uid] = request
+        if key is not None:
+            self.prefix_cache.track(uid, key)
 
     def _prefilled(self, uid: int) -> None:
         """The row's prompt is in: its restored length is known, its points are stored."""
@@ -190,8 +191,14 @@ class VisionLane:
             if uid is not None:
                 self._gen.remove(uid)
                 self._prefilled(uid)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.untrack(uid)
 
     def step(self) -> tuple[list[TokenEvent], LaneStepStats]:
+        cache = self.prefix_cache
+        if cache is not None:  # a prompt that may be restored prefills alone (vision_cache.py)
+            waiting = [uid for uid in self._prefilling if uid not in cache.restored]  # not yet picked
+            self._gen.prefill_batch_size = cache.prefill_batch_size(waiting, self._prefill_batch_size)
         tic = time.perf_counter()
         _, responses = self._gen.next()
         elapsed = time.perf_counter() - tic
@@ -207,6 +214,8 @@ class VisionLane:
             if r.finish_reason is not None:
                 ev.finish_reason = "stop" if r.finish_reason == "stop" else "length"
                 self._rows.pop(rid)
+                if cache is not None:  # what it stores on finishing is in the cache now
+                    cache.untrack(r.uid)
         out = list(events.values())
         out = fail_errored(out, self._errors, self.remove)
         s = self._gen.stats()

@@ -17,11 +17,15 @@ factory's Qwen3.5 vision model:
   extend that (Qwen's template drops the think block of earlier turns), so the lane also
   snapshots at the request's "turn" and "history" points (prompt.py, the text lane's),
   mapped onto the expanded prompt (``expanded_points``).
-- **Prefill one prompt at a time.** APC pads a prefill batch that mixes a restored row with
-  others on the right, and the padding runs through GatedDeltaNet's state: the restored
-  row's answer changed. With the cache on, mlx-vlm prefills one image prompt per batch (the
-  rows still decode together). Attention-only vision models would not need it; there is no
-  such factory model to test them on, so they get the same.
+- **Prefill alone what may be restored.** APC pads a prefill batch that mixes a restored
+  row with others on the right, and the padding runs through GatedDeltaNet's state: the
+  restored row's answer changed. So a prompt that may be restored prefills alone, and a
+  prefill batch takes only the prompts ahead of it in the queue (``prefill_batch_size``);
+  the others prefill several at a time, as without the cache. A restore needs an entry
+  under the prompt's key, so a prompt may be restored only when an entry holds its key or
+  another row of the lane does (that row may store one within the same generator step, at
+  a checkpoint or when it finishes). Rows decode together either way. Attention-only vision models (block entries, whose keys are not
+  listed) always prefill alone: there is no such factory model to test a mixed batch on.
 - **Memory.** The RAM tier only (no disk tier, no environment settings), a budget of its own
   (``vision_prefix_cache_bytes``) and no reserve of free memory: the engine's ledger admits.
 
@@ -31,6 +35,7 @@ Which prefix APC restores (``restored``) is read where mlx-vlm picks it, for usa
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Sequence
 
 logger = logging.getLogger(__name__)
@@ -51,6 +56,8 @@ class VisionPrefixCache:
         self.manager.exact_cache_min_tokens = max(1, int(min_tokens))  # env-only in mlx-vlm
         self._points: dict[tuple[int, ...], list[int]] = {}
         self.restored: dict[int, int] = {}  # generator uid -> prompt tokens restored
+        self._keys: dict[int, int] = {}  # generator uid -> key, for every row of the lane
+        self._checkpoints = True  # exact entries (hybrid models), not blocks: set by attach
         self.hits = self.misses = self.hit_tokens = 0
 
     def attach(self, gen) -> None:
@@ -58,6 +65,7 @@ class VisionPrefixCache:
         if getattr(gen, "apc", None) is None:  # this model's caches are not restorable
             logger.warning("the vision prefix cache is off: mlx-vlm cannot restore this model's caches")
             return
+        self._checkpoints = bool(gen.apc.is_checkpoint)
         plan, pick = gen.apc.checkpoint_lengths, gen._apc_pick_for
 
         def checkpoint_lengths(token_ids, media_token_ids):
@@ -82,6 +90,28 @@ class VisionPrefixCache:
         return semantic_extra_hash(image_hash=hash_image_payload(pixel_values=inputs.get("pixel_values")),
                                    media={"grid": inputs.get("image_grid_thw")})
 
+    def track(self, uid: int, key: int) -> None:
+        self._keys[uid] = key
+
+    def untrack(self, uid: int) -> None:
+        self._keys.pop(uid, None)
+
+    def prefill_batch_size(self, waiting: Sequence[int], limit: int) -> int:
+        """How many of the ``waiting`` rows (not yet picked for a prefill batch, in the
+        generator's queue order) the next prefill batch may take: those in front that
+        cannot be restored, or the first alone (module docstring)."""
+        if not self._checkpoints:
+            return 1
+        stored = {e.extra_hash for e in self.manager._exact_cache.values()}
+        rows = Counter(self._keys.values())
+        n = 0
+        for uid in waiting[:limit]:
+            key = self._keys.get(uid)
+            if key in stored or rows[key] > 1:
+                break
+            n += 1
+        return max(1, n)
+
     def expect(self, ids: Sequence[int], points: Sequence[int]) -> None:
         """Snapshot the prompt ``ids`` also at ``points`` when it is prefilled."""
         if points:
@@ -101,6 +131,7 @@ class VisionPrefixCache:
         self.manager.clear()
         self._points.clear()
         self.restored.clear()
+        self._keys.clear()
 
 
 def expanded_points(unexpanded: Sequence[int], expanded: Sequence[int], points: Sequence[int],

@@ -115,13 +115,16 @@ def test_cached_prompts_and_image_rows_penalise_the_answer_only(qwen3_5_vl_path)
 
     system = {"role": "system", "content": "You answer questions about the weather. " * 12}
     text = [system, {"role": "user", "content": "Is it going to rain tomorrow?"}]
-    image = [_user(_img_part(_data_uri(_image(3, 64))), _text("What is in this picture?"))]
+    image = [system, _user(_img_part(_data_uri(_image(3, 64))), _text("What is in this picture?"))]
     s = dict(presence_penalty=-2.0, frequency_penalty=-2.0)  # the random model repeats nothing unpushed
     with Engine(qwen3_5_vl_path, show_progress=False) as engine:
-        for messages in (text, text, image):
+        # Each twice: the second image request is restored from the vision lane's cache,
+        # whose token context then holds only the prompt's suffix (found by a review).
+        for messages in (text, text, image, image):
             got = engine.chat_sync(messages, {"max_tokens": 40, **s})
             want = engine.chat_sync(messages, {"max_tokens": 40, "logits_processors": [_answer_penalties(**{
                 "presence": s["presence_penalty"], "frequency": s["frequency_penalty"]})]})
             assert got.token_ids == want.token_ids
             assert got.token_ids != engine.chat_sync(messages, {"max_tokens": 40}).token_ids  # they act
         assert engine.stats()["prefix_cache"]["hits"] > 0
+        assert got.usage.cached_tokens > 0  # the last image request was restored

@@ -154,3 +154,59 @@ def test_new_images_at_once_still_prefill_together(qwen3_5_vl_path, monkeypatch)
     new, beside_a_second_turn = asyncio.run(go())
     assert max(n for n, _ in new) > 1 and not any(warm for _, warm in new), new
     assert [n for n, warm in beside_a_second_turn if warm] == [1], beside_a_second_turn
+
+
+def test_the_prefill_batch_follows_the_generators_queue_order(qwen3_5_vl_path, monkeypatch):
+    """mlx-vlm's ``insert`` sorts the waiting prompts by length: a restorable second turn,
+    shorter and submitted after two long new ones, is first in the queue (found by a
+    review; the lane counted in order of arrival and let it share a batch with one)."""
+    import sys
+
+    from mlx_vlm.generate import ar  # noqa: F401
+
+    batch_class = sys.modules["mlx_vlm.generate.ar"].PromptProcessingBatch
+    batches = []
+    init = batch_class.__init__
+
+    def spy(self, *args, **kwargs):
+        batches.append((len(kwargs["uids"]), kwargs.get("warm_cache") is not None))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(batch_class, "__init__", spy)
+
+    def conversation(seed, question):
+        return [_conversation(seed)[0], _user(_img_part(_data_uri(_image(seed, 64))), _text(question))]
+
+    async def go(**options):
+        async with Engine(qwen3_5_vl_path, show_progress=False, prefill_step_size=8, **options) as engine:
+            first = _conversation(4)
+            reply = await engine.chat(first, {"max_tokens": TOKENS})
+            second = first + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "Colours?"}]
+            batches.clear()
+            # A long new prompt keeps the generator prefilling while the next three queue up.
+            busy = asyncio.ensure_future(engine.chat(conversation(29, "Tell me a long story. " * 60),
+                                                     {"max_tokens": TOKENS}))
+            await asyncio.sleep(0.3)
+            tasks = []
+            for messages in (conversation(30, "Describe every detail. " * 20),
+                             conversation(31, "List every colour. " * 20), second):
+                tasks.append(asyncio.ensure_future(engine.chat(messages, {"max_tokens": TOKENS})))
+                await asyncio.sleep(0.01)
+            outs = await asyncio.gather(*tasks)
+            await busy
+            return [o.token_ids for o in outs], outs[-1].usage.cached_tokens
+
+    ids, cached = asyncio.run(go())
+    warm = [n for n, restored in batches if restored]
+    plain, _ = asyncio.run(go(vision_prefix_cache_bytes=0))
+    assert cached > 0 and warm == [1], batches
+    assert ids == plain
+
+
+def test_snapshots_over_the_entry_cap_count_as_evicted(qwen3_5_vl_path, monkeypatch):
+    from mlx_tandem.lanes import vision_cache
+
+    monkeypatch.setattr(vision_cache, "MAX_ENTRIES", 2)
+    _, _, stats = _run(qwen3_5_vl_path, [_conversation(1), _conversation(2)], 2)
+    assert stats["entries"] == 2 and stats["stored"] > 2
+    assert stats["evicted"] == stats["stored"] - stats["entries"]

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ..errors import ContextLengthError, InvalidRequestError
 from ..request import Request
-from ..samplers import make_request_processors, make_request_sampler
+from ..samplers import AnswerPenalties, make_request_processors, make_request_sampler
 from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
 from .vision_cache import VisionPrefixCache, expanded_points
 
@@ -71,6 +71,9 @@ class VisionLane:
         self.prefix_cache = prefix_cache
         self._media_ids = multimodal_token_ids_from_config(vlm.config)
         self._prefilling: dict[int, Request] = {}  # uid -> its request, until its first token
+        self._penalties: dict[int, AnswerPenalties] = {}  # uid -> its penalties, until then too
+        if prefix_cache is not None:
+            prefix_cache.on_restore = self._on_restore
         # mlx-vlm 0.7.10 starts a prefill only when completion_batch_size minus the decoding
         # rows is at least prefill_batch_size, so with completion == max_batch_size a new image
         # request waited for the batch to drain. The core already caps this lane's rows at
@@ -162,11 +165,22 @@ class VisionLane:
                                   logits_processors=[processors])
         self._rows.add(uid, rid)
         self._prefilling[uid] = request
+        penalties = next((p for p in processors if isinstance(p, AnswerPenalties)), None)
+        if penalties is not None:
+            self._penalties[uid] = penalties
         if key is not None:
             self.prefix_cache.track(uid, key)
 
+    def _on_restore(self, uid: int, tokens: int) -> None:
+        """mlx-vlm restores the row's first ``tokens`` prompt tokens: its token context will
+        hold only the rest of the prompt, where the penalties' answer starts sooner."""
+        penalties = self._penalties.get(uid)
+        if penalties is not None:
+            penalties.prompt_tokens -= tokens
+
     def _prefilled(self, uid: int) -> None:
         """The row's prompt is in: its restored length is known, its points are stored."""
+        self._penalties.pop(uid, None)
         request = self._prefilling.pop(uid, None)
         cache = self.prefix_cache
         if request is None or cache is None:
@@ -197,7 +211,7 @@ class VisionLane:
     def step(self) -> tuple[list[TokenEvent], LaneStepStats]:
         cache = self.prefix_cache
         if cache is not None:  # a prompt that may be restored prefills alone (vision_cache.py)
-            waiting = [uid for uid in self._prefilling if uid not in cache.restored]  # not yet picked
+            waiting = [s[0] for s in self._gen.unprocessed_prompts]  # not yet picked, in queue order
             self._gen.prefill_batch_size = cache.prefill_batch_size(waiting, self._prefill_batch_size)
         tic = time.perf_counter()
         _, responses = self._gen.next()
@@ -235,6 +249,7 @@ class VisionLane:
         self._errors.clear()
         self._staged = None
         self._prefilling.clear()
+        self._penalties.clear()
         if self.prefix_cache is not None:  # a step failed: keep no snapshot it may have half-made
             self.prefix_cache.close()
         self._gen.close()

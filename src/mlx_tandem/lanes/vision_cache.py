@@ -24,19 +24,23 @@ factory's Qwen3.5 vision model:
   the others prefill several at a time, as without the cache. A restore needs an entry
   under the prompt's key, so a prompt may be restored only when an entry holds its key or
   another row of the lane does (that row may store one within the same generator step, at
-  a checkpoint or when it finishes). Rows decode together either way. Attention-only vision models (block entries, whose keys are not
-  listed) always prefill alone: there is no such factory model to test a mixed batch on.
+  a checkpoint or when it finishes). The queue is the generator's own (``insert`` sorts it
+  by prompt length, so it is not the order of arrival). Rows decode together either way.
+  Attention-only vision models (block entries, whose keys are not listed) always prefill
+  alone: there is no such factory model to test a mixed batch on.
 - **Memory.** The RAM tier only (no disk tier, no environment settings), a budget of its own
   (``vision_prefix_cache_bytes``) and no reserve of free memory: the engine's ledger admits.
 
-Which prefix APC restores (``restored``) is read where mlx-vlm picks it, for usage and stats.
+Which prefix APC restores is read where mlx-vlm picks it (``on_restore``), before the row's
+first forward: for usage, stats, and the answer penalties, since a restored row's token
+context then holds only the prompt's suffix (samplers.AnswerPenalties).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +60,22 @@ class VisionPrefixCache:
         self.manager.exact_cache_min_tokens = max(1, int(min_tokens))  # env-only in mlx-vlm
         self._points: dict[tuple[int, ...], list[int]] = {}
         self.restored: dict[int, int] = {}  # generator uid -> prompt tokens restored
+        self.on_restore: Optional[Callable[[int, int], None]] = None  # (uid, tokens), at the pick
         self._keys: dict[int, int] = {}  # generator uid -> key, for every row of the lane
         self._checkpoints = True  # exact entries (hybrid models), not blocks: set by attach
         self.hits = self.misses = self.hit_tokens = 0
+        # Snapshots stored and dropped by close(), over every APCManager stats object
+        # (clear() replaces it); evicted = stored - dropped - entries (the entry cap's
+        # evictions are not counted by APC).
+        self.stored = self._dropped = 0
+        store = self.manager.store_exact_cache
+
+        def store_exact_cache(*args, **kwargs):
+            kept = store(*args, **kwargs)
+            self.stored += bool(kept)
+            return kept
+
+        self.manager.store_exact_cache = store_exact_cache
 
     def attach(self, gen) -> None:
         """Wrap a new generator's checkpoint plan and prefix pick (module docstring)."""
@@ -76,6 +93,8 @@ class VisionPrefixCache:
             chosen = pick(sequence)
             n = int(chosen["prefix_len"]) if chosen else 0
             self.restored[sequence[0]] = n
+            if n and self.on_restore is not None:
+                self.on_restore(sequence[0], n)
             self.hits, self.misses = self.hits + bool(n), self.misses + (not n)
             self.hit_tokens += n
             return chosen
@@ -120,14 +139,19 @@ class VisionPrefixCache:
     def forget(self, ids: Sequence[int]) -> None:
         self._points.pop(tuple(ids), None)
 
+    def _entries(self) -> int:
+        # Exact snapshots (hybrid models); an attention-only model's blocks are not counted.
+        return len(self.manager._exact_cache)
+
     def snapshot(self) -> dict:
         s = self.manager.stats_snapshot()
+        entries = self._entries()
         return {"hits": self.hits, "misses": self.misses, "hit_tokens": self.hit_tokens,
-                "stored": s["exact_stores"] + s["stores"], "evicted": s["evictions"],
-                "entries": len(self.manager._exact_cache) + s["pool_used"], "bytes": s["resident_bytes"],
-                "budget_bytes": self.budget_bytes}
+                "stored": self.stored, "evicted": self.stored - self._dropped - entries,
+                "entries": entries, "bytes": s["resident_bytes"], "budget_bytes": self.budget_bytes}
 
     def close(self) -> None:
+        self._dropped += self._entries()
         self.manager.clear()
         self._points.clear()
         self.restored.clear()

@@ -210,3 +210,20 @@ def test_snapshots_over_the_entry_cap_count_as_evicted(qwen3_5_vl_path, monkeypa
     _, _, stats = _run(qwen3_5_vl_path, [_conversation(1), _conversation(2)], 2)
     assert stats["entries"] == 2 and stats["stored"] > 2
     assert stats["evicted"] == stats["stored"] - stats["entries"]
+
+
+def test_an_mlx_vlm_without_what_the_cache_goes_around_runs_without_it(qwen3_5_vl_path, monkeypatch, caplog):
+    """vision_cache.py wraps mlx-vlm 0.7.10 internals; another version that lacks one gets a
+    warning and an uncached lane, not a failure."""
+    import sys
+
+    from mlx_vlm.generate import ar  # noqa: F401
+
+    monkeypatch.delattr(sys.modules["mlx_vlm.generate.ar"].BatchGenerator, "_apc_pick_for")
+    conversation = _conversation(1)
+    with caplog.at_level("WARNING", logger="mlx_tandem.lanes.vision_cache"):
+        ids, cached, stats = _run(qwen3_5_vl_path, [conversation], 2)
+    assert "this mlx-vlm has no _apc_pick_for" in caplog.text
+    assert cached == [[0], [0]] and stats["budget_bytes"] == 0
+    monkeypatch.undo()
+    assert ids == _run(qwen3_5_vl_path, [conversation], 2, vision_prefix_cache_bytes=0)[0]

@@ -93,8 +93,11 @@ class VisionLane:
         cache = self.prefix_cache
         gen = BatchGenerator(self.vlm.language_model, self.processor, stop_tokens=self._eos,
                              apc_manager=cache.manager if cache is not None else None, **self._opts)
-        if cache is not None:
-            cache.attach(gen)
+        if cache is not None and not cache.attach(gen):
+            gen.close()
+            cache.close()
+            self.prefix_cache = None
+            return self._new_generator()
         return gen
 
     @property

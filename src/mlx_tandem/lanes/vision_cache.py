@@ -77,11 +77,19 @@ class VisionPrefixCache:
 
         self.manager.store_exact_cache = store_exact_cache
 
-    def attach(self, gen) -> None:
-        """Wrap a new generator's checkpoint plan and prefix pick (module docstring)."""
-        if getattr(gen, "apc", None) is None:  # this model's caches are not restorable
+    def attach(self, gen) -> bool:
+        """Wrap a new generator's checkpoint plan and prefix pick (module docstring). False,
+        with a warning, where that cannot be done: the lane then runs without the cache."""
+        apc = getattr(gen, "apc", None)
+        if apc is None:
             logger.warning("the vision prefix cache is off: mlx-vlm cannot restore this model's caches")
-            return
+            return False
+        needed = [(apc, "checkpoint_lengths"), (apc, "is_checkpoint"), (gen, "_apc_pick_for"),
+                  (gen, "unprocessed_prompts"), (gen, "prefill_batch_size"), (self.manager, "_exact_cache")]
+        missing = [name for obj, name in needed if not hasattr(obj, name)]
+        if missing:  # another mlx-vlm than the 0.7.10 this module goes around
+            logger.warning("the vision prefix cache is off: this mlx-vlm has no %s", ", ".join(missing))
+            return False
         self._checkpoints = bool(gen.apc.is_checkpoint)
         plan, pick = gen.apc.checkpoint_lengths, gen._apc_pick_for
 
@@ -101,6 +109,7 @@ class VisionPrefixCache:
 
         gen.apc.checkpoint_lengths = checkpoint_lengths
         gen._apc_pick_for = apc_pick_for
+        return True
 
     def key(self, inputs: dict) -> int:
         """The salt of a request's prefixes: its images' content."""

@@ -118,7 +118,7 @@ def test_the_vision_cache_option():
 def test_a_text_engine_reports_an_empty_vision_cache(qwen3_5_engine):
     stats = qwen3_5_engine.stats()["prefix_cache"]["vision"]
     assert stats == {"hits": 0, "misses": 0, "hit_tokens": 0, "stored": 0, "evicted": 0, "entries": 0, "bytes": 0,
-                     "budget_bytes": 0}
+                     "budget_bytes": 0, "encoder_skips": 0}
 
 
 def test_new_images_at_once_still_prefill_together(qwen3_5_vl_path, monkeypatch):
@@ -227,3 +227,43 @@ def test_an_mlx_vlm_without_what_the_cache_goes_around_runs_without_it(qwen3_5_v
     assert cached == [[0], [0]] and stats["budget_bytes"] == 0
     monkeypatch.undo()
     assert ids == _run(qwen3_5_vl_path, [conversation], 2, vision_prefix_cache_bytes=0)[0]
+
+
+def test_the_vision_encoder_runs_once_per_image_over_a_conversation(qwen3_5_vl_path, monkeypatch):
+    """APC needs the whole prompt's embeddings; the images' features are kept (mlx-vlm's
+    VisionFeatureCache), so later turns do not run the encoder again."""
+    from mlx_vlm.models.qwen3_5.vision import VisionModel
+
+    calls = []
+    call = VisionModel.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(VisionModel, "__call__", spy)
+    conversations = [_conversation(1), _conversation(2)]
+    ids, _, stats = _run(qwen3_5_vl_path, conversations, 3)
+    with_cache = len(calls)
+    calls.clear()
+    assert ids == _run(qwen3_5_vl_path, conversations, 3, vision_prefix_cache_bytes=0)[0]
+    assert with_cache == 2 and len(calls) == 6
+    assert stats["encoder_skips"] == 4
+
+
+def test_the_feature_cache_is_bounded_in_bytes():
+    import mlx.core as mx
+
+    from mlx_tandem.lanes.vision_cache import feature_cache
+
+    cache = feature_cache(1000)
+    a, b, c = (mx.zeros((100,), dtype=mx.float32) for _ in range(3))  # 400 bytes each
+    cache.put("a", a)
+    cache.put("b", b)
+    cache.get("a")  # a is now the most recently used
+    cache.put("c", c)
+    assert "a" in cache and "c" in cache and "b" not in cache and cache.nbytes == 800
+    cache.put("big", mx.zeros((300,), dtype=mx.float32))  # larger than the budget: not kept
+    assert "big" not in cache and cache.nbytes == 800
+    cache.put("a", [a, b])  # replaced, 800 bytes: the old a leaves, then c makes room
+    assert cache.nbytes == 800 and "a" in cache and "c" not in cache

@@ -16,7 +16,7 @@ _EMPTY_PREFIX_CACHE = PrefixCache(0).snapshot()
 
 # The vision lane's (lanes/vision_cache.py), under "prefix_cache": "vision".
 _EMPTY_VISION_PREFIX_CACHE = {"hits": 0, "misses": 0, "hit_tokens": 0, "stored": 0, "evicted": 0, "entries": 0,
-                              "bytes": 0, "budget_bytes": 0}
+                              "bytes": 0, "budget_bytes": 0, "encoder_skips": 0}
 
 
 _EMPTY_MEMORY = {"budget_bytes": 0, "reserved_bytes": 0, "rows": {}, "waiting_for_memory": 0}

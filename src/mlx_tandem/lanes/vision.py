@@ -133,11 +133,13 @@ class VisionLane:
         self._staged = (request.request_id, inputs)
 
     def _embed(self, inputs) -> dict:
-        """The vision encoder's pass: the prompt's embeddings and the model's extra inputs."""
+        """The vision encoder's pass: the prompt's embeddings and the model's extra inputs
+        (the images' features kept from an earlier request where the cache has them)."""
         ids = inputs["input_ids"]
         data = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+        kept = self.prefix_cache.embedding_kwargs(inputs) if self.prefix_cache is not None else {}
         emb = self.vlm.get_input_embeddings(ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"),
-                                            **data)
+                                            **data, **kept)
         return {**data, **{k: v for k, v in emb.to_dict().items() if v is not None}}
 
     def add(self, request: Request, waiting: Iterable[Request] = ()) -> None:

@@ -31,6 +31,11 @@ factory's Qwen3.5 vision model:
 - **Memory.** The RAM tier only (no disk tier, no environment settings), a budget of its own
   (``vision_prefix_cache_bytes``) and no reserve of free memory: the engine's ledger admits.
 
+Restoring does not spare the vision encoder: APC needs the whole prompt's embeddings. So the
+images' features are kept too, in mlx-vlm's ``VisionFeatureCache`` (which its Qwen3.5,
+Gemma 4 and DeepSeek-V4 models read in ``get_input_embeddings``), bounded by an eighth of
+the budget in bytes here (``FeatureCache``; mlx-vlm's bounds a count); APC has the rest.
+
 Which prefix APC restores is read where mlx-vlm picks it (``on_restore``), before the row's
 first forward: for usage, stats, and the answer penalties, since a restored row's token
 context then holds only the prompt's suffix (samplers.AnswerPenalties).
@@ -46,6 +51,40 @@ logger = logging.getLogger(__name__)
 
 #: Snapshots kept at most besides the byte budget (each prompt stores one to three).
 MAX_ENTRIES = 64
+#: Share of the budget for the images' features (the rest is APC's).
+FEATURE_SHARE = 8
+
+
+def _nbytes(features) -> int:
+    return features.nbytes if hasattr(features, "nbytes") else sum(f.nbytes for f in features)
+
+
+def feature_cache(budget_bytes: int):
+    """mlx-vlm's VisionFeatureCache, bounded in bytes (least recently used out first)."""
+    from mlx_vlm.vision_cache import VisionFeatureCache
+
+    class FeatureCache(VisionFeatureCache):
+        def __init__(self):
+            super().__init__(max_size=1 << 30)  # the bytes bound it
+            self.budget_bytes, self.nbytes = int(budget_bytes), 0
+
+        def put(self, image_source, features) -> None:
+            size = _nbytes(features)
+            if size > self.budget_bytes:
+                return
+            key = self._make_key(image_source)
+            if key in self._cache:
+                self.nbytes -= _nbytes(self._cache.pop(key))
+            while self._cache and self.nbytes + size > self.budget_bytes:
+                self.nbytes -= _nbytes(self._cache.popitem(last=False)[1])
+            self._cache[key] = features
+            self.nbytes += size
+
+        def clear(self) -> None:
+            super().clear()
+            self.nbytes = 0
+
+    return FeatureCache()
 
 
 class VisionPrefixCache:
@@ -53,8 +92,10 @@ class VisionPrefixCache:
         from mlx_vlm.apc import APCManager
 
         self.budget_bytes = int(budget_bytes)
+        self.features = feature_cache(self.budget_bytes // FEATURE_SHARE)
+        self.encoder_skips = 0  # requests whose images' features were kept
         self.manager = APCManager(disk=None, overrides={
-            "memory_max_gb": self.budget_bytes / (1 << 30), "memory_reserve_gb": 0,
+            "memory_max_gb": (self.budget_bytes - self.features.budget_bytes) / (1 << 30), "memory_reserve_gb": 0,
             "checkpoint_entries": MAX_ENTRIES, "checkpoint_guard_tokens": 1,
             "checkpoint_interval_tokens": 0})  # our points, not every 2048 tokens
         self.manager.exact_cache_min_tokens = max(1, int(min_tokens))  # env-only in mlx-vlm
@@ -118,6 +159,15 @@ class VisionPrefixCache:
         return semantic_extra_hash(image_hash=hash_image_payload(pixel_values=inputs.get("pixel_values")),
                                    media={"grid": inputs.get("image_grid_thw")})
 
+    def embedding_kwargs(self, inputs: dict) -> dict:
+        """What ``get_input_embeddings`` needs to read and keep the images' features."""
+        from mlx_vlm.vision_cache import processed_image_key
+
+        extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+        key = processed_image_key(inputs.get("pixel_values"), **extra)
+        self.encoder_skips += key in self.features._cache
+        return {"vision_cache": self.features, "_image_key": key}
+
     def track(self, uid: int, key: int) -> None:
         self._keys[uid] = key
 
@@ -157,11 +207,13 @@ class VisionPrefixCache:
         entries = self._entries()
         return {"hits": self.hits, "misses": self.misses, "hit_tokens": self.hit_tokens,
                 "stored": self.stored, "evicted": self.stored - self._dropped - entries,
-                "entries": entries, "bytes": s["resident_bytes"], "budget_bytes": self.budget_bytes}
+                "entries": entries, "bytes": s["resident_bytes"] + self.features.nbytes,
+                "budget_bytes": self.budget_bytes, "encoder_skips": self.encoder_skips}
 
     def close(self) -> None:
         self._dropped += self._entries()
         self.manager.clear()
+        self.features.clear()
         self._points.clear()
         self.restored.clear()
         self._keys.clear()

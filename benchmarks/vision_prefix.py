@@ -10,6 +10,9 @@ Side by side in one run (the machines are noisy), on a hybrid qwen3_5_vl factory
      costs where it cannot help (snapshots stored, a prefill chunk ending at each one); mean
      and last TTFT and the burst's wall time. New images still prefill together: only a
      prompt that may be restored prefills alone (lanes/vision_cache.py).
+  V3 questions about one image in separate requests (a new conversation each): TTFT of
+     each, cache off vs on, alternating. From the second request the cache keeps the
+     image's features and snapshots where the image ends, which the later ones restore.
 
 Both engines must answer alike (the cache is exact); the run fails otherwise. The vision
 encoder runs on every request either way: mlx-vlm embeds the whole prompt before it restores.
@@ -41,11 +44,11 @@ FULL = dict(model=dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1
                        num_key_value_heads=2, head_dim=64, linear_num_value_heads=8, linear_num_key_heads=4,
                        linear_key_head_dim=64, linear_value_head_dim=64, full_attention_interval=4,
                        vision_depth=4, vision_hidden_size=128, vision_intermediate_size=256, vision_num_heads=4),
-            image=448, turns=5, burst=4, answer=24)
+            image=448, turns=5, burst=4, answer=24, questions=6)
 QUICK = dict(model=dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2,
                         linear_key_head_dim=64, linear_value_head_dim=64, full_attention_interval=2),
-             image=224, turns=3, burst=3, answer=12)
+             image=224, turns=3, burst=3, answer=12, questions=4)
 CONTEXT = 8192
 
 
@@ -122,6 +125,36 @@ async def bench_burst(cfg, engines: dict, bar) -> dict:
             "mean_ttft_ratio_on_over_off": out["on"]["mean_ttft_s"] / out["off"]["mean_ttft_s"]}
 
 
+QUESTIONS = ["What colour is the sky in it?", "Is there a person in it?", "Describe the background.",
+             "Is there any text in it?", "What is the main object?", "Is it day or night?", "Count the animals.",
+             "What is in the bottom left corner?"]
+
+
+async def bench_questions(cfg, engines: dict, bar) -> dict:
+    params = {"max_tokens": cfg["answer"]}
+    image = image_uri(7, cfg["image"])
+    times = {label: [] for label in engines}
+    cached, same = [], True
+
+    def ask(question):
+        return [{"role": "system", "content": "You describe pictures in detail for people who cannot see them."},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                             {"type": "text", "text": question}]}]
+
+    for question in QUESTIONS[:cfg["questions"]]:
+        out = {}
+        for label, engine in engines.items():
+            t, out[label], c = await ttft(engine, ask(question), params)
+            times[label].append(t)
+            if label == "on":
+                cached.append(c)
+        same &= out["off"] == out["on"]
+    bar.update()
+    later = {label: sum(t[2:]) / len(t[2:]) for label, t in times.items()}
+    return {"ttft_per_question_s": times, "cached_tokens_per_question": cached, "identical_outputs": same,
+            "later_question_speedup": later["off"] / later["on"]}
+
+
 async def bench(args) -> dict:
     from tqdm.auto import tqdm
 
@@ -140,13 +173,14 @@ async def bench(args) -> dict:
                "on": Engine(path, show_progress=False, max_model_len=CONTEXT)}
     for engine in engines.values():
         await engine.start()
-    bar = tqdm(total=cfg["turns"] + 2, desc="vision prefix-cache benchmark", unit="run")
+    bar = tqdm(total=cfg["turns"] + 3, desc="vision prefix-cache benchmark", unit="run")
     try:
         # Warm both engines (first-call compilation and allocation) on an unrelated image.
         for engine in engines.values():
             await ttft(engine, conversation(999, cfg["image"]), {"max_tokens": 2})
         results = {"model": {"kind": "qwen3_5_vl", **cfg["model"]}, "image_pixels": cfg["image"],
                    "turns": await bench_turns(cfg, engines, bar), "burst": await bench_burst(cfg, engines, bar),
+                   "questions": await bench_questions(cfg, engines, bar),
                    "cache": engines["on"].stats()["prefix_cache"]["vision"]}
     finally:
         bar.close()
@@ -156,7 +190,7 @@ async def bench(args) -> dict:
 
 
 def plot(results: dict, plt):
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, (a, b, q) = plt.subplots(1, 3, figsize=(16, 3.8))
     t = results["turns"]["ttft_per_turn_s"]
     x = range(1, len(t["off"]) + 1)
     a.plot(x, t["off"], "o-", label="vision prefix cache off")
@@ -175,12 +209,21 @@ def plot(results: dict, plt):
     b.set_ylabel("seconds")
     b.set_title(f"{burst['requests']} new image conversations at once")
     b.legend(fontsize=8)
+    t = results["questions"]["ttft_per_question_s"]
+    x = range(1, len(t["off"]) + 1)
+    q.plot(x, t["off"], "o-", label="vision prefix cache off")
+    q.plot(x, t["on"], "o-", label="on")
+    q.set_xticks(list(x))
+    q.set_xlabel("question (a new request each)")
+    q.set_ylabel("time to first token (s)")
+    q.set_title("questions about one image")
+    q.legend(fontsize=8)
     return fig
 
 
 def main(argv=None) -> int:
     args, results = report.measure(__doc__, "a smaller model and image", lambda a: asyncio.run(bench(a)), argv)
-    turns, burst = results["turns"], results["burst"]
+    turns, burst, questions = results["turns"], results["burst"], results["questions"]
     print("\nV1 a conversation about one image: TTFT per turn")
     print(f"{'turn':>5} {'cache off':>10} {'cache on':>9} {'cached tokens':>14}")
     for i, (off, on, c) in enumerate(zip(turns["ttft_per_turn_s"]["off"], turns["ttft_per_turn_s"]["on"],
@@ -191,8 +234,13 @@ def main(argv=None) -> int:
     print(f"\nV2 {burst['requests']} new image conversations at once (on / off): mean TTFT "
           f"{burst['mean_ttft_ratio_on_over_off']:.2f}x, wall {burst['wall_ratio_on_over_off']:.2f}x; "
           f"identical {burst['identical_outputs']}")
+    print(f"\nV3 questions about one image, a new request each: TTFT per question (off / on) "
+          + ", ".join(f"{a:.3f}/{b:.3f}s" for a, b in zip(questions["ttft_per_question_s"]["off"],
+                                                         questions["ttft_per_question_s"]["on"]))
+          + f"; cached {questions['cached_tokens_per_question']}; from the third on "
+          f"{questions['later_question_speedup']:.2f}x; identical {questions['identical_outputs']}")
     report.write(results, args.output, plot)
-    if not (turns["identical_outputs"] and burst["identical_outputs"]):
+    if not (turns["identical_outputs"] and burst["identical_outputs"] and questions["identical_outputs"]):
         print("FAILED: the vision prefix cache answered differently (it must be exact)", file=sys.stderr)
         return 1
     return 0

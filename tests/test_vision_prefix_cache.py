@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from mlx_tandem import Engine, InvalidRequestError
-from mlx_tandem.lanes.vision_cache import expanded_points
+from mlx_tandem.lanes.vision_cache import expanded_points, media_end
 from mlx_tandem.options import EngineOptions
 
 from .test_routing import _data_uri, _image, _img_part, _text, _user
@@ -105,6 +105,7 @@ def test_points_move_past_each_expanded_image():
     assert expanded_points(unexpanded, expanded, [4, 8, 9], {pad}) == [11]
     assert expanded_points(unexpanded, expanded, [7], {pad}) == [10]
     assert expanded_points(unexpanded, [1, 2, pad, other], [2], {pad}) == []  # they do not align
+    assert media_end(expanded, {pad}) == 10 and media_end([1, 2], {pad}) == 0
 
 
 def test_the_vision_cache_option():
@@ -267,3 +268,25 @@ def test_the_feature_cache_is_bounded_in_bytes():
     assert "big" not in cache and cache.nbytes == 800
     cache.put("a", [a, b])  # replaced, 800 bytes: the old a leaves, then c makes room
     assert cache.nbytes == 800 and "a" in cache and "c" not in cache
+
+
+def test_questions_about_one_image_share_its_prefill(qwen3_5_vl_path):
+    """Separate requests, one image, different questions: once a second request shows the
+    image, it snapshots where the image ends, which serves the ones after it."""
+    def ask(question):
+        return [_conversation(7)[0], _user(_img_part(_data_uri(_image(7, 64))), _text(question))]
+
+    questions = ["What colour is it?", "Is there a person in it?", "Describe the background.", "Any text?"]
+
+    async def go(**options):
+        async with Engine(qwen3_5_vl_path, show_progress=False, **options) as engine:
+            outs = [await engine.chat(ask(q), {"max_tokens": TOKENS}) for q in questions]
+            # Where the image ends in the expanded prompt: its tail is the unexpanded one's.
+            ids = engine.apply_chat_template(ask(questions[1]))
+            pad = engine.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+            tail = len(ids) - (max(i for i, t in enumerate(ids) if t == pad) + 1)
+            return [o.token_ids for o in outs], [o.usage.cached_tokens for o in outs], outs[1].usage.prompt_tokens - tail
+
+    ids, cached, image_end = asyncio.run(go())
+    assert ids == asyncio.run(go(vision_prefix_cache_bytes=0))[0]
+    assert cached == [0, 0, image_end, image_end], (cached, image_end)

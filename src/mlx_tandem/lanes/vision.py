@@ -24,7 +24,7 @@ from ..errors import ContextLengthError, InvalidRequestError
 from ..request import Request
 from ..samplers import AnswerPenalties, make_request_processors, make_request_sampler
 from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
-from .vision_cache import VisionPrefixCache, expanded_points
+from .vision_cache import VisionPrefixCache, expanded_points, media_end
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,11 @@ class VisionLane:
         key = None
         if self.prefix_cache is not None:
             key = kwargs["_apc_semantic_hash"] = self.prefix_cache.key(inputs)
-            self.prefix_cache.expect(ids, [n for n, _ in request.cache_points])
+            points = [n for n, _ in request.cache_points]
+            end = media_end(ids, self._media_ids)
+            if 0 < end < len(ids) - 1 and self.prefix_cache.seen_before(key):
+                points.append(end)  # questions about these images part here (vision_cache.py)
+            self.prefix_cache.expect(ids, points)
         for p in request.processors:  # grammars plan their closing within the real budget
             if hasattr(p, "cap_budget"):
                 p.cap_budget(request.max_tokens)

@@ -16,7 +16,9 @@ factory's Qwen3.5 vision model:
   snapshots only, taken where a prompt ends less one token. The next turn of a chat does not
   extend that (Qwen's template drops the think block of earlier turns), so the lane also
   snapshots at the request's "turn" and "history" points (prompt.py, the text lane's),
-  mapped onto the expanded prompt (``expanded_points``).
+  mapped onto the expanded prompt (``expanded_points``). And where its last image ends,
+  where questions about the same images part, once a second request shows those images
+  (``seen_before``): a point costs a prefill chunk, and most images are asked about once.
 - **Prefill alone what may be restored.** APC pads a prefill batch that mixes a restored
   row with others on the right, and the padding runs through GatedDeltaNet's state: the
   restored row's answer changed. So a prompt that may be restored prefills alone, and a
@@ -44,13 +46,15 @@ context then holds only the prompt's suffix (samplers.AnswerPenalties).
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
 #: Snapshots kept at most besides the byte budget (each prompt stores one to three).
 MAX_ENTRIES = 64
+#: Image sets remembered for ``seen_before``.
+MAX_SEEN = 4096
 #: Share of the budget for the images' features (the rest is APC's).
 FEATURE_SHARE = 8
 
@@ -103,6 +107,7 @@ class VisionPrefixCache:
         self.restored: dict[int, int] = {}  # generator uid -> prompt tokens restored
         self.on_restore: Optional[Callable[[int, int], None]] = None  # (uid, tokens), at the pick
         self._keys: dict[int, int] = {}  # generator uid -> key, for every row of the lane
+        self._seen: OrderedDict[int, None] = OrderedDict()  # keys of recent requests (seen_before)
         self._checkpoints = True  # exact entries (hybrid models), not blocks: set by attach
         self.hits = self.misses = self.hit_tokens = 0
         # Snapshots stored and dropped by close(), over every APCManager stats object
@@ -168,6 +173,15 @@ class VisionPrefixCache:
         self.encoder_skips += key in self.features._cache
         return {"vision_cache": self.features, "_image_key": key}
 
+    def seen_before(self, key: int) -> bool:
+        """Did an earlier request (of the last ``MAX_SEEN``) show the images of ``key``?"""
+        seen = key in self._seen
+        self._seen[key] = None
+        self._seen.move_to_end(key)
+        if len(self._seen) > MAX_SEEN:
+            self._seen.popitem(last=False)
+        return seen
+
     def track(self, uid: int, key: int) -> None:
         self._keys[uid] = key
 
@@ -217,14 +231,16 @@ class VisionPrefixCache:
         self._points.clear()
         self.restored.clear()
         self._keys.clear()
+        self._seen.clear()
 
 
 def expanded_points(unexpanded: Sequence[int], expanded: Sequence[int], points: Sequence[int],
                     media_token_ids: set[int]) -> list[int]:
     """``points`` (lengths of ``unexpanded``) as lengths of ``expanded``, where the processor
-    repeated each media placeholder; only those past the last media token, the least a
-    restored prefix must hold (mlx-vlm restores only before a text-only suffix). Empty if
-    the two do not align."""
+    repeated each media placeholder; only those from the end of the last media token on, the
+    least a restored prefix must hold (mlx-vlm restores only before a text-only suffix).
+    Empty if the two do not align."""
+    last_media = media_end(expanded, media_token_ids)
     at, j = {}, 0
     wanted = set(points)
     for i, tok in enumerate(unexpanded):
@@ -238,6 +254,10 @@ def expanded_points(unexpanded: Sequence[int], expanded: Sequence[int], points: 
                 j += 1
     if len(unexpanded) in wanted:
         at[len(unexpanded)] = j
-    last_media = max((k + 1 for k, t in enumerate(expanded) if t in media_token_ids), default=0)
     return sorted(n for n in at.values() if last_media <= n < len(expanded))
+
+
+def media_end(ids: Sequence[int], media_token_ids: set[int]) -> int:
+    """Where the prompt's last media token ends (0 without one)."""
+    return max((k + 1 for k, t in enumerate(ids) if t in media_token_ids), default=0)
 

@@ -189,17 +189,21 @@ async def bench(args) -> dict:
     return results
 
 
+def _ttft_lines(ax, times: dict, xlabel: str, title: str) -> None:
+    x = range(1, len(times["off"]) + 1)
+    ax.plot(x, times["off"], "o-", label="vision prefix cache off")
+    ax.plot(x, times["on"], "o-", label="on")
+    ax.set_xticks(list(x))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
 def plot(results: dict, plt):
     fig, (a, b, q) = plt.subplots(1, 3, figsize=(16, 3.8))
-    t = results["turns"]["ttft_per_turn_s"]
-    x = range(1, len(t["off"]) + 1)
-    a.plot(x, t["off"], "o-", label="vision prefix cache off")
-    a.plot(x, t["on"], "o-", label="on")
-    a.set_xticks(list(x))
-    a.set_xlabel("turn")
-    a.set_ylabel("time to first token (s)")
-    a.set_title(f"a conversation about one {results['image_pixels']}px image")
-    a.legend(fontsize=8)
+    _ttft_lines(a, results["turns"]["ttft_per_turn_s"], "turn",
+                f"a conversation about one {results['image_pixels']}px image")
     burst = results["burst"]
     labels = ("mean TTFT", "last TTFT", "burst wall")
     keys = ("mean_ttft_s", "last_ttft_s", "wall_s")
@@ -209,15 +213,8 @@ def plot(results: dict, plt):
     b.set_ylabel("seconds")
     b.set_title(f"{burst['requests']} new image conversations at once")
     b.legend(fontsize=8)
-    t = results["questions"]["ttft_per_question_s"]
-    x = range(1, len(t["off"]) + 1)
-    q.plot(x, t["off"], "o-", label="vision prefix cache off")
-    q.plot(x, t["on"], "o-", label="on")
-    q.set_xticks(list(x))
-    q.set_xlabel("question (a new request each)")
-    q.set_ylabel("time to first token (s)")
-    q.set_title("questions about one image")
-    q.legend(fontsize=8)
+    _ttft_lines(q, results["questions"]["ttft_per_question_s"], "question (a new request each)",
+                "questions about one image")
     return fig
 
 

@@ -122,23 +122,29 @@ def test_a_text_engine_reports_an_empty_vision_cache(qwen3_5_engine):
                      "budget_bytes": 0, "encoder_skips": 0}
 
 
-def test_new_images_at_once_still_prefill_together(qwen3_5_vl_path, monkeypatch):
-    """Only a prompt that may be restored prefills alone: new images share prefill batches
-    as without the cache, and a second turn submitted beside new ones is restored alone."""
+@pytest.fixture
+def prefill_batches(monkeypatch):
+    """Each prefill batch mlx-vlm's generator builds: (rows, whether it restores them)."""
     import sys
 
     from mlx_vlm.generate import ar  # noqa: F401 - loads the module the generator's batches come from
 
     batch_class = sys.modules["mlx_vlm.generate.ar"].PromptProcessingBatch
-    sizes = []
+    batches = []
     init = batch_class.__init__
 
     def spy(self, *args, **kwargs):
-        sizes.append((len(kwargs["uids"]), kwargs.get("warm_cache") is not None))
+        batches.append((len(kwargs["uids"]), kwargs.get("warm_cache") is not None))
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(batch_class, "__init__", spy)
+    return batches
 
+
+def test_new_images_at_once_still_prefill_together(qwen3_5_vl_path, prefill_batches):
+    """Only a prompt that may be restored prefills alone: new images share prefill batches
+    as without the cache, and a second turn submitted beside new ones is restored alone."""
+    sizes = prefill_batches
     async def go():
         async with Engine(qwen3_5_vl_path, show_progress=False, prefill_batch_size=4) as engine:
             first = _conversation(6)
@@ -157,24 +163,11 @@ def test_new_images_at_once_still_prefill_together(qwen3_5_vl_path, monkeypatch)
     assert [n for n, warm in beside_a_second_turn if warm] == [1], beside_a_second_turn
 
 
-def test_the_prefill_batch_follows_the_generators_queue_order(qwen3_5_vl_path, monkeypatch):
+def test_the_prefill_batch_follows_the_generators_queue_order(qwen3_5_vl_path, prefill_batches):
     """mlx-vlm's ``insert`` sorts the waiting prompts by length: a restorable second turn,
     shorter and submitted after two long new ones, is first in the queue (found by a
     review; the lane counted in order of arrival and let it share a batch with one)."""
-    import sys
-
-    from mlx_vlm.generate import ar  # noqa: F401
-
-    batch_class = sys.modules["mlx_vlm.generate.ar"].PromptProcessingBatch
-    batches = []
-    init = batch_class.__init__
-
-    def spy(self, *args, **kwargs):
-        batches.append((len(kwargs["uids"]), kwargs.get("warm_cache") is not None))
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(batch_class, "__init__", spy)
-
+    batches = prefill_batches
     def conversation(seed, question):
         return [_conversation(seed)[0], _user(_img_part(_data_uri(_image(seed, 64))), _text(question))]
 
@@ -290,3 +283,38 @@ def test_questions_about_one_image_share_its_prefill(qwen3_5_vl_path):
     ids, cached, image_end = asyncio.run(go())
     assert ids == asyncio.run(go(vision_prefix_cache_bytes=0))[0]
     assert cached == [0, 0, image_end, image_end], (cached, image_end)
+
+
+def test_processors_on_a_restored_row_see_the_whole_prompt(qwen3_5_vl_path):
+    """mlx-vlm passes a restored row only the rest of its prompt as the processors' token
+    context; the lane puts the restored tokens back (found by a review: a repetition
+    penalty over a window that reaches into the prompt answered differently)."""
+    def ask(seed):
+        return [_conversation(seed)[0], _user(_img_part(_data_uri(_image(seed, 64))), _text(
+            "What is in this picture? " + " ".join(f"w{i * seed}" for i in range(30))))]
+
+    penalty = {"max_tokens": TOKENS, "repetition_penalty": 50.0, "repetition_context_size": 400}
+
+    async def go(params, **options):
+        async with Engine(qwen3_5_vl_path, show_progress=False, **options) as engine:
+            out, contexts = [], []
+            for seed in range(1, 6):
+                for _ in range(2):  # the second is restored
+                    seen = []
+
+                    def spy(tokens, logits, seen=seen):
+                        seen.append(len(tokens))
+                        return logits
+
+                    o = await engine.chat(ask(seed), {**params, "logits_processors": [spy]})
+                    out.append(o.token_ids)
+                    contexts.append((seen[0], o.usage.prompt_tokens, o.usage.cached_tokens))
+            return out, contexts
+
+    on, contexts = asyncio.run(go(penalty))
+    off, _ = asyncio.run(go(penalty, vision_prefix_cache_bytes=0))
+    plain, _ = asyncio.run(go({"max_tokens": TOKENS}, vision_prefix_cache_bytes=0))
+    assert any(c for _, _, c in contexts[1::2])
+    assert all(first == prompt for first, prompt, _ in contexts), contexts
+    assert on != plain  # the penalty acts
+    assert on == off

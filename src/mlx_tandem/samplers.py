@@ -145,8 +145,8 @@ class AnswerPenalties:
     ``</think>``) for the answer's first tokens and missed a loop longer than N, the one
     Qwen recommends a presence penalty against. A pure function of the context, so a
     replayed or hypothetical context gets the same penalty. ``prompt_tokens`` is where the
-    answer starts in the context: the prompt's length, less what the vision lane's cache
-    restored (that row's context holds only the rest: lanes/vision.py).
+    answer starts in the context, which holds the whole prompt in both lanes (the vision
+    lane puts back what its cache restored: lanes/vision.py).
     """
 
     def __init__(self, prompt_tokens: int, presence: float, frequency: float):

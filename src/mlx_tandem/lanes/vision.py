@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ..errors import ContextLengthError, InvalidRequestError
 from ..request import Request
-from ..samplers import AnswerPenalties, make_request_processors, make_request_sampler
+from ..samplers import make_request_processors, make_request_sampler
 from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
 from .vision_cache import VisionPrefixCache, expanded_points, media_end
 
@@ -40,6 +40,25 @@ class _SampleAsProcessor:
         tok = self.sampler(logprobs).reshape(-1, 1)
         keep = mx.arange(logits.shape[-1])[None] == tok
         return mx.where(keep, mx.zeros_like(logits), mx.array(-float("inf"), logits.dtype))
+
+
+class _WholePrompt:
+    """A row's logits processors, given the whole prompt in their token context. mlx-vlm
+    passes a restored row only the rest of its prompt: ``restored`` (set when the cache
+    restores the row, before its first forward) puts the restored tokens back in front, so
+    a repetition penalty, the answer penalties and a user's processor see what they see
+    without the cache (found by a review: a restored row's repetition penalty changed)."""
+
+    def __init__(self, processors: list):
+        self.processors = processors
+        self.restored: Optional[mx.array] = None
+
+    def __call__(self, tokens, logits):
+        if self.restored is not None:
+            tokens = mx.concatenate([self.restored, mx.array(tokens, dtype=mx.int32)])
+        for p in self.processors:
+            logits = p(tokens, logits)
+        return logits
 
 
 def expand_images(vlm, processor, images: list, text: str):
@@ -71,7 +90,7 @@ class VisionLane:
         self.prefix_cache = prefix_cache
         self._media_ids = multimodal_token_ids_from_config(vlm.config)
         self._prefilling: dict[int, Request] = {}  # uid -> its request, until its first token
-        self._penalties: dict[int, AnswerPenalties] = {}  # uid -> its penalties, until then too
+        self._contexts: dict[int, _WholePrompt] = {}  # uid -> its processors, until then too
         if prefix_cache is not None:
             prefix_cache.on_restore = self._on_restore
         # mlx-vlm 0.7.10 starts a prefill only when completion_batch_size minus the decoding
@@ -170,26 +189,26 @@ class VisionLane:
         sampler = make_request_sampler(request.params)
         if sampler is not None:
             processors.append(_SampleAsProcessor(sampler))
+        whole = _WholePrompt(processors) if processors and self.prefix_cache is not None else None
         (uid,) = self._gen.insert([ids], [request.max_tokens], prompt_kwargs=[kwargs],
-                                  logits_processors=[processors])
+                                  logits_processors=[[whole] if whole is not None else processors])
         self._rows.add(uid, rid)
         self._prefilling[uid] = request
-        penalties = next((p for p in processors if isinstance(p, AnswerPenalties)), None)
-        if penalties is not None:
-            self._penalties[uid] = penalties
+        if whole is not None:
+            self._contexts[uid] = whole
         if key is not None:
             self.prefix_cache.track(uid, key)
 
     def _on_restore(self, uid: int, tokens: int) -> None:
         """mlx-vlm restores the row's first ``tokens`` prompt tokens: its token context will
-        hold only the rest of the prompt, where the penalties' answer starts sooner."""
-        penalties = self._penalties.get(uid)
-        if penalties is not None:
-            penalties.prompt_tokens -= tokens
+        hold only the rest of the prompt (_WholePrompt)."""
+        whole, request = self._contexts.get(uid), self._prefilling.get(uid)
+        if whole is not None and request is not None:
+            whole.restored = mx.array(request.prompt_ids[:tokens], dtype=mx.int32)
 
     def _prefilled(self, uid: int) -> None:
         """The row's prompt is in: its restored length is known, its points are stored."""
-        self._penalties.pop(uid, None)
+        self._contexts.pop(uid, None)
         request = self._prefilling.pop(uid, None)
         cache = self.prefix_cache
         if request is None or cache is None:
@@ -258,7 +277,7 @@ class VisionLane:
         self._errors.clear()
         self._staged = None
         self._prefilling.clear()
-        self._penalties.clear()
+        self._contexts.clear()
         if self.prefix_cache is not None:  # a step failed: keep no snapshot it may have half-made
             self.prefix_cache.close()
         self._gen.close()

@@ -38,9 +38,11 @@ images' features are kept too, in mlx-vlm's ``VisionFeatureCache`` (which its Qw
 Gemma 4 and DeepSeek-V4 models read in ``get_input_embeddings``), bounded by an eighth of
 the budget in bytes here (``FeatureCache``; mlx-vlm's bounds a count); APC has the rest.
 
-Which prefix APC restores is read where mlx-vlm picks it (``on_restore``), before the row's
-first forward: for usage, stats, and the answer penalties, since a restored row's token
-context then holds only the prompt's suffix (samplers.AnswerPenalties).
+Which prefix APC restores is read where mlx-vlm picks it, and confirmed once it builds the
+prompt batch (a batch it cannot build falls back to prefilling its rows whole), before the
+row's first forward (``on_restore``): for usage, stats, and the row's logits processors,
+whose token context then holds only the rest of the prompt (lanes/vision.py gives them the
+restored tokens back).
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class VisionPrefixCache:
         self.manager.exact_cache_min_tokens = max(1, int(min_tokens))  # env-only in mlx-vlm
         self._points: dict[tuple[int, ...], list[int]] = {}
         self.restored: dict[int, int] = {}  # generator uid -> prompt tokens restored
+        self._picked: dict[int, int] = {}  # generator uid -> tokens picked, until the batch is built
         self.on_restore: Optional[Callable[[int, int], None]] = None  # (uid, tokens), at the pick
         self._keys: dict[int, int] = {}  # generator uid -> key, for every row of the lane
         self._seen: OrderedDict[int, None] = OrderedDict()  # keys of recent requests (seen_before)
@@ -131,13 +134,14 @@ class VisionPrefixCache:
             logger.warning("the vision prefix cache is off: mlx-vlm cannot restore this model's caches")
             return False
         needed = [(apc, "checkpoint_lengths"), (apc, "is_checkpoint"), (gen, "_apc_pick_for"),
+                  (gen, "_build_mixed_prompt_batch"),
                   (gen, "unprocessed_prompts"), (gen, "prefill_batch_size"), (self.manager, "_exact_cache")]
         missing = [name for obj, name in needed if not hasattr(obj, name)]
         if missing:  # another mlx-vlm than the 0.7.10 this module goes around
             logger.warning("the vision prefix cache is off: this mlx-vlm has no %s", ", ".join(missing))
             return False
         self._checkpoints = bool(gen.apc.is_checkpoint)
-        plan, pick = gen.apc.checkpoint_lengths, gen._apc_pick_for
+        plan, pick, build = gen.apc.checkpoint_lengths, gen._apc_pick_for, gen._build_mixed_prompt_batch
 
         def checkpoint_lengths(token_ids, media_token_ids):
             ours = self._points.get(tuple(int(t) for t in token_ids), ())
@@ -145,16 +149,24 @@ class VisionPrefixCache:
 
         def apc_pick_for(sequence):
             chosen = pick(sequence)
-            n = int(chosen["prefix_len"]) if chosen else 0
-            self.restored[sequence[0]] = n
-            if n and self.on_restore is not None:
-                self.on_restore(sequence[0], n)
-            self.hits, self.misses = self.hits + bool(n), self.misses + (not n)
-            self.hit_tokens += n
+            self._picked[sequence[0]] = int(chosen["prefix_len"]) if chosen else 0
             return chosen
+
+        def build_mixed_prompt_batch(sequences):
+            batch = build(sequences)  # None: mlx-vlm prefills these rows whole instead
+            for sequence in sequences:
+                uid = sequence[0]
+                n = self._picked.pop(uid, 0) if batch is not None else self._picked.pop(uid, 0) * 0
+                self.restored[uid] = n
+                self.hits, self.misses = self.hits + bool(n), self.misses + (not n)
+                self.hit_tokens += n
+                if n and self.on_restore is not None:
+                    self.on_restore(uid, n)
+            return batch
 
         gen.apc.checkpoint_lengths = checkpoint_lengths
         gen._apc_pick_for = apc_pick_for
+        gen._build_mixed_prompt_batch = build_mixed_prompt_batch
         return True
 
     def key(self, inputs: dict) -> int:
@@ -230,6 +242,7 @@ class VisionPrefixCache:
         self.features.clear()
         self._points.clear()
         self.restored.clear()
+        self._picked.clear()
         self._keys.clear()
         self._seen.clear()
 

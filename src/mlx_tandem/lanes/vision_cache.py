@@ -4,7 +4,7 @@ engine. Owner thread only (the cache holds mlx arrays).
 Image rows run on mlx-vlm's BatchGenerator, whose ``insert`` takes no cache, so the text
 lane's PrefixCache cannot serve them; mlx-vlm's own APC restores a row inside its prompt
 batch, m-RoPE positions included. Out of the box (mlx-vlm 0.7.10) it did not serve a chat,
-so this module sets it up and goes around it in four places, each measured on the
+so this module sets it up and goes around it where it had to, each measured on the
 factory's Qwen3.5 vision model:
 
 - **Key.** APC salts a prefix with a hash of every prompt input, the prompt's whole
@@ -30,8 +30,10 @@ factory's Qwen3.5 vision model:
   by prompt length, so it is not the order of arrival). Rows decode together either way.
   Attention-only vision models (block entries, whose keys are not listed) always prefill
   alone: there is no such factory model to test a mixed batch on.
-- **Memory.** The RAM tier only (no disk tier, no environment settings), a budget of its own
-  (``vision_prefix_cache_bytes``) and no reserve of free memory: the engine's ledger admits.
+- **Memory.** The RAM tier only (no disk tier), a budget of its own
+  (``vision_prefix_cache_bytes``) and no reserve of free memory (the engine's ledger admits),
+  given here rather than read from APC's environment variables (it still reads a few
+  others: ``APC_HASH``, ``APC_MAX_POOL_TENSORS``).
 
 Restoring does not spare the vision encoder: APC needs the whole prompt's embeddings. So the
 images' features are kept too, in mlx-vlm's ``VisionFeatureCache`` (which its Qwen3.5,
@@ -156,7 +158,8 @@ class VisionPrefixCache:
             batch = build(sequences)  # None: mlx-vlm prefills these rows whole instead
             for sequence in sequences:
                 uid = sequence[0]
-                n = self._picked.pop(uid, 0) if batch is not None else self._picked.pop(uid, 0) * 0
+                picked = self._picked.pop(uid, 0)
+                n = picked if batch is not None else 0
                 self.restored[uid] = n
                 self.hits, self.misses = self.hits + bool(n), self.misses + (not n)
                 self.hit_tokens += n
@@ -182,7 +185,7 @@ class VisionPrefixCache:
 
         extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
         key = processed_image_key(inputs.get("pixel_values"), **extra)
-        self.encoder_skips += key in self.features._cache
+        self.encoder_skips += key in self.features
         return {"vision_cache": self.features, "_image_key": key}
 
     def seen_before(self, key: int) -> bool:

@@ -151,12 +151,12 @@ class VisionLane:
         media["expanded"] = True
         self._staged = (request.request_id, inputs)
 
-    def _embed(self, inputs) -> dict:
+    def _embed(self, inputs, features_key: Optional[str] = None) -> dict:
         """The vision encoder's pass: the prompt's embeddings and the model's extra inputs
         (the images' features kept from an earlier request where the cache has them)."""
         ids = inputs["input_ids"]
         data = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-        kept = self.prefix_cache.embedding_kwargs(inputs) if self.prefix_cache is not None else {}
+        kept = self.prefix_cache.embedding_kwargs(features_key) if features_key is not None else {}
         emb = self.vlm.get_input_embeddings(ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"),
                                             **data, **kept)
         return {**data, **{k: v for k, v in emb.to_dict().items() if v is not None}}
@@ -170,10 +170,12 @@ class VisionLane:
             media = request.extra["media"]
             _, inputs = expand_images(self.vlm, self.processor, media["images"], media["text"])
         ids = request.prompt_ids
-        kwargs = self._embed(inputs)
-        key = None
+        key = features_key = None
         if self.prefix_cache is not None:
-            key = kwargs["_apc_semantic_hash"] = self.prefix_cache.key(inputs)
+            key, features_key = self.prefix_cache.keys(inputs)
+        kwargs = self._embed(inputs, features_key)
+        if key is not None:
+            kwargs["_apc_semantic_hash"] = key
             points = [n for n, _ in request.cache_points]
             end = media_end(ids, self._media_ids)
             if 0 < end < len(ids) - 1 and self.prefix_cache.seen_before(key):

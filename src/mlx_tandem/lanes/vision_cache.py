@@ -172,21 +172,20 @@ class VisionPrefixCache:
         gen._build_mixed_prompt_batch = build_mixed_prompt_batch
         return True
 
-    def key(self, inputs: dict) -> int:
-        """The salt of a request's prefixes: its images' content."""
-        from mlx_vlm.apc import hash_image_payload, semantic_extra_hash
-
-        return semantic_extra_hash(image_hash=hash_image_payload(pixel_values=inputs.get("pixel_values")),
-                                   media={"grid": inputs.get("image_grid_thw")})
-
-    def embedding_kwargs(self, inputs: dict) -> dict:
-        """What ``get_input_embeddings`` needs to read and keep the images' features."""
+    def keys(self, inputs: dict) -> tuple[int, str]:
+        """The request's images' content, hashed once (pixel values, grid and the
+        processor's other image inputs): the salt of its prefixes, and its features' key."""
+        from mlx_vlm.apc import hash_image_payload
         from mlx_vlm.vision_cache import processed_image_key
 
         extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-        key = processed_image_key(inputs.get("pixel_values"), **extra)
-        self.encoder_skips += key in self.features
-        return {"vision_cache": self.features, "_image_key": key}
+        features = processed_image_key(inputs.get("pixel_values"), **extra)
+        return hash_image_payload(image_ref=features), features
+
+    def embedding_kwargs(self, features_key: str) -> dict:
+        """What ``get_input_embeddings`` needs to read and keep the images' features."""
+        self.encoder_skips += features_key in self.features
+        return {"vision_cache": self.features, "_image_key": features_key}
 
     def seen_before(self, key: int) -> bool:
         """Did an earlier request (of the last ``MAX_SEEN``) show the images of ``key``?"""

@@ -15,7 +15,8 @@ from .errors import InvalidRequestError
 from .params import SamplingParams
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
-                   "presence_penalty", "frequency_penalty", "seed", "mtp", "specprefill", "keep_pct")
+                   "presence_penalty", "frequency_penalty", "seed", "mtp", "specprefill", "keep_pct",
+                   "logprobs", "top_logprobs")
 CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning")
 
 

@@ -36,6 +36,7 @@ from .teardown import clear_frames, drain_device, release_arrays
 from .request import Request, RequestState, dispatch
 from .startup import build_lanes, make_ledger
 from .stats import EngineStats
+from .token_text import TokenTexts
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class EngineCore:
             # Inside the try: a failure here must reach ``ready`` too, or start() waits forever.
             hf_tokenizer = copy.deepcopy(self.loaded.tokenizer._tokenizer)
             self._decode = lambda ids: hf_tokenizer.decode(ids, skip_special_tokens=False)
+            self._token_texts = TokenTexts(hf_tokenizer, self._decode)
             self._eos = frozenset(self.loaded.eos_token_ids)
         except BaseException as exc:  # noqa: BLE001 - reported through the ready future
             self._mark_closed()
@@ -500,7 +502,7 @@ class EngineCore:
             req.first_token_time = now
             self.stats.record_ttft(now - req.arrival)
         eos = self._eos
-        text, new_ids, ends, finish = "", [], [], None
+        text, new_ids, ends, logprobs, finish = "", [], [], [], None
         start = req.num_generated
         for i, tok in enumerate(ev.tokens):
             req.num_generated += 1
@@ -508,6 +510,8 @@ class EngineCore:
                 finish = "stop"
                 break
             new_ids.append(tok)
+            if ev.logprobs is not None:  # the same tokens as new_ids: those that reach the output
+                logprobs.append(self._token_texts.logprob(tok, ev.logprobs[i]))
             text += req.detokenizer.add(tok)
             ends.append(len(text))
             if req.detokenizer.stopped:
@@ -523,7 +527,8 @@ class EngineCore:
         finish = finish or ev.finish_reason
         if finish is None:
             if text or new_ids:
-                self._emit(req, StreamDelta(req.request_id, text, tuple(new_ids), text_ends=tuple(ends)))
+                self._emit(req, StreamDelta(req.request_id, text, tuple(new_ids), text_ends=tuple(ends),
+                                            logprobs=tuple(logprobs)))
             return
         text += req.detokenizer.finish()
         if req.detokenizer.stopped:  # a stop string completed by the last text held back
@@ -531,7 +536,8 @@ class EngineCore:
         req.finish_time = now
         self._emit(req, StreamDelta(
             req.request_id, text, tuple(new_ids), finish_reason=finish,
-            usage=Usage(req.num_prompt_tokens, req.num_generated, req.cached_tokens), text_ends=tuple(ends)))
+            usage=Usage(req.num_prompt_tokens, req.num_generated, req.cached_tokens), text_ends=tuple(ends),
+            logprobs=tuple(logprobs)))
         self._retire(req)
         self._count(req, "finished")
 

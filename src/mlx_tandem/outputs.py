@@ -59,6 +59,36 @@ class InvalidToolCall:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    """One of the most likely tokens at an answer token's place."""
+
+    token_id: int
+    #: The token's text on its own (U+FFFD where it holds part of a character: ``bytes``
+    #: has it whole), and its UTF-8 bytes, as OpenAI's ``token`` and ``bytes``.
+    token: str
+    logprob: float
+    bytes: bytes = b""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An answer token's log-probability (``SamplingParams.logprobs``), and the
+    ``top_logprobs`` most likely tokens at its place, most likely first."""
+
+    token_id: int
+    token: str
+    logprob: float
+    bytes: bytes = b""
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI's ``logprobs.content[]`` entry (bytes as a list of ints)."""
+        return {"token": self.token, "logprob": self.logprob, "bytes": list(self.bytes),
+                "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
+                                 for t in self.top_logprobs]}
+
+
+@dataclass(frozen=True)
 class StreamDelta:
     """One piece of a streamed answer. The last one has ``finish_reason`` and ``usage`` set.
 
@@ -79,6 +109,8 @@ class StreamDelta:
     #: Per token of ``token_ids``: how much of ``text`` had come out once it was decoded. The
     #: text a token ends is then known however the tokens were grouped into deltas (MTP).
     text_ends: tuple[int, ...] = field(default=(), repr=False)
+    #: Per token of ``token_ids`` when the request asked for ``logprobs``, else empty.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass
@@ -99,3 +131,6 @@ class RequestOutput:
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     invalid_tool_calls: list[InvalidToolCall] = field(default_factory=list)
+    #: Per token of ``token_ids`` (reasoning, content and calls alike) when the request
+    #: asked for ``logprobs``; None when it did not.
+    logprobs: Optional[list[TokenLogprob]] = None

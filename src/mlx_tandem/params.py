@@ -24,6 +24,8 @@ MAX_TEMPERATURE = 1e6
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 #: A repetition_context_size past this (longer than any context) is lowered to it.
 MAX_CONTEXT_SIZE = 2**31 - 1
+#: The most alternatives ``top_logprobs`` returns per token (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
 #: The sampling fields a checkpoint's generation_config.json may recommend (the ones vLLM
 #: reads from it), and their values when neither the request nor the checkpoint sets them.
 MODEL_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -88,6 +90,14 @@ class SamplingParams:
     specprefill: Optional[bool] = None
     #: Share of prompt chunks SpecPrefill keeps for this request (None: the engine's).
     keep_pct: Optional[float] = None
+    #: Per answer token, its log-probability (``RequestOutput.logprobs``), and the
+    #: ``top_logprobs`` most likely tokens at its place (0 to 20, as OpenAI's; they need
+    #: ``logprobs``). Log-softmax of the logits after the logits processors (a grammar's
+    #: mask, the penalties, your own) and before temperature and the top-p/top-k/min-p
+    #: filters: what the sampler draws from, the same at any temperature. Such a request
+    #: does not draft with MTP (its rows decode one token a step; the others still do).
+    logprobs: bool = False
+    top_logprobs: int = 0
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -153,6 +163,13 @@ class SamplingParams:
             from .options import check_keep_pct
 
             check_keep_pct(self.keep_pct, "SamplingParams.keep_pct")
+        if not isinstance(self.logprobs, bool):
+            bad("logprobs", "must be True or False")
+        if (not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool)
+                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            bad("top_logprobs", "needs logprobs=True (as OpenAI's)")
         if any(not callable(p) for p in self.logits_processors):
             bad("logits_processors", "must be callables (tokens, logits) -> logits")
 

@@ -36,6 +36,7 @@ class _StreamBase:
         self.tool_calls: list = []
         self.invalid_tool_calls: list = []
         self.token_ids: list[int] = []
+        self.logprobs: list = []  # TokenLogprob per token of token_ids, when the request asked
         # Per token: how much of the text had come out once it was decoded (StreamDelta.text_ends).
         self._text_ends: list[int] = []
         self._text_len = 0
@@ -62,6 +63,7 @@ class _StreamBase:
             raise item
         self.text_parts.append(item.text)
         self.token_ids.extend(item.token_ids)
+        self.logprobs.extend(item.logprobs)
         ends = item.text_ends if len(item.text_ends) == len(item.token_ids) else [len(item.text)] * len(item.token_ids)
         self._text_ends.extend(self._text_len + e for e in ends)
         self._text_len += len(item.text)
@@ -122,6 +124,7 @@ class _StreamBase:
             reasoning="".join(self.reasoning_parts),
             tool_calls=list(self.tool_calls),
             invalid_tool_calls=list(self.invalid_tool_calls),
+            logprobs=list(self.logprobs) if req.params.logprobs else None,
         )
 
     def _cut_after_call(self, item: StreamDelta) -> StreamDelta:
@@ -149,10 +152,13 @@ class _StreamBase:
                          if ids and self.token_ids[i: i + len(ids)] == ids), n)
         del self.token_ids[first + keep:]
         del self._text_ends[first + keep:]
+        if self.logprobs:
+            del self.logprobs[first + keep:]
         text = item.text[: max(0, cut - delta_at)]
         self.text_parts[-1] = text
         return dataclasses.replace(item, text=text, token_ids=tuple(item.token_ids[:keep]),
-                                   text_ends=tuple(min(e, len(text)) for e in item.text_ends[:keep]))
+                                   text_ends=tuple(min(e, len(text)) for e in item.text_ends[:keep]),
+                                   logprobs=item.logprobs[:keep])
 
     def _reasoning_tokens(self) -> int:
         """Completion tokens up to the end of the reasoning: through the first ``think_end``

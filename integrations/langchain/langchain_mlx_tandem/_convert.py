@@ -204,8 +204,18 @@ def response_metadata(model_name: str, finish_reason: Optional[str]) -> dict:
     return out
 
 
+def logprobs_metadata(logprobs) -> dict:
+    """``response_metadata["logprobs"]`` as ChatOpenAI's: ``{"content": [OpenAI entries]}``,
+    one per answer token (reasoning and calls included). A stream's chunks carry their own
+    tokens', which adding the chunks concatenates."""
+    return {"logprobs": {"content": [lp.to_openai() for lp in logprobs]}}
+
+
 def to_ai_message(out, model_name: str) -> AIMessage:
     additional = {"reasoning_content": out.reasoning} if out.reasoning else {}
+    metadata = response_metadata(model_name, out.finish_reason)
+    if out.logprobs is not None:
+        metadata.update(logprobs_metadata(out.logprobs))
     return AIMessage(
         content=out.content,
         additional_kwargs=additional,
@@ -213,7 +223,7 @@ def to_ai_message(out, model_name: str) -> AIMessage:
         invalid_tool_calls=[invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error)
                             for c in out.invalid_tool_calls],
         usage_metadata=usage_metadata(out.usage),
-        response_metadata=response_metadata(model_name, out.finish_reason),
+        response_metadata=metadata,
     )
 
 
@@ -270,7 +280,9 @@ class ChunkBuilder:
         chunks = [tool_call_chunk(name=None if getattr(c, "truncated", False) else c.name, args=args, id=c.id,
                                   index=i) for i, c, args in written]
         last = delta.finish_reason is not None
-        if not (delta.content or delta.reasoning or chunks or last):
+        # A delta whose text the parser still holds back has tokens all the same: with
+        # logprobs it is a chunk too (empty content), or its tokens' logprobs were lost.
+        if not (delta.content or delta.reasoning or chunks or last or delta.logprobs):
             return None
         # The provider on every chunk, so langchain-core finds its block translator.
         kwargs: dict[str, Any] = {"response_metadata": {"model_provider": PROVIDER}}
@@ -280,6 +292,8 @@ class ChunkBuilder:
                 response_metadata=response_metadata(self._model_name, delta.finish_reason),
                 chunk_position="last",
             )
+        if delta.logprobs:
+            kwargs["response_metadata"].update(logprobs_metadata(delta.logprobs))
         return AIMessageChunk(
             content=delta.content or "",
             additional_kwargs={"reasoning_content": delta.reasoning} if delta.reasoning else {},

@@ -62,11 +62,11 @@ class ChatMLX(BaseChatModel):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     repetition_context_size: Optional[int] = 20
-    """How many of the latest tokens the repetition, presence and frequency penalties look back on."""
+    """How many of the latest tokens the repetition penalty looks back on."""
     presence_penalty: Optional[float] = None
-    """OpenAI's presence penalty, in [-2, 2], over the last ``repetition_context_size`` tokens."""
+    """OpenAI's presence penalty, in [-2, 2], over the whole answer so far (never the prompt)."""
     frequency_penalty: Optional[float] = None
-    """OpenAI's frequency penalty, in [-2, 2], over the last ``repetition_context_size`` tokens."""
+    """OpenAI's frequency penalty, in [-2, 2], over the whole answer so far (never the prompt)."""
     stop: Optional[list[str]] = Field(default=None, alias="stop_sequences")
     seed: Optional[int] = None
     mtp: Optional[Union[StrictStr, StrictBool]] = None  # strict: 1 is not True (per call it is refused too)
@@ -75,6 +75,12 @@ class ChatMLX(BaseChatModel):
     """SpecPrefill for long prompts: True forces it, False turns it off; None = engine threshold."""
     keep_pct: Optional[float] = None
     """Share of prompt chunks SpecPrefill keeps, in (0, 1]; None = engine option."""
+    logprobs: Optional[bool] = None
+    """Each answer token's log-probability in ``response_metadata["logprobs"]["content"]``,
+    as ChatOpenAI's (streamed chunks carry their own tokens'). Such a call does not draft
+    with MTP."""
+    top_logprobs: Optional[int] = None
+    """How many of the most likely tokens to list at each place, 0 to 20 (needs ``logprobs``)."""
     streaming: bool = False
     stream_usage: bool = True
     """Usage on a stream's last chunk, as ChatOpenAI's ``stream_usage``; False leaves it out
@@ -134,6 +140,8 @@ class ChatMLX(BaseChatModel):
             "mtp": self.mtp,
             "specprefill": self.specprefill,
             "keep_pct": self.keep_pct,
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs,
             "reasoning": self.reasoning,
             # LangChain's LLM cache keys on these params (and the call's own stop, which it
             # adds under "stop"): every field that changes the answer must be here.
@@ -465,9 +473,10 @@ def _result(message: AIMessage) -> ChatResult:
         llm_output["token_usage"] = {"prompt_tokens": usage["input_tokens"],
                                      "completion_tokens": usage["output_tokens"],
                                      "total_tokens": usage["total_tokens"]}
-    finish = message.response_metadata.get("finish_reason")
-    return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": finish})],
-                      llm_output=llm_output)
+    info: dict[str, Any] = {"finish_reason": message.response_metadata.get("finish_reason")}
+    if "logprobs" in message.response_metadata:  # as ChatOpenAI's generation_info
+        info["logprobs"] = message.response_metadata["logprobs"]
+    return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)], llm_output=llm_output)
 
 
 def _last_chunk_info(message: AIMessageChunk) -> Optional[dict[str, Any]]:

@@ -11,6 +11,7 @@ from typing import Iterable, Optional, Protocol, Sequence
 
 from ..errors import InvalidRequestError, TandemError
 from ..request import Request
+from ..token_logprobs import RawLogprob, gather
 
 
 @dataclass
@@ -21,6 +22,8 @@ class TokenEvent:
     tokens: list[int]
     finish_reason: Optional[str] = None  # "stop" (EOS) or "length", decided by the lane
     error: Optional[BaseException] = None  # a failure attributed to this request only
+    #: Per token of ``tokens``, for a request that asked for logprobs (token_logprobs.py).
+    logprobs: Optional[list[RawLogprob]] = None
 
 
 @dataclass
@@ -65,6 +68,21 @@ class RowIds:
         self._rid.clear()
         self._uid.clear()
         return dropped
+
+
+def attach_logprobs(asked: list) -> None:
+    """``asked``: (event, the distribution its token was drawn from, the token, how many
+    of the most likely tokens to list, the ids its sampler bans), in the order of the
+    event's tokens. One gather for the whole step. A token without a distribution (none is
+    expected) reads NaN."""
+    if not asked:
+        return
+    have = [(lp, tok, k, ban) for _, lp, tok, k, ban in asked if lp is not None]
+    got = iter(gather(*zip(*have)) if have else ())
+    for ev, lp, *_ in asked:
+        if ev.logprobs is None:
+            ev.logprobs = []
+        ev.logprobs.append(next(got) if lp is not None else (float("nan"), ()))
 
 
 def fail_errored(events: list[TokenEvent], errors: list, remove) -> list[TokenEvent]:

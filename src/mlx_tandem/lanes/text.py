@@ -36,7 +36,7 @@ from ..spec.batch import MTPTextModel, RowSpec, SpecBatchGenerator, SpecConfig
 from ..specprefill import SpecPrefillConfig, SpecPrefillStats
 from ..specprefill.job import SparsePrefill
 from ..specprefill.positions import positioned
-from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
+from .base import LaneStepStats, RowIds, TokenEvent, attach_logprobs, fail_errored
 from .claims import Claim, PrefillClaims, PromptsInPrefill, shared_with_waiting, spaced
 from .prefill_cut import cut_pending_prompt
 
@@ -149,6 +149,7 @@ class TextLane:
         self._wait_for_shared = wait_for_shared_prefill and prefix_cache is not None
         self._shared_points = shared_points and prefix_cache is not None
         self._in_prefill = PromptsInPrefill()  # for shared points (prompts of rows in prefill)
+        self._logprobs: dict[int, tuple] = {}  # uid -> (top_logprobs, banned ids), rows that asked
 
     def _new_generator(self) -> BatchGenerator:
         if self.spec is not None:
@@ -171,7 +172,8 @@ class TextLane:
         n_others = len(processors) - (0 if isinstance(sampler, BannedSampler) else len(bans))
         alone = others[0] if n_others == 1 and len(others) == 1 else None
         grammar = alone if isinstance(alone, (GrammarProcessor, LazyToolCallGrammar)) else None
-        drafts = (n_others == 0 or grammar is not None) and (
+        # A row asking for logprobs needs each token's plain distribution (spec/batch.py).
+        drafts = (n_others == 0 or grammar is not None) and not request.params.logprobs and (
             mode == "on" or (mode == "auto" and not seeded_sampling))
         rid = request.request_id
         return RowSpec(params=request.params, sampler=sampler, drafts=drafts, forces=mode == "on",
@@ -352,6 +354,9 @@ class TextLane:
                 self._in_prefill.add(uid, request.prompt_ids[:-1])
             self._caching[uid] = caching
         self._rows.add(uid, request.request_id)
+        if request.params.logprobs:  # and the ids a folded ban keeps its sampler from drawing
+            self._logprobs[uid] = (request.params.top_logprobs,
+                                   sampler.banned if isinstance(sampler, BannedSampler) else ())
         if self.spec is not None:
             self.spec.rows[uid] = self._row_spec(request, sampler, processors)
 
@@ -443,6 +448,7 @@ class TextLane:
         uids = [uid for uid in map(self._rows.pop, request_ids) if uid is not None]
         for uid in uids:
             self._drop_caching(uid)
+            self._logprobs.pop(uid, None)
         if uids:
             self._gen.remove(uids)
             if self.spec is not None:
@@ -483,21 +489,26 @@ class TextLane:
             self._snapshot_boundaries(prompt_responses)
         # A speculative step sends several responses per row, in order: one event per row.
         by_rid: dict[str, TokenEvent] = {}
+        asked: list[tuple[TokenEvent, object, int, int]] = []  # rows that asked for logprobs
         for r in responses:
             rid = self._rows.request_id(r.uid)
             if rid is None:  # removed while its token was in flight
                 continue
             ev = by_rid.setdefault(rid, TokenEvent(rid, []))
             ev.tokens.append(r.token)
+            if r.uid in self._logprobs:
+                asked.append((ev, r.logprobs, r.token, *self._logprobs[r.uid]))
             if r.finish_reason is not None:
                 ev.finish_reason = r.finish_reason
                 self._rows.pop(rid)
+                self._logprobs.pop(r.uid, None)
                 if self.spec is not None:
                     self.spec.rows.pop(r.uid, None)
                 caching = self._drop_caching(r.uid)
                 if caching is not None and caching.store_final and r.prompt_cache is not None:
                     self.prefix_cache.store(r.all_tokens, r.prompt_cache, "final",
                                             answer_start=caching.prompt_tokens)
+        attach_logprobs(asked)
         events = sparse_events + list(by_rid.values())
         events = fail_errored(events, self._errors, self.remove)
         stats = LaneStepStats(
@@ -553,6 +564,7 @@ class TextLane:
         self._caching.clear()
         self._claims.clear()
         self._in_prefill.clear()
+        self._logprobs.clear()
         self._gen.close()
         self._gen = self._new_generator()
         return dropped

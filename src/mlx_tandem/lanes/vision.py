@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Iterable, Optional, Sequence
 
 import mlx.core as mx
@@ -23,7 +24,7 @@ import mlx.core as mx
 from ..errors import ContextLengthError, InvalidRequestError
 from ..request import Request
 from ..samplers import make_request_processors, make_request_sampler
-from .base import LaneStepStats, RowIds, TokenEvent, fail_errored
+from .base import LaneStepStats, RowIds, TokenEvent, attach_logprobs, fail_errored
 from .vision_cache import VisionPrefixCache, expanded_points, media_end
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,23 @@ class _SampleAsProcessor:
         tok = self.sampler(logprobs).reshape(-1, 1)
         keep = mx.arange(logits.shape[-1])[None] == tok
         return mx.where(keep, mx.zeros_like(logits), mx.array(-float("inf"), logits.dtype))
+
+
+class _Distributions:
+    """The last processor before the draw, for a row that asked for logprobs: keeps the
+    distribution each token is drawn from (mlx-vlm's generator hands its responses no
+    per-row one, since the draw runs inside the processors), oldest first."""
+
+    def __init__(self, top: int):
+        self.top = top
+        self.pending: deque = deque()
+
+    def __call__(self, tokens, logits):
+        self.pending.append((logits - mx.logsumexp(logits, axis=-1, keepdims=True)).reshape(-1))
+        return logits
+
+    def take(self):
+        return self.pending.popleft() if self.pending else None
 
 
 class _WholePrompt:
@@ -91,6 +109,7 @@ class VisionLane:
         self._media_ids = multimodal_token_ids_from_config(vlm.config)
         self._prefilling: dict[int, Request] = {}  # uid -> its request, until its first token
         self._contexts: dict[int, _WholePrompt] = {}  # uid -> its processors, until then too
+        self._dists: dict[int, _Distributions] = {}  # uid -> rows that asked for logprobs
         if prefix_cache is not None:
             prefix_cache.on_restore = self._on_restore
         # mlx-vlm 0.7.10 starts a prefill only when completion_batch_size minus the decoding
@@ -189,6 +208,9 @@ class VisionLane:
             request.params, on_error=lambda exc, rid=rid: self._errors.append((rid, exc)),
             extra=request.processors, prompt_tokens=len(ids))
         sampler = make_request_sampler(request.params)
+        dists = _Distributions(request.params.top_logprobs) if request.params.logprobs else None
+        if dists is not None:
+            processors.append(dists)
         if sampler is not None:
             processors.append(_SampleAsProcessor(sampler))
         whole = _WholePrompt(processors) if processors and self.prefix_cache is not None else None
@@ -196,6 +218,8 @@ class VisionLane:
                                   logits_processors=[[whole] if whole is not None else processors])
         self._rows.add(uid, rid)
         self._prefilling[uid] = request
+        if dists is not None:
+            self._dists[uid] = dists
         if whole is not None:
             self._contexts[uid] = whole
         if key is not None:
@@ -233,6 +257,7 @@ class VisionLane:
         for rid in request_ids:
             uid = self._rows.pop(rid)
             if uid is not None:
+                self._dists.pop(uid, None)
                 self._gen.remove(uid)
                 self._prefilled(uid)
                 if self.prefix_cache is not None:
@@ -247,6 +272,7 @@ class VisionLane:
         _, responses = self._gen.next()
         elapsed = time.perf_counter() - tic
         events: dict[str, TokenEvent] = {}
+        asked: list = []  # rows that asked for logprobs (base.attach_logprobs)
         for r in responses:
             rid = self._rows.request_id(r.uid)
             if rid is None:
@@ -255,11 +281,16 @@ class VisionLane:
                 self._prefilled(r.uid)
             ev = events.setdefault(rid, TokenEvent(rid, []))
             ev.tokens.append(int(r.token))
+            dists = self._dists.get(r.uid)
+            if dists is not None:
+                asked.append((ev, dists.take(), int(r.token), dists.top, ()))  # bans: processors here
             if r.finish_reason is not None:
                 ev.finish_reason = "stop" if r.finish_reason == "stop" else "length"
                 self._rows.pop(rid)
+                self._dists.pop(r.uid, None)
                 if cache is not None:  # what it stores on finishing is in the cache now
                     cache.untrack(r.uid)
+        attach_logprobs(asked)
         out = list(events.values())
         out = fail_errored(out, self._errors, self.remove)
         s = self._gen.stats()
@@ -280,6 +311,7 @@ class VisionLane:
         self._staged = None
         self._prefilling.clear()
         self._contexts.clear()
+        self._dists.clear()
         if self.prefix_cache is not None:  # a step failed: keep no snapshot it may have half-made
             self.prefix_cache.close()
         self._gen.close()

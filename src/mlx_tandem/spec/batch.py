@@ -387,7 +387,9 @@ class MTPGenerationBatch(GenerationBatch):
         # Processors see the logits a plain step gives them: the ban comes after them there
         # (BannedSampler, or TokenBan as the last processor), and a processor that reads the
         # whole vocabulary (a mean, an entropy) turned -inf into NaN.
-        nxt = self._plain_rows_next(drafting, raw[:, 0], x, nxt)
+        # The distribution each row's x was drawn from (the last step's), for its logprobs.
+        x_logprobs = list(self._next_logprobs) if len(self._next_logprobs) == B else [None] * B
+        nxt, next_logprobs = self._plain_rows_next(drafting, raw[:, 0], x, nxt)
         mx.eval(accepted, nxt, inputs)
         acc = accepted.tolist()
         blocks = inputs.tolist()
@@ -409,13 +411,15 @@ class MTPGenerationBatch(GenerationBatch):
         mtp[0].pending = mx.take_along_axis(hidden, mx.array(kept, dtype=mx.int32).reshape(B, 1, 1), axis=1)
 
         self._next_tokens = nxt
-        self._next_logprobs = [None] * B
+        # A drafting row's next token comes from the acceptance, which keeps no plain
+        # distribution: a request asking for logprobs never drafts (lanes/text.py).
+        self._next_logprobs = next_logprobs
         # mlx-lm (0.32) keeps the tokens a plain step fed in _current_tokens, and extend()
         # concatenates a joining row's onto them; only a plain step resets them. Left as
         # they are, speculative steps let them grow by a row (and a graph node) per request
         # for the life of the engine.
         self._current_tokens, self._current_logprobs = None, []
-        responses = self._responses(blocks, emitted, finishes)
+        responses = self._responses(blocks, emitted, finishes, x_logprobs)
 
         # Count what reached the output: drafts accepted past a row's max_tokens or stop
         # are dropped, and counting them would flatter both the stats and the auto policy.
@@ -424,20 +428,27 @@ class MTPGenerationBatch(GenerationBatch):
                          rows=n_draft_rows)
         return responses, sum(emitted) / B
 
-    def _plain_rows_next(self, drafting: list[bool], logits0: mx.array, x: mx.array, nxt: mx.array) -> mx.array:
+    def _plain_rows_next(self, drafting: list[bool], logits0: mx.array, x: mx.array,
+                         nxt: mx.array) -> tuple[mx.array, list]:
         """Rows that do not draft take their next token exactly as a plain step would:
-        their processors on position-0 logits, then their own sampler."""
+        their processors on position-0 logits, then their own sampler. Also each row's
+        distribution it was drawn from ((V,), as a plain step keeps it; None for drafting rows)."""
         plain = [i for i, d in enumerate(drafting) if not d]
+        logprobs = [None] * len(drafting)
         if not plain:
-            return nxt
-        picks = [self._sample_processed(i, logits0[i: i + 1], x[i: i + 1]) for i in plain]
+            return nxt, logprobs
+        picks = []
+        for i in plain:
+            tok, logprobs[i] = self._sample_processed(i, logits0[i: i + 1], x[i: i + 1])
+            picks.append(tok)
         idx = mx.array(plain)
         nxt = mx.array(nxt)
         nxt[idx] = mx.concatenate(picks).astype(nxt.dtype)
-        return nxt
+        return nxt, logprobs
 
-    def _sample_processed(self, i: int, lg: mx.array, fed: mx.array) -> mx.array:
-        """Row i's next token from logits (1, V) after feeding ``fed``: processors, then sampler."""
+    def _sample_processed(self, i: int, lg: mx.array, fed: mx.array) -> tuple[mx.array, mx.array]:
+        """Row i's next token from logits (1, V) after feeding ``fed``: processors, then
+        sampler; and the log-probabilities it was drawn from, (V,)."""
         processors = self.logits_processors[i] or ()
         if processors:
             context = self._token_context[i].update_and_fetch(fed)
@@ -445,7 +456,7 @@ class MTPGenerationBatch(GenerationBatch):
                 lg = proc(context, lg)
         lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
         sampler = self.samplers[i] if self.samplers and self.samplers[i] is not None else self.fallback_sampler
-        return sampler(lp).reshape(1)
+        return sampler(lp).reshape(1), lp[0]
 
     def _emit_tokens(self, blocks: list[list[int]], accepted: list[int]) -> tuple[list[int], list]:
         """Append each row's kept tokens (x and its accepted drafts) up to its finish; return
@@ -467,16 +478,18 @@ class MTPGenerationBatch(GenerationBatch):
             finishes.append(finish)
         return emitted, finishes
 
-    def _responses(self, blocks: list[list[int]], emitted: list[int], finishes: list) -> list:
+    def _responses(self, blocks: list[list[int]], emitted: list[int], finishes: list, x_logprobs: list) -> list:
         """One response per emitted token; like a plain step, a finished row hands back its
-        cache (rolled back to its last token) and leaves the batch."""
+        cache (rolled back to its last token) and leaves the batch. A row's first token
+        carries the distribution it was drawn from (``x_logprobs``), its drafts none."""
         responses, keep = [], []
         for i, uid in enumerate(self.uids):
             n, finish = emitted[i], finishes[i]
             for j, tok in enumerate(blocks[i][:n]):
                 last = finish is not None and j == n - 1
                 responses.append(self.Response(
-                    uid=uid, token=tok, logprobs=None, finish_reason=finish if last else None,
+                    uid=uid, token=tok, logprobs=x_logprobs[i] if j == 0 else None,
+                    finish_reason=finish if last else None,
                     prompt_cache=self.extract_cache(i) if last else None,
                     all_tokens=self.tokens[i] if last else None))
             if finish is None:

@@ -19,6 +19,7 @@ from llama_index.core.base.llms.types import (
     CitableBlock,
     CitationBlock,
     ChatResponse,
+    LogProb,
     CompletionResponse,
     DocumentBlock,
     ImageBlock,
@@ -229,9 +230,22 @@ def token_counts(usage) -> dict:
             "total_tokens": usage.total_tokens}
 
 
-def raw_response(model_name: str, request_id: str, finish_reason: Optional[str], usage) -> dict:
-    """``raw``: what LlamaIndex's token counting reads (``raw["usage"]``), plus the finish reason."""
+def to_logprobs(logprobs) -> Optional[list[list[LogProb]]]:
+    """``ChatResponse.logprobs``/``CompletionResponse.logprobs``: per answer token, the token
+    drawn first, then the most likely others at its place (``top_logprobs`` of them)."""
+    if logprobs is None:
+        return None
+    return [[LogProb(token=lp.token, logprob=lp.logprob, bytes=list(lp.bytes)),
+             *(LogProb(token=t.token, logprob=t.logprob, bytes=list(t.bytes))
+               for t in lp.top_logprobs if t.token_id != lp.token_id)] for lp in logprobs]
+
+
+def raw_response(model_name: str, request_id: str, finish_reason: Optional[str], usage, logprobs=None) -> dict:
+    """``raw``: what LlamaIndex's token counting reads (``raw["usage"]``), plus the finish reason,
+    and OpenAI's ``logprobs`` (``{"content": [...]}``) when the call asked for them."""
     raw: dict[str, Any] = {"model": model_name, "id": request_id}
+    if logprobs is not None:
+        raw["logprobs"] = {"content": [lp.to_openai() for lp in logprobs]}
     if finish_reason is not None:
         raw["finish_reason"] = finish_reason
     if usage is not None:
@@ -274,8 +288,9 @@ def _message(content: str, reasoning: str, calls: Sequence[Any], invalid: Sequen
 
 def to_chat_response(out, model_name: str) -> ChatResponse:
     message = _message(out.content, out.reasoning, out.tool_calls, out.invalid_tool_calls, out.usage)
-    return ChatResponse(message=message, raw=raw_response(model_name, out.request_id, out.finish_reason, out.usage),
-                        additional_kwargs=token_counts(out.usage))
+    return ChatResponse(message=message, raw=raw_response(model_name, out.request_id, out.finish_reason, out.usage,
+                                                          out.logprobs),
+                        additional_kwargs=token_counts(out.usage), logprobs=to_logprobs(out.logprobs))
 
 
 def to_completion_response(out, model_name: str) -> CompletionResponse:
@@ -283,18 +298,21 @@ def to_completion_response(out, model_name: str) -> CompletionResponse:
     extra = {**_call_kwargs(out.tool_calls, out.invalid_tool_calls), **token_counts(out.usage)}
     if out.reasoning:
         extra["thinking"] = out.reasoning
-    return CompletionResponse(text=out.content, raw=raw_response(model_name, out.request_id, out.finish_reason, out.usage),
-                              additional_kwargs=extra)
+    return CompletionResponse(text=out.content, raw=raw_response(model_name, out.request_id, out.finish_reason,
+                                                                 out.usage, out.logprobs),
+                              additional_kwargs=extra, logprobs=to_logprobs(out.logprobs))
 
 
 class StreamAccumulator:
     """StreamDeltas -> LlamaIndex stream responses: ``message.content``/``text`` is the text so
     far, ``delta`` the new piece, ``additional_kwargs["thinking_delta"]`` the new reasoning
-    (and, for completions, ``additional_kwargs["thinking"]`` the reasoning so far)."""
+    (and, for completions, ``additional_kwargs["thinking"]`` the reasoning so far);
+    ``logprobs``, when asked for, those of the piece's tokens (as ``delta``, not the sum)."""
 
-    def __init__(self, model_name: str, request_id: str):
+    def __init__(self, model_name: str, request_id: str, logprobs: bool = False):
         self._model_name = model_name
         self._request_id = request_id
+        self._logprobs = logprobs
         self.content = ""
         self.reasoning = ""
         self.calls: list = []
@@ -306,7 +324,8 @@ class StreamAccumulator:
         self.calls.extend(delta.tool_calls)
         self.invalid.extend(delta.invalid_tool_calls)
         last = delta.finish_reason is not None
-        if not (delta.content or delta.reasoning or delta.tool_calls or delta.invalid_tool_calls or last):
+        if not (delta.content or delta.reasoning or delta.tool_calls or delta.invalid_tool_calls or last
+                or delta.logprobs):  # held-back text's tokens still carry their logprobs
             return None
         extra: dict[str, Any] = {}
         if delta.reasoning:
@@ -322,9 +341,17 @@ class StreamAccumulator:
         return ChatResponse(
             message=_message(self.content, self.reasoning, self.calls, self.invalid, delta.usage),
             delta=delta.content or "",
-            raw=raw_response(self._model_name, self._request_id, delta.finish_reason, delta.usage),
+            raw=self._raw(delta),
             additional_kwargs=extra,
+            logprobs=self._piece_logprobs(delta),
         )
+
+    def _raw(self, delta) -> dict:
+        return raw_response(self._model_name, self._request_id, delta.finish_reason, delta.usage,
+                            delta.logprobs if self._logprobs else None)
+
+    def _piece_logprobs(self, delta) -> Optional[list[list[LogProb]]]:
+        return to_logprobs(delta.logprobs) if self._logprobs else None
 
     def completion(self, delta) -> Optional[CompletionResponse]:
         extra = self._update(delta)
@@ -335,6 +362,7 @@ class StreamAccumulator:
         extra.update(_call_kwargs(self.calls, self.invalid))  # the calls so far, as the chat stream's message
         return CompletionResponse(
             text=self.content, delta=delta.content or "",
-            raw=raw_response(self._model_name, self._request_id, delta.finish_reason, delta.usage),
+            raw=self._raw(delta),
             additional_kwargs=extra,
+            logprobs=self._piece_logprobs(delta),
         )

@@ -97,10 +97,11 @@ class MLXTandemLLM(FunctionCallingLLM):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     repetition_context_size: int = Field(
-        default=20, description="How many of the latest tokens the repetition, presence and frequency penalties "
-                                "look back on.")
-    presence_penalty: Optional[float] = Field(default=None, description="OpenAI's presence penalty, in [-2, 2].")
-    frequency_penalty: Optional[float] = Field(default=None, description="OpenAI's frequency penalty, in [-2, 2].")
+        default=20, description="How many of the latest tokens the repetition penalty looks back on.")
+    presence_penalty: Optional[float] = Field(
+        default=None, description="OpenAI's presence penalty, in [-2, 2], over the whole answer so far.")
+    frequency_penalty: Optional[float] = Field(
+        default=None, description="OpenAI's frequency penalty, in [-2, 2], over the whole answer so far.")
     stop: Optional[list[str]] = Field(default=None, description="Stop strings (never emitted).")
     seed: Optional[int] = None
     mtp: Optional[Union[StrictStr, StrictBool]] = Field(
@@ -109,6 +110,11 @@ class MLXTandemLLM(FunctionCallingLLM):
         default=None, description="SpecPrefill for long prompts: True forces it, False turns it off; None = engine threshold.")
     keep_pct: Optional[float] = Field(
         default=None, description="Share of prompt chunks SpecPrefill keeps, in (0, 1]; None = engine option.")
+    logprobs: Optional[bool] = Field(
+        default=None, description="Each answer token's log-probability in the response's logprobs (the token "
+                                  "drawn first, then the top_logprobs most likely others); no MTP drafting then.")
+    top_logprobs: Optional[int] = Field(
+        default=None, description="How many of the most likely tokens to list per token, 0 to 20 (needs logprobs).")
     reasoning: Optional[bool] = Field(
         default=None, description="Thinking on/off through the template's enable_thinking; None keeps its default.")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -242,7 +248,7 @@ class MLXTandemLLM(FunctionCallingLLM):
 
         def gen() -> ChatResponseGen:
             with self._open_sync(*request) as stream:
-                acc = StreamAccumulator(self.model_name, stream.request_id)
+                acc = StreamAccumulator(self.model_name, stream.request_id, request[2].logprobs)
                 for delta in stream:
                     response = acc.chat(delta)
                     if response is not None:
@@ -259,7 +265,7 @@ class MLXTandemLLM(FunctionCallingLLM):
             # Opened on the first read, as the sync twin and core's providers open theirs:
             # the stream belongs to the loop that reads it.
             async with await self._open_async(*request) as stream:
-                acc = StreamAccumulator(self.model_name, stream.request_id)
+                acc = StreamAccumulator(self.model_name, stream.request_id, request[2].logprobs)
                 async for delta in stream:
                     response = acc.chat(delta)
                     if response is not None:
@@ -295,7 +301,7 @@ class MLXTandemLLM(FunctionCallingLLM):
 
         def gen() -> CompletionResponseGen:
             with self._open_sync(*request) as stream:
-                acc = StreamAccumulator(self.model_name, stream.request_id)
+                acc = StreamAccumulator(self.model_name, stream.request_id, request[2].logprobs)
                 for delta in stream:
                     response = acc.completion(delta)
                     if response is not None:
@@ -310,7 +316,7 @@ class MLXTandemLLM(FunctionCallingLLM):
 
         async def gen() -> CompletionResponseAsyncGen:
             async with await self._open_async(*request) as stream:
-                acc = StreamAccumulator(self.model_name, stream.request_id)
+                acc = StreamAccumulator(self.model_name, stream.request_id, request[2].logprobs)
                 async for delta in stream:
                     response = acc.completion(delta)
                     if response is not None:

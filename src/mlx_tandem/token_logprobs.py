@@ -1,0 +1,51 @@
+"""The chosen token's log-probability and the most likely ones, for the rows of a step
+that asked for logprobs (``SamplingParams.logprobs``). Owner thread only (mlx arrays).
+
+Every lane hands over the distribution its sampler drew from (log-softmax after the
+logits processors, before temperature and the filters; a token ban the sampler applies is
+applied here too); the gather reads all rows of a step in one evaluation, so asking for
+logprobs adds one small sync a step, not one a row.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from .constraints import keep_mask
+
+#: One token's (log-probability, ((token id, log-probability), ...) most likely first).
+RawLogprob = tuple[float, tuple[tuple[int, float], ...]]
+
+
+def gather(logprobs: Sequence[mx.array], tokens: Sequence[int], top: Sequence[int],
+           banned: Sequence[tuple[int, ...]]) -> list[RawLogprob]:
+    """For each row: ``logprobs`` (V,) or (1, V), the token drawn from it, how many of the
+    most likely tokens to list (0: none), and the ids its sampler never draws
+    (``samplers.BannedSampler``: a chat without tools cannot open a call), which are taken
+    out of the distribution as the sampler takes them out."""
+    if not logprobs:
+        return []
+    rows = []
+    for a, ban in zip(logprobs, banned):
+        a = a.reshape(-1).astype(mx.float32)
+        if ban:
+            a = mx.where(mx.array(keep_mask(ban, a.shape[-1])), a, mx.array(-float("inf"), dtype=a.dtype))
+            a = a - mx.logsumexp(a, axis=-1, keepdims=True)
+        rows.append(a)
+    lp = mx.stack(rows)
+    chosen = mx.take_along_axis(lp, mx.array(list(tokens), dtype=mx.int32)[:, None], axis=1)[:, 0]
+    k = min(max(top), lp.shape[-1])
+    if k:
+        ids = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+        vals = mx.take_along_axis(lp, ids, axis=-1)
+        mx.eval(chosen, ids, vals)
+        ids, vals = ids.tolist(), vals.tolist()
+    else:
+        ids = vals = [[] for _ in tokens]
+    out = []
+    for c, row_ids, row_vals, n in zip(chosen.tolist(), ids, vals, top):
+        best = sorted(zip(row_ids, row_vals), key=lambda p: (-p[1], p[0]))[:n]
+        out.append((min(c, 0.0), tuple((t, min(v, 0.0)) for t, v in best)))  # float error, never above 0
+    return out

@@ -119,6 +119,20 @@ async def test_streamed_deltas_carry_their_tokens_logprobs(qwen3_5_engine):
     assert pieces == whole.logprobs
 
 
+async def test_an_answer_cut_after_its_call_keeps_its_tokens_and_logprobs_paired(qwen3_5_engine):
+    """``parallel_tool_calls=False`` ends the answer at its call, cutting the delta that
+    brought the call's end (streams.py): the logprobs are cut with the tokens."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}, "required": ["q"]}}}]
+    prompt = [{"role": "user", "content": "Look it up."}]
+    out = await qwen3_5_engine.chat(prompt, {"max_tokens": 64, "logprobs": True}, tools=tools,
+                                    tool_choice="lookup", parallel_tool_calls=False)
+    assert out.finish_reason == "tool_calls" and out.tool_calls
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    # Under the call's grammar the drawn token is always allowed, so never -inf.
+    assert all(np.isfinite(lp.logprob) for lp in out.logprobs)
+
+
 @pytest.mark.parametrize("bad", [dict(top_logprobs=3), dict(logprobs=True, top_logprobs=21),
                                  dict(logprobs=True, top_logprobs=-1), dict(logprobs="yes"),
                                  dict(logprobs=True, top_logprobs=2.0)])

@@ -502,7 +502,7 @@ class EngineCore:
             req.first_token_time = now
             self.stats.record_ttft(now - req.arrival)
         eos = self._eos
-        text, new_ids, ends, logprobs, finish = "", [], [], [], None
+        text, new_ids, ends, finish = "", [], [], None
         start = req.num_generated
         for i, tok in enumerate(ev.tokens):
             req.num_generated += 1
@@ -510,8 +510,6 @@ class EngineCore:
                 finish = "stop"
                 break
             new_ids.append(tok)
-            if ev.logprobs is not None:  # the same tokens as new_ids: those that reach the output
-                logprobs.append(self._token_texts.logprob(tok, ev.logprobs[i]))
             text += req.detokenizer.add(tok)
             ends.append(len(text))
             if req.detokenizer.stopped:
@@ -525,10 +523,11 @@ class EngineCore:
         if req.num_generated - start > 1:  # a speculative step: its tokens after the first are drafts
             req.draft_spans.append((start + 1, req.num_generated - start - 1))
         finish = finish or ev.finish_reason
+        logprobs = tuple(map(self._token_texts.logprob, new_ids, ev.logprobs or ()))  # new_ids begin ev.tokens
         if finish is None:
             if text or new_ids:
                 self._emit(req, StreamDelta(req.request_id, text, tuple(new_ids), text_ends=tuple(ends),
-                                            logprobs=tuple(logprobs)))
+                                            logprobs=logprobs))
             return
         text += req.detokenizer.finish()
         if req.detokenizer.stopped:  # a stop string completed by the last text held back
@@ -537,7 +536,7 @@ class EngineCore:
         self._emit(req, StreamDelta(
             req.request_id, text, tuple(new_ids), finish_reason=finish,
             usage=Usage(req.num_prompt_tokens, req.num_generated, req.cached_tokens), text_ends=tuple(ends),
-            logprobs=tuple(logprobs)))
+            logprobs=logprobs))
         self._retire(req)
         self._count(req, "finished")
 

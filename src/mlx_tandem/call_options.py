@@ -16,7 +16,7 @@ from .params import SamplingParams
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
                    "presence_penalty", "frequency_penalty", "seed", "mtp", "specprefill", "keep_pct",
-                   "logprobs", "top_logprobs")
+                   "logprobs", "top_logprobs", "logit_bias")
 CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning")
 
 

@@ -277,6 +277,9 @@ class Engine:
             # Keeps every token, as top_k=0 does (mlx-lm's top-k needs k < vocab, and its
             # failure inside a compiled sampler would fail the whole batch's step).
             params = params.with_updates(top_k=0)
+        if params.logit_bias and params.logit_bias[-1][0] >= self.loaded.vocab_size:
+            raise InvalidRequestError(f"logit_bias: token id {params.logit_bias[-1][0]} is not in this model's "
+                                      f"vocabulary [0, {self.loaded.vocab_size})")
         renderer = self._renderer
         parser = None
         processors: list = []

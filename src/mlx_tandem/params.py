@@ -40,6 +40,25 @@ def _as_tuple(value: Any, name: str) -> tuple:
         raise InvalidRequestError(f"SamplingParams.{name}={value!r}: must be a sequence") from None
 
 
+def _bias_pairs(bias) -> Optional[tuple[tuple[int, Any], ...]]:
+    """``logit_bias`` as sorted (token id, bias) pairs; None or {} is None."""
+    if bias is None:
+        return None
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"SamplingParams.logit_bias={bias!r}: must map token ids to biases") from None
+    out = {}
+    for k, v in pairs:
+        if isinstance(k, str) and k.strip().isdigit():
+            k = int(k)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise InvalidRequestError(f"SamplingParams.logit_bias: {k!r} is not a token id (an integer >= 0)")
+        out[k] = v
+    return tuple(sorted(out.items())) or None
+
+
 def is_finite_number(v) -> bool:
     """A real int or float that converts to a finite float (``math.isfinite`` raised
     ``OverflowError``, not a typed error, on an int like ``10**400``)."""
@@ -98,6 +117,11 @@ class SamplingParams:
     #: does not draft with MTP (its rows decode one token a step; the others still do).
     logprobs: bool = False
     top_logprobs: int = 0
+    #: OpenAI's ``logit_bias``: token id -> a bias in [-100, 100] added to its logit before
+    #: the other processors (-100 all but bans a token, 100 all but forces it). A dict (its
+    #: keys may be strings of digits, as JSON spells them), kept as sorted (id, bias) pairs.
+    #: Ids are checked against the model's vocabulary when the request is made.
+    logit_bias: Optional[tuple[tuple[int, float], ...]] = None
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -110,6 +134,7 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "logits_processors", _as_tuple(self.logits_processors, "logits_processors"))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         from .spec.policy import normalize_mode
 
         object.__setattr__(self, "mtp", normalize_mode(self.mtp, what="SamplingParams.mtp"))
@@ -163,6 +188,9 @@ class SamplingParams:
             from .options import check_keep_pct
 
             check_keep_pct(self.keep_pct, "SamplingParams.keep_pct")
+        if self.logit_bias is not None and any(not is_finite_number(b) or not -100 <= b <= 100
+                                               for _, b in self.logit_bias):
+            bad("logit_bias", "biases must be numbers in [-100, 100], as OpenAI's")
         if not isinstance(self.logprobs, bool):
             bad("logprobs", "must be True or False")
         if (not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool)

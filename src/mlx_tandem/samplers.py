@@ -122,6 +122,8 @@ def make_request_processors(p: SamplingParams, on_error: Callable[[BaseException
     """
     p = p.with_defaults()
     processors = []
+    if p.logit_bias:  # mlx-lm's own: added to the logits before everything else
+        processors += make_logits_processors(logit_bias=dict(p.logit_bias))
     if p.repetition_penalty != 1.0:
         processors += make_logits_processors(repetition_penalty=p.repetition_penalty,
                                              repetition_context_size=p.repetition_context_size)

@@ -81,6 +81,8 @@ class ChatMLX(BaseChatModel):
     with MTP."""
     top_logprobs: Optional[int] = None
     """How many of the most likely tokens to list at each place, 0 to 20 (needs ``logprobs``)."""
+    logit_bias: Optional[dict[int, float]] = None
+    """OpenAI's: token id -> bias in [-100, 100] added to its logit (-100 bans it)."""
     streaming: bool = False
     stream_usage: bool = True
     """Usage on a stream's last chunk, as ChatOpenAI's ``stream_usage``; False leaves it out
@@ -142,6 +144,7 @@ class ChatMLX(BaseChatModel):
             "keep_pct": self.keep_pct,
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs,
+            "logit_bias": self.logit_bias,
             "reasoning": self.reasoning,
             # LangChain's LLM cache keys on these params (and the call's own stop, which it
             # adds under "stop"): every field that changes the answer must be here.

@@ -115,6 +115,8 @@ class MLXTandemLLM(FunctionCallingLLM):
                                   "drawn first, then the top_logprobs most likely others); no MTP drafting then.")
     top_logprobs: Optional[int] = Field(
         default=None, description="How many of the most likely tokens to list per token, 0 to 20 (needs logprobs).")
+    logit_bias: Optional[dict[int, float]] = Field(
+        default=None, description="OpenAI's: token id -> bias in [-100, 100] added to its logit (-100 bans it).")
     reasoning: Optional[bool] = Field(
         default=None, description="Thinking on/off through the template's enable_thinking; None keeps its default.")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

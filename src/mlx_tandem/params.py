@@ -112,9 +112,9 @@ class SamplingParams:
     #: Per answer token, its log-probability (``RequestOutput.logprobs``), and the
     #: ``top_logprobs`` most likely tokens at its place (0 to 20, as OpenAI's; they need
     #: ``logprobs``). Log-softmax of the logits after the logits processors (a grammar's
-    #: mask, the penalties, your own) and before temperature and the top-p/top-k/min-p
-    #: filters: what the sampler draws from, the same at any temperature. Such a request
-    #: does not draft with MTP (its rows decode one token a step; the others still do).
+    #: mask, the penalties, your own) and the token bans, before temperature and the
+    #: top-p/top-k/min-p filters: what the sampler draws from, the same at any temperature
+    #: and with MTP on or off.
     logprobs: bool = False
     top_logprobs: int = 0
     #: OpenAI's ``logit_bias``: token id -> a bias in [-100, 100] added to its logit before

@@ -33,11 +33,14 @@ def _decoder_kinds(backend) -> set[str]:
 
 
 class TokenTexts:
-    """``token(id) -> (text, bytes)``, cached. ``backend`` is the HF fast tokenizer's
-    ``tokenizers.Tokenizer`` (the caller's own copy: one instance must not serve several
-    threads), ``decode`` its decode of a list of ids."""
+    """``token(id) -> (text, bytes)``, cached. ``tokenizer`` is a transformers fast
+    tokenizer or its ``tokenizers.Tokenizer`` (the caller's own copy: one instance must not
+    serve several threads), ``decode`` its decode of a list of ids."""
 
-    def __init__(self, backend, decode: Callable[[list[int]], str]):
+    def __init__(self, tokenizer, decode: Callable[[list[int]], str]):
+        # The vocabulary and decoder are the Rust backend's: a transformers tokenizer's own
+        # ``to_str`` is not it, and read so every byte token fell back to U+FFFD (a review).
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self._backend = backend
         self._decode = decode
         kinds = _decoder_kinds(backend)

@@ -77,8 +77,7 @@ class ChatMLX(BaseChatModel):
     """Share of prompt chunks SpecPrefill keeps, in (0, 1]; None = engine option."""
     logprobs: Optional[bool] = None
     """Each answer token's log-probability in ``response_metadata["logprobs"]["content"]``,
-    as ChatOpenAI's (streamed chunks carry their own tokens'). Such a call does not draft
-    with MTP."""
+    as ChatOpenAI's (streamed chunks carry their own tokens')."""
     top_logprobs: Optional[int] = None
     """How many of the most likely tokens to list at each place, 0 to 20 (needs ``logprobs``)."""
     logit_bias: Optional[dict[int, float]] = None
@@ -258,7 +257,7 @@ class ChatMLX(BaseChatModel):
                 message = builder.chunk(delta)
                 if message is None:
                     continue
-                chunk = ChatGenerationChunk(message=message, generation_info=_last_chunk_info(message))
+                chunk = ChatGenerationChunk(message=message, generation_info=_chunk_info(message))
                 if run_manager is not None:
                     run_manager.on_llm_new_token(message.text, chunk=chunk)
                 yield chunk
@@ -274,7 +273,7 @@ class ChatMLX(BaseChatModel):
                 message = builder.chunk(delta)
                 if message is None:
                     continue
-                chunk = ChatGenerationChunk(message=message, generation_info=_last_chunk_info(message))
+                chunk = ChatGenerationChunk(message=message, generation_info=_chunk_info(message))
                 if run_manager is not None:
                     await run_manager.on_llm_new_token(message.text, chunk=chunk)
                 yield chunk
@@ -482,13 +481,17 @@ def _result(message: AIMessage) -> ChatResult:
     return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)], llm_output=llm_output)
 
 
-def _last_chunk_info(message: AIMessageChunk) -> Optional[dict[str, Any]]:
+def _chunk_info(message: AIMessageChunk) -> Optional[dict[str, Any]]:
     """``generation_info`` of a stream's chunks, as ChatOpenAI fills it: the last carries the
-    finish reason and the model name (``LLMResult.generations`` of a streamed call read it)."""
+    finish reason and the model name (``LLMResult.generations`` of a streamed call read it),
+    and each its tokens' logprobs, which adding the chunks concatenates."""
+    info: dict[str, Any] = {}
+    if "logprobs" in message.response_metadata:
+        info["logprobs"] = message.response_metadata["logprobs"]
     finish = message.response_metadata.get("finish_reason")
-    if finish is None:
-        return None
-    return {"finish_reason": finish, "model_name": message.response_metadata.get("model_name")}
+    if finish is not None:
+        info.update(finish_reason=finish, model_name=message.response_metadata.get("model_name"))
+    return info or None
 
 
 def _profile(engine: Engine) -> dict:

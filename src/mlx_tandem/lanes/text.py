@@ -172,12 +172,11 @@ class TextLane:
         n_others = len(processors) - (0 if isinstance(sampler, BannedSampler) else len(bans))
         alone = others[0] if n_others == 1 and len(others) == 1 else None
         grammar = alone if isinstance(alone, (GrammarProcessor, LazyToolCallGrammar)) else None
-        # A row asking for logprobs needs each token's plain distribution (spec/batch.py).
-        drafts = (n_others == 0 or grammar is not None) and not request.params.logprobs and (
+        drafts = (n_others == 0 or grammar is not None) and (
             mode == "on" or (mode == "auto" and not seeded_sampling))
         rid = request.request_id
         return RowSpec(params=request.params, sampler=sampler, drafts=drafts, forces=mode == "on",
-                       banned=_banned_ids(bans), grammar=grammar,
+                       banned=_banned_ids(bans), grammar=grammar, logprobs=request.params.logprobs,
                        on_error=lambda exc, rid=rid: self._errors.append((rid, exc)))
 
     def mtp_stats(self) -> dict | None:

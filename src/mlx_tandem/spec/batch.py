@@ -50,6 +50,21 @@ def _keep_mask(banned: tuple[tuple[int, ...], ...], vocab: int) -> mx.array | No
     return mx.array(np.stack([keep_mask(ids, vocab) for ids in banned]))
 
 
+def _verified_logprobs(logits: mx.array, rows: list, drafting: list[bool]) -> dict[int, mx.array]:
+    """Drafting rows that asked for logprobs: the verify's log-probabilities at each of the
+    block's positions, (k+1, V), after the row's ban and grammar mask, as a plain step has
+    them (its processors, then the ban the logprobs gather applies). Position j is the
+    target's distribution for the token after j drafts: an accepted draft's, or the next
+    token's where acceptance stopped (under sampling that one is drawn from the residual
+    distribution speculative sampling needs, whose law is this one)."""
+    want = [i for i, (r, d) in enumerate(zip(rows, drafting)) if d and r.logprobs]
+    if not want:
+        return {}
+    lg = logits[mx.array(want)].astype(mx.float32)
+    lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+    return {i: lp[n] for n, i in enumerate(want)}
+
+
 def _ban(logits: mx.array, keep: mx.array | None) -> mx.array:
     """``logits`` (B, V) or (B, T, V) with the banned ids at -inf, as the row's TokenBan
     does in a plain step."""
@@ -145,6 +160,7 @@ class RowSpec:
     # ``on_error`` fails the request as the processor's guard would in a plain step.
     grammar: Any = None
     on_error: Any = None
+    logprobs: bool = False  # the request asked for logprobs: keep the verify's distributions
 
 
 #: A head that has had at least this many drafts checked and accepted under this share of
@@ -384,14 +400,17 @@ class MTPGenerationBatch(GenerationBatch):
         if walk is not None:  # each verified position masked as a plain step masks it
             logits = walk.mask_all(logits)
         accepted, nxt = drafter.accept(logits, drafts)
+        # The distribution each row's x was drawn from (the last step's), for its logprobs.
+        x_logprobs = list(self._next_logprobs) if len(self._next_logprobs) == B else [None] * B
         # Processors see the logits a plain step gives them: the ban comes after them there
         # (BannedSampler, or TokenBan as the last processor), and a processor that reads the
         # whole vocabulary (a mean, an entropy) turned -inf into NaN.
-        # The distribution each row's x was drawn from (the last step's), for its logprobs.
-        x_logprobs = list(self._next_logprobs) if len(self._next_logprobs) == B else [None] * B
         nxt, next_logprobs = self._plain_rows_next(drafting, raw[:, 0], x, nxt)
+        verified = _verified_logprobs(logits, rows, drafting)
         mx.eval(accepted, nxt, inputs)
         acc = accepted.tolist()
+        for i, lp in verified.items():  # the next x is drawn at the first position not accepted
+            next_logprobs[i] = lp[acc[i]]
         blocks = inputs.tolist()
         if walk is not None:
             walk.settle(blocks, acc, self._token_context)
@@ -411,15 +430,13 @@ class MTPGenerationBatch(GenerationBatch):
         mtp[0].pending = mx.take_along_axis(hidden, mx.array(kept, dtype=mx.int32).reshape(B, 1, 1), axis=1)
 
         self._next_tokens = nxt
-        # A drafting row's next token comes from the acceptance, which keeps no plain
-        # distribution: a request asking for logprobs never drafts (lanes/text.py).
         self._next_logprobs = next_logprobs
         # mlx-lm (0.32) keeps the tokens a plain step fed in _current_tokens, and extend()
         # concatenates a joining row's onto them; only a plain step resets them. Left as
         # they are, speculative steps let them grow by a row (and a graph node) per request
         # for the life of the engine.
         self._current_tokens, self._current_logprobs = None, []
-        responses = self._responses(blocks, emitted, finishes, x_logprobs)
+        responses = self._responses(blocks, emitted, finishes, x_logprobs, verified)
 
         # Count what reached the output: drafts accepted past a row's max_tokens or stop
         # are dropped, and counting them would flatter both the stats and the auto policy.
@@ -478,17 +495,20 @@ class MTPGenerationBatch(GenerationBatch):
             finishes.append(finish)
         return emitted, finishes
 
-    def _responses(self, blocks: list[list[int]], emitted: list[int], finishes: list, x_logprobs: list) -> list:
+    def _responses(self, blocks: list[list[int]], emitted: list[int], finishes: list, x_logprobs: list,
+                   verified: dict) -> list:
         """One response per emitted token; like a plain step, a finished row hands back its
         cache (rolled back to its last token) and leaves the batch. A row's first token
-        carries the distribution it was drawn from (``x_logprobs``), its drafts none."""
+        carries the distribution it was drawn from (``x_logprobs``), an accepted draft the
+        verify's at its place (``verified``, for rows that asked for logprobs)."""
         responses, keep = [], []
         for i, uid in enumerate(self.uids):
             n, finish = emitted[i], finishes[i]
             for j, tok in enumerate(blocks[i][:n]):
                 last = finish is not None and j == n - 1
                 responses.append(self.Response(
-                    uid=uid, token=tok, logprobs=x_logprobs[i] if j == 0 else None,
+                    uid=uid, token=tok,
+                    logprobs=x_logprobs[i] if j == 0 else (verified[i][j - 1] if i in verified else None),
                     finish_reason=finish if last else None,
                     prompt_cache=self.extract_cache(i) if last else None,
                     all_tokens=self.tokens[i] if last else None))

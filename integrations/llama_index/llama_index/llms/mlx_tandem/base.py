@@ -112,7 +112,7 @@ class MLXTandemLLM(FunctionCallingLLM):
         default=None, description="Share of prompt chunks SpecPrefill keeps, in (0, 1]; None = engine option.")
     logprobs: Optional[bool] = Field(
         default=None, description="Each answer token's log-probability in the response's logprobs (the token "
-                                  "drawn first, then the top_logprobs most likely others); no MTP drafting then.")
+                                  "drawn first, then the top_logprobs most likely others).")
     top_logprobs: Optional[int] = Field(
         default=None, description="How many of the most likely tokens to list per token, 0 to 20 (needs logprobs).")
     logit_bias: Optional[dict[int, float]] = Field(

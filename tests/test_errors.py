@@ -61,6 +61,7 @@ def test_call_options_of_the_wrong_type_are_typed_errors():
     class Defaults:  # the adapters' fields
         temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed = 0.0, 1.0, 0, 0.0, 1.0, 20, None
         mtp = specprefill = keep_pct = max_tokens = timeout = reasoning = presence_penalty = frequency_penalty = None
+        logprobs = top_logprobs = logit_bias = None
         stop, chat_template_kwargs = None, {}
 
     for stop in (5, {"zz": 1}):

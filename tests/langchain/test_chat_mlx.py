@@ -911,3 +911,29 @@ def test_a_relative_model_path_is_fixed_when_the_adapter_is_made(tmp_path, monke
     from ..adapter_checks import relative_model_path_is_fixed_at_construction
 
     relative_model_path_is_fixed_at_construction(ChatMLX, PATHS, tmp_path, monkeypatch)
+
+
+def test_n_answers_decode_together_each_as_its_own_request():
+    """ChatOpenAI's ``n``: every answer a generation of one result, answer i as the same
+    request with seed + i; ``invoke`` and ``stream`` give the first; usage counts the prompt
+    once and every answer's tokens."""
+    prompt = "Tell me about rivers."
+    sampled = dict(max_tokens=16, temperature=1.0, seed=11)
+    llm = make_llm(n=3, **sampled)
+    want = [llm.engine.chat_sync([{"role": "user", "content": prompt}], {**sampled, "seed": 11 + i})
+            for i in range(3)]
+    assert len({w.text for w in want}) > 1  # the seeds draw different answers
+    result = llm.generate([[HumanMessage(prompt)]])
+    assert [g.message.content for g in result.generations[0]] == [w.content for w in want]
+    assert result.llm_output["token_usage"] == {
+        "prompt_tokens": want[0].usage.prompt_tokens, "completion_tokens": sum(w.usage.completion_tokens for w in want),
+        "total_tokens": want[0].usage.prompt_tokens + sum(w.usage.completion_tokens for w in want)}
+    assert llm.invoke(prompt).content == want[0].content
+    assert [c.content for c in llm.stream(prompt)] == [want[0].content]  # whole, not streamed
+    agen = asyncio.run(llm.agenerate([[HumanMessage(prompt)]]))
+    assert [g.message.content for g in agen.generations[0]] == [w.content for w in want]
+    # Per call, and on a model built to stream.
+    per_call = make_llm(streaming=True, **sampled).generate([[HumanMessage(prompt)]], n=2)
+    assert [g.message.content for g in per_call.generations[0]] == [w.content for w in want[:2]]
+    with pytest.raises(InvalidRequestError, match="n="):
+        make_llm(max_tokens=4).invoke(prompt, n=0)

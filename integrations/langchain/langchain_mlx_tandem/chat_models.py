@@ -7,6 +7,7 @@ forward step. Construction is cheap: the model loads on the first call.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, Union
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -82,6 +83,11 @@ class ChatMLX(BaseChatModel):
     """How many of the most likely tokens to list at each place, 0 to 20 (needs ``logprobs``)."""
     logit_bias: Optional[dict[int, float]] = None
     """OpenAI's: token id -> bias in [-100, 100] added to its logit (-100 bans it)."""
+    n: Optional[int] = Field(default=None, ge=1)
+    """Answers per prompt, as ChatOpenAI's ``n`` (None is 1): decoded side by side in the
+    engine's batch, each a generation of the result (``invoke`` returns the first,
+    ``generate`` all). With a ``seed``, answer i draws with seed + i. Answers come whole,
+    never streamed."""
     streaming: bool = False
     stream_usage: bool = True
     """Usage on a stream's last chunk, as ChatOpenAI's ``stream_usage``; False leaves it out
@@ -144,6 +150,7 @@ class ChatMLX(BaseChatModel):
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs,
             "logit_bias": self.logit_bias,
+            "n": self.n,
             "reasoning": self.reasoning,
             # LangChain's LLM cache keys on these params (and the call's own stop, which it
             # adds under "stop"): every field that changes the answer must be here.
@@ -229,23 +236,54 @@ class ChatMLX(BaseChatModel):
             combined["token_usage"] = totals
         return combined
 
+    def _choices(self, kwargs: dict) -> int:
+        """``n`` for this call (a per-call ``n`` wins), taken out of ``kwargs``."""
+        n = kwargs.pop("n", None)
+        n = self.n if n is None else n
+        if n is None:
+            return 1
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequestError(f"n={n!r}: must be an integer >= 1")
+        return n
+
+    def _should_stream(self, *, async_api: bool, run_manager=None, **kwargs: Any) -> bool:
+        # Several answers are several generations of one result, which a stream of one
+        # message's chunks cannot carry: such a call takes the whole path (core's stream()
+        # then yields the first answer whole, as invoke returns it).
+        if (kwargs.get("n") if kwargs.get("n") is not None else self.n or 1) != 1:
+            return False
+        return super()._should_stream(async_api=async_api, run_manager=run_manager, **kwargs)
+
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
-        if self.streaming:
+        kwargs = dict(kwargs)
+        n = self._choices(kwargs)
+        if self.streaming and n == 1:
             return _collect(self._stream(messages, stop=stop, run_manager=run_manager, **kwargs))
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
-        out = engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options).collect()
-        return _result(to_ai_message(out, model_name))
+        # All submitted before any is read: the answers decode in one batch.
+        streams = [engine.open_chat_stream_sync(msgs, p, timeout=timeout, **options) for p in _choice_params(params, n)]
+        try:
+            return _result(*(to_ai_message(s.collect(), model_name) for s in streams))
+        finally:
+            for s in streams:
+                s.cancel()  # those left unread when one failed
 
     async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                          run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
-        if self.streaming:
+        kwargs = dict(kwargs)
+        n = self._choices(kwargs)
+        if self.streaming and n == 1:
             chunks = [c async for c in self._astream(messages, stop=stop, run_manager=run_manager, **kwargs)]
             return _collect(iter(chunks))
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
-        stream = await engine.open_chat_stream(msgs, params, timeout=timeout, **options)
-        out = await stream.collect()
-        return _result(to_ai_message(out, model_name))
+        streams = [await engine.open_chat_stream(msgs, p, timeout=timeout, **options) for p in _choice_params(params, n)]
+        try:
+            outs = await asyncio.gather(*(s.collect() for s in streams))
+        finally:
+            for s in streams:
+                s.cancel()
+        return _result(*(to_ai_message(out, model_name) for out in outs))
 
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
@@ -466,19 +504,31 @@ def _collect(chunks: Iterator[ChatGenerationChunk]) -> ChatResult:
     return _result(message)
 
 
-def _result(message: AIMessage) -> ChatResult:
-    """One generation, with ``llm_output`` as ChatOpenAI fills it (model name, token usage
-    in OpenAI's keys): callback handlers written for ``on_llm_end`` read usage there."""
-    llm_output: dict[str, Any] = {"model_name": message.response_metadata.get("model_name")}
-    if message.usage_metadata:
-        usage = message.usage_metadata
-        llm_output["token_usage"] = {"prompt_tokens": usage["input_tokens"],
-                                     "completion_tokens": usage["output_tokens"],
-                                     "total_tokens": usage["total_tokens"]}
-    info: dict[str, Any] = {"finish_reason": message.response_metadata.get("finish_reason")}
-    if "logprobs" in message.response_metadata:  # as ChatOpenAI's generation_info
-        info["logprobs"] = message.response_metadata["logprobs"]
-    return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)], llm_output=llm_output)
+def _choice_params(params, n: int) -> list:
+    """One request's params per answer: with a seed, answer i draws with seed + i (the same
+    seed would draw the same answer n times)."""
+    if params.seed is None:
+        return [params] * n
+    return [params.with_updates(seed=(params.seed + i) % 2**64) for i in range(n)]
+
+
+def _result(*messages: AIMessage) -> ChatResult:
+    """A generation per answer, with ``llm_output`` as ChatOpenAI fills it (model name, token
+    usage in OpenAI's keys: the prompt once, every answer's tokens): callback handlers
+    written for ``on_llm_end`` read usage there."""
+    llm_output: dict[str, Any] = {"model_name": messages[0].response_metadata.get("model_name")}
+    usages = [m.usage_metadata for m in messages if m.usage_metadata]
+    if usages:
+        prompt, completion = usages[0]["input_tokens"], sum(u["output_tokens"] for u in usages)
+        llm_output["token_usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                     "total_tokens": prompt + completion}
+    generations = []
+    for message in messages:
+        info: dict[str, Any] = {"finish_reason": message.response_metadata.get("finish_reason")}
+        if "logprobs" in message.response_metadata:  # as ChatOpenAI's generation_info
+            info["logprobs"] = message.response_metadata["logprobs"]
+        generations.append(ChatGeneration(message=message, generation_info=info))
+    return ChatResult(generations=generations, llm_output=llm_output)
 
 
 def _chunk_info(message: AIMessageChunk) -> Optional[dict[str, Any]]:

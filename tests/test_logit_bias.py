@@ -54,7 +54,7 @@ async def test_minus_100_bans_a_token_and_100_forces_one(qwen3_5_engine):
 
 
 @pytest.mark.parametrize("bad", [{1: 101}, {1: float("nan")}, {-1: 1.0}, {"x": 1.0}, {True: 1.0}, {1.5: 2.0},
-                                 [1, 2], "bias"])
+                                 [1, 2], "bias", {"²": 1.0}, {"٣": 1.0}])  # digits int() refuses, or reads
 def test_bad_logit_bias_is_a_typed_error(bad):
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         SamplingParams(logit_bias=bad)

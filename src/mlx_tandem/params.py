@@ -51,7 +51,7 @@ def _bias_pairs(bias) -> Optional[tuple[tuple[int, Any], ...]]:
         raise InvalidRequestError(f"SamplingParams.logit_bias={bias!r}: must map token ids to biases") from None
     out = {}
     for k, v in pairs:
-        if isinstance(k, str) and k.strip().isdigit():
+        if isinstance(k, str) and k.strip().isascii() and k.strip().isdigit():  # not "²" or "٣"
             k = int(k)
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise InvalidRequestError(f"SamplingParams.logit_bias: {k!r} is not a token id (an integer >= 0)")

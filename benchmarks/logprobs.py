@@ -94,11 +94,8 @@ def main(argv=None) -> int:
               + f"   {r['logprobs_cost_plain']:>8.2f}x {r['logprobs_cost_mtp']:>6.2f}x "
               f"{r['mtp_speedup']:.2f}x ({r['mtp_speedup_with_logprobs']:.2f}x)")
     print(f"MTP acceptance {results['mtp_acceptance']}")
-    report.write(results, args.output, plot)
-    if not all(r["identical_outputs"] for r in results["batches"]):
-        print("FAILED: logprobs or MTP changed the answers (greedy: they must not)", file=sys.stderr)
-        return 1
-    return 0
+    return report.finish(results, args.output, plot, all(r["identical_outputs"] for r in results["batches"]),
+                         "logprobs or MTP changed the answers (greedy: they must not)")
 
 
 if __name__ == "__main__":

@@ -241,11 +241,8 @@ def main(argv=None) -> int:
     if any(r["fraction_of_ideal"] > 1 for r in results["runs"]):
         print("note: measured above ideal means the cost probes (timed apart from the runs) were "
               "disturbed by machine noise; the ideal is not an upper bound then")
-    report.write(results, args.output, plot)
-    if not all(r["identical"] for r in results["runs"]):
-        print("FAILED: MTP output differs from plain decoding (MTP must be lossless)", file=sys.stderr)
-        return 1
-    return 0
+    return report.finish(results, args.output, plot, all(r["identical"] for r in results["runs"]),
+                         "MTP output differs from plain decoding (MTP must be lossless)")
 
 
 if __name__ == "__main__":

@@ -81,3 +81,13 @@ def write(results: dict, output: str | Path, draw: Callable) -> None:
     fig.savefig(png, dpi=120)
     plt.close(fig)
     print(f"\nwrote {out} and {png}")
+
+
+def finish(results: dict, output: str | Path, draw: Callable, ok: bool, failure: str) -> int:
+    """``write``, then the exit status: 1 with ``failure`` on stderr when the runs that must
+    agree did not (``ok`` False)."""
+    write(results, output, draw)
+    if not ok:
+        print(f"FAILED: {failure}", file=sys.stderr)
+        return 1
+    return 0

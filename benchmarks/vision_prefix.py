@@ -236,11 +236,8 @@ def main(argv=None) -> int:
                                                          questions["ttft_per_question_s"]["on"]))
           + f"; cached {questions['cached_tokens_per_question']}; from the third on "
           f"{questions['later_question_speedup']:.2f}x; identical {questions['identical_outputs']}")
-    report.write(results, args.output, plot)
-    if not (turns["identical_outputs"] and burst["identical_outputs"] and questions["identical_outputs"]):
-        print("FAILED: the vision prefix cache answered differently (it must be exact)", file=sys.stderr)
-        return 1
-    return 0
+    return report.finish(results, args.output, plot, turns["identical_outputs"] and burst["identical_outputs"]
+                         and questions["identical_outputs"], "the vision prefix cache answered differently (it must be exact)")
 
 
 if __name__ == "__main__":

@@ -20,14 +20,20 @@ def _load(path: str):
     return model, tokenizer
 
 
-def reference_greedy(path, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens one request at a time; stops after EOS (EOS not included)."""
+def reference_steps(path, prompt_ids: list[int], max_tokens: int, processors=None) -> list[tuple[int, mx.array]]:
+    """(token, the log-probabilities it was drawn from) one request at a time, greedy, with
+    ``processors`` (mlx-lm logits processors); stops at EOS (not included)."""
     model, tokenizer = _load(str(path))
     eos = set(tokenizer.eos_token_ids)
     out = []
-    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
-        token = int(token)
-        if token in eos:
+    for token, logprobs in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens,
+                                         logits_processors=processors):
+        if int(token) in eos:
             break
-        out.append(token)
+        out.append((int(token), logprobs))
     return out
+
+
+def reference_greedy(path, prompt_ids: list[int], max_tokens: int, processors=None) -> list[int]:
+    """Greedy tokens one request at a time; stops after EOS (EOS not included)."""
+    return [t for t, _ in reference_steps(path, prompt_ids, max_tokens, processors)]

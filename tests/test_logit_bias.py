@@ -10,22 +10,13 @@ import pytest
 from mlx_tandem import Engine, InvalidRequestError, SamplingParams
 
 from .prompts import chat_prompts
-from .reference import _load
+from .reference import reference_greedy
 
 
 def _reference(path, prompt_ids: list[int], max_tokens: int, bias: dict) -> list[int]:
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_logits_processors
 
-    model, tokenizer = _load(str(path))
-    out = []
-    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens,
-                                  logits_processors=make_logits_processors(logit_bias=bias)):
-        if int(token) in tokenizer.eos_token_ids:
-            break
-        out.append(int(token))
-    return out
+    return reference_greedy(path, prompt_ids, max_tokens, make_logits_processors(logit_bias=bias))
 
 
 async def test_biased_rows_decode_as_mlx_lm_does_alone(llama_engine, llama_path):

@@ -12,7 +12,7 @@ import pytest
 from mlx_tandem import Engine, InvalidRequestError, SamplingParams
 
 from .prompts import chat_prompts
-from .reference import _load
+from .reference import reference_steps
 
 TOL = 2e-3  # float32, a batch of other rows vs one request alone (docs/design.md, "Backends and numerics")
 
@@ -20,15 +20,8 @@ TOL = 2e-3  # float32, a batch of other rows vs one request alone (docs/design.m
 def _reference(path, prompt_ids: list[int], max_tokens: int) -> list[tuple[int, np.ndarray]]:
     """(token, the log-probabilities it was drawn from) one request at a time, greedy."""
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
 
-    model, tokenizer = _load(str(path))
-    out = []
-    for token, logprobs in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
-        if int(token) in tokenizer.eos_token_ids:
-            break
-        out.append((int(token), np.array(logprobs.astype(mx.float32))))
-    return out
+    return [(t, np.array(lp.astype(mx.float32))) for t, lp in reference_steps(path, prompt_ids, max_tokens)]
 
 
 def _banned(dist: np.ndarray, ids) -> np.ndarray:

@@ -8,13 +8,12 @@ import asyncio
 
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_tandem import Engine, InvalidRequestError, SamplingParams
 
 from .prompts import chat_prompts
-from .reference import _load
+from .reference import reference_greedy
 
 PENALTIES = [dict(presence_penalty=2.0), dict(frequency_penalty=1.5), dict(presence_penalty=-1.0, frequency_penalty=0.7),
              dict(presence_penalty=1.0, repetition_penalty=1.2, repetition_context_size=40)]
@@ -37,18 +36,10 @@ def _answer_penalties(presence: float, frequency: float):
 
 
 def _reference(path, prompt_ids: list[int], max_tokens: int, penalties: dict) -> list[int]:
-    import mlx.core as mx
-
-    model, tokenizer = _load(str(path))
     processors = make_logits_processors(repetition_penalty=penalties.get("repetition_penalty"),
                                         repetition_context_size=penalties.get("repetition_context_size", 20))
     processors.append(_answer_penalties(penalties.get("presence_penalty", 0.0), penalties.get("frequency_penalty", 0.0)))
-    out = []
-    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, logits_processors=processors):
-        if int(token) in tokenizer.eos_token_ids:
-            break
-        out.append(int(token))
-    return out
+    return reference_greedy(path, prompt_ids, max_tokens, processors)
 
 
 async def test_penalised_rows_decode_as_mlx_lm_does_alone(llama_engine, llama_path):

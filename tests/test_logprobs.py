@@ -239,6 +239,7 @@ def test_token_texts_read_sentencepiece_byte_pieces():
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     texts = TokenTexts(tok, lambda ids: tok.decode(ids, skip_special_tokens=False))
     assert texts.token(3) == (" caf", b" caf")
+    assert texts._byte_fallback and not texts._byte_level
     assert texts.token(1) == ("\ufffd", b"\xc3")
     assert b"".join(texts.token(i)[1] for i in (3, 1, 2)).decode() == " café"
 

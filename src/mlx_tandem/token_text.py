@@ -40,19 +40,23 @@ class TokenTexts:
     def __init__(self, tokenizer, decode: Callable[[list[int]], str]):
         # The vocabulary and decoder are the Rust backend's: a transformers tokenizer's own
         # ``to_str`` is not it, and read so every byte token fell back to U+FFFD (a review).
-        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-        self._backend = backend
+        self._backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self._decode = decode
-        kinds = _decoder_kinds(backend)
+        self._added: Optional[set[int]] = None  # read on first use: a real vocabulary's JSON is MBs
+        self.token = lru_cache(maxsize=1 << 16)(self._token)
+
+    def _read_vocabulary(self) -> None:
+        kinds = _decoder_kinds(self._backend)
         self._byte_level = "ByteLevel" in kinds
         self._byte_fallback = "ByteFallback" in kinds
         try:
-            self._added = {int(i) for i in backend.get_added_tokens_decoder()}
+            self._added = {int(i) for i in self._backend.get_added_tokens_decoder()}
         except Exception:  # noqa: BLE001 - older tokenizers: no added tokens known
             self._added = set()
-        self.token = lru_cache(maxsize=1 << 16)(self._token)
 
     def _token(self, token_id: int) -> tuple[str, bytes]:
+        if self._added is None:
+            self._read_vocabulary()
         data = self._bytes_of_piece(token_id)
         if data is None:
             text = self._decode([token_id])

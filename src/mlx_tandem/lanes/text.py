@@ -488,7 +488,7 @@ class TextLane:
             self._snapshot_boundaries(prompt_responses)
         # A speculative step sends several responses per row, in order: one event per row.
         by_rid: dict[str, TokenEvent] = {}
-        asked: list[tuple[TokenEvent, object, int, int]] = []  # rows that asked for logprobs
+        asked: list[tuple] = []  # rows that asked for logprobs (base.attach_logprobs)
         for r in responses:
             rid = self._rows.request_id(r.uid)
             if rid is None:  # removed while its token was in flight

@@ -937,3 +937,36 @@ def test_n_answers_decode_together_each_as_its_own_request():
     assert [g.message.content for g in per_call.generations[0]] == [w.content for w in want[:2]]
     with pytest.raises(InvalidRequestError, match="n="):
         make_llm(max_tokens=4).invoke(prompt, n=0)
+    for bad in ("3", True, 2.0, 0):  # the same rule at construction as per call
+        with pytest.raises(ValueError):
+            make_llm(n=bad)
+
+
+def test_n_of_one_streams_and_several_answers_never_stream_on_any_path():
+    """Per call ``n=1`` streams as without it; ``n > 1`` takes the whole path on every
+    streaming route of langchain-core, its v2 protocol too (stream_events v3, LangGraph's
+    v2 handler), which a review found streaming one answer or failing."""
+    from langchain_core.callbacks import BaseCallbackHandler
+    from langchain_core.tracers._streaming import _V2StreamingCallbackHandler
+
+    class V2(BaseCallbackHandler, _V2StreamingCallbackHandler):
+        def on_stream_event(self, *args, **kwargs):
+            pass
+
+    prompt = "Tell me about rivers."
+    sampled = dict(max_tokens=12, temperature=1.0, seed=3)
+    llm = make_llm(**sampled)
+    one = [c.content for c in llm.stream(prompt)]
+    assert [c.content for c in llm.stream(prompt, n=1)] == one
+    assert [c.content for c in llm.bind(n=None).stream(prompt)] == one
+    assert make_llm(streaming=True, **sampled).invoke(prompt, n=1).content == "".join(one)
+    events = asyncio.run(_events(llm.bind(n=1), prompt))
+    assert "on_chat_model_stream" in events
+    for model, kwargs in ((llm, {"n": 2}), (make_llm(n=2, **sampled), {})):
+        result = model.generate([[HumanMessage(prompt)]], callbacks=[V2()], **kwargs)
+        assert len(result.generations[0]) == 2
+        assert model.invoke(prompt, config={"callbacks": [V2()]}, **kwargs).content == result.generations[0][0].text
+
+
+async def _events(model, prompt) -> list[str]:
+    return [e["event"] async for e in model.astream_events(prompt, version="v2")]

@@ -21,7 +21,8 @@ from langchain_core.runnables.utils import AddableDict
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, StrictStr, field_validator, model_validator
+from pydantic import (ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_validator,
+                      model_validator)
 
 from mlx_tandem import Engine
 from mlx_tandem.call_options import (merge_stops, model_name_alias, pin_checkpoint, pinned_checkpoint,
@@ -83,7 +84,7 @@ class ChatMLX(BaseChatModel):
     """How many of the most likely tokens to list at each place, 0 to 20 (needs ``logprobs``)."""
     logit_bias: Optional[dict[int, float]] = None
     """OpenAI's: token id -> bias in [-100, 100] added to its logit (-100 bans it)."""
-    n: Optional[int] = Field(default=None, ge=1)
+    n: Optional[StrictInt] = Field(default=None, ge=1)  # strict: "3" and True are refused, as per call
     """Answers per prompt, as ChatOpenAI's ``n`` (None is 1): decoded side by side in the
     engine's batch, each a generation of the result (``invoke`` returns the first,
     ``generate`` all). With a ``seed``, answer i draws with seed + i. Answers come whole,
@@ -246,13 +247,26 @@ class ChatMLX(BaseChatModel):
             raise InvalidRequestError(f"n={n!r}: must be an integer >= 1")
         return n
 
+    def _several(self, kwargs: dict) -> bool:
+        return (kwargs.get("n") if kwargs.get("n") is not None else self.n or 1) != 1
+
+    # Several answers are several generations of one result, which a stream of one message's
+    # chunks cannot carry: such a call takes the whole path (core's stream() then yields the
+    # first answer whole, as invoke returns it). langchain-core 1.8 asks _streaming_disabled
+    # for both of its streaming paths (v1 callbacks, and the v2 protocol of stream_events v3
+    # and LangGraph's v2 handler); _should_stream covers the v1 path of earlier versions.
+    def _streaming_disabled(self, **kwargs: Any) -> bool:
+        return self._several(kwargs) or super()._streaming_disabled(**kwargs)
+
     def _should_stream(self, *, async_api: bool, run_manager=None, **kwargs: Any) -> bool:
-        # Several answers are several generations of one result, which a stream of one
-        # message's chunks cannot carry: such a call takes the whole path (core's stream()
-        # then yields the first answer whole, as invoke returns it).
-        if (kwargs.get("n") if kwargs.get("n") is not None else self.n or 1) != 1:
+        if self._several(kwargs):
             return False
         return super()._should_stream(async_api=async_api, run_manager=run_manager, **kwargs)
+
+    def _one_answer(self, kwargs: dict) -> None:
+        """A stream is one answer: ``n`` (per call too) must be 1, and leaves ``kwargs``."""
+        if self._choices(kwargs) != 1:
+            raise InvalidRequestError("n > 1 gives several answers, which are never streamed: invoke or generate")
 
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
@@ -287,6 +301,7 @@ class ChatMLX(BaseChatModel):
 
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        self._one_answer(kwargs)
         usage = _stream_usage(kwargs.pop("stream_usage", None), self.stream_usage)
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
         builder = ChunkBuilder(model_name, usage=usage)
@@ -303,6 +318,7 @@ class ChatMLX(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        self._one_answer(kwargs)
         usage = _stream_usage(kwargs.pop("stream_usage", None), self.stream_usage)
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
         builder = ChunkBuilder(model_name, usage=usage)

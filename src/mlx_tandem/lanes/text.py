@@ -169,14 +169,16 @@ class TextLane:
         bans = [p for p in request.processors if isinstance(p, TokenBan)]
         others = [p for p in request.processors if not isinstance(p, TokenBan)]
         # ``processors`` also holds the params' own, and the bans unless the sampler took them.
-        n_others = len(processors) - (0 if isinstance(sampler, BannedSampler) else len(bans))
+        # A logit bias (mlx-lm's processor, the first) is history-free: the step applies it.
+        bias = request.params.logit_bias or ()
+        n_others = len(processors) - (0 if isinstance(sampler, BannedSampler) else len(bans)) - (1 if bias else 0)
         alone = others[0] if n_others == 1 and len(others) == 1 else None
         grammar = alone if isinstance(alone, (GrammarProcessor, LazyToolCallGrammar)) else None
         drafts = (n_others == 0 or grammar is not None) and (
             mode == "on" or (mode == "auto" and not seeded_sampling))
         rid = request.request_id
         return RowSpec(params=request.params, sampler=sampler, drafts=drafts, forces=mode == "on",
-                       banned=_banned_ids(bans), grammar=grammar, logprobs=request.params.logprobs,
+                       banned=_banned_ids(bans), grammar=grammar, logprobs=request.params.logprobs, bias=bias,
                        on_error=lambda exc, rid=rid: self._errors.append((rid, exc)))
 
     def mtp_stats(self) -> dict | None:

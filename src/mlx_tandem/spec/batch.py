@@ -65,9 +65,24 @@ def _verified_logprobs(logits: mx.array, rows: list, drafting: list[bool]) -> di
     return {i: lp[n] for n, i in enumerate(want)}
 
 
-def _ban(logits: mx.array, keep: mx.array | None) -> mx.array:
-    """``logits`` (B, V) or (B, T, V) with the banned ids at -inf, as the row's TokenBan
-    does in a plain step."""
+def _bias_matrix(biases: tuple, vocab: int) -> mx.array | None:
+    """(B, V) each row's ``logit_bias`` (RowSpec.bias) as an additive matrix; None when no
+    row has one."""
+    if not any(biases):
+        return None
+    out = np.zeros((len(biases), vocab), dtype=np.float32)
+    for i, pairs in enumerate(biases):
+        for t, b in pairs:
+            out[i, t] += b
+    return mx.array(out)
+
+
+def _ban(logits: mx.array, keep: mx.array | None, bias: mx.array | None = None) -> mx.array:
+    """``logits`` (B, V) or (B, T, V) plus each row's logit bias, then with the banned ids
+    at -inf, as the row's bias processor (its first) and its ban do in a plain step. The
+    bias and the ban are history-free: every drafted and verified position gets them."""
+    if bias is not None:
+        logits = logits + (bias[:, None, :] if logits.ndim == 3 else bias).astype(logits.dtype)
     if keep is None:
         return logits
     if logits.ndim == 3:
@@ -161,6 +176,9 @@ class RowSpec:
     grammar: Any = None
     on_error: Any = None
     logprobs: bool = False  # the request asked for logprobs: keep the verify's distributions
+    # Its logit_bias as (id, bias) pairs: history-free as a ban, so a biased row drafts and
+    # every drafted and verified position is biased as its bias processor biases a plain step.
+    bias: tuple = ()
 
 
 #: A head that has had at least this many drafts checked and accepted under this share of
@@ -315,9 +333,10 @@ class GrammarWalk:
 class MTPGenerationBatch(GenerationBatch):
     spec: SpecConfig  # set by SpecBatchGenerator
     _last_plain = False  # was the previous step plain (so its forward is pipelined)?
-    # The last step's ban mask and the rows' bans it was built for: a mask is B x vocab
-    # (megabytes for a real vocabulary), and the bans rarely change between steps.
+    # The last step's ban mask and bias matrix, and the rows' bans and biases they were built
+    # for: each is B x vocab (megabytes for a real vocabulary), and rarely changes between steps.
     _keep: tuple = ((), None)
+    _bias: tuple = ((), None)
 
     # ------------------------------------------------------------------ policy
     def _wants_spec(self, rows: list[RowSpec]) -> bool:
@@ -378,11 +397,15 @@ class MTPGenerationBatch(GenerationBatch):
         if self._keep[0] != bans:
             self._keep = (bans, _keep_mask(bans, lm.args.vocab_size))
         keep = self._keep[1]
+        biases = tuple(r.bias if d else () for r, d in zip(rows, drafting))  # plain rows: a processor
+        if self._bias[0] != biases:
+            self._bias = (biases, _bias_matrix(biases, lm.args.vocab_size))
+        bias = self._bias[1]
         walk = GrammarWalk.of(rows, drafting, x, k, self._token_context)
         hid, tok, drafts = mtp[0].pending, x[:, None], []
         for depth in range(k):
             m = spec.head(embed(tok), hid, mtp)
-            lg = _ban(_logits(lm, m)[:, -1], keep)
+            lg = _ban(_logits(lm, m)[:, -1], keep, bias)
             if walk is not None:  # a grammar row drafts what its grammar allows there
                 lg = walk.mask(lg, depth, drafts[-1] if drafts else None)
             d = drafter.choose(depth, lg)
@@ -396,7 +419,7 @@ class MTPGenerationBatch(GenerationBatch):
         inputs = mx.concatenate([x[:, None], drafts], axis=1)
         hidden, records = verify_hidden(lm, inputs, backbone)
         raw = _logits(lm, hidden)
-        logits = _ban(raw, keep)
+        logits = _ban(raw, keep, bias)
         if walk is not None:  # each verified position masked as a plain step masks it
             logits = walk.mask_all(logits)
         accepted, nxt = drafter.accept(logits, drafts)

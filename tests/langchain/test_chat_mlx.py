@@ -966,6 +966,10 @@ def test_n_of_one_streams_and_several_answers_never_stream_on_any_path():
         result = model.generate([[HumanMessage(prompt)]], callbacks=[V2()], **kwargs)
         assert len(result.generations[0]) == 2
         assert model.invoke(prompt, config={"callbacks": [V2()]}, **kwargs).content == result.generations[0][0].text
+    # stream_events v3 (beta) streams with no way to decline: refused, typed, for n > 1.
+    if hasattr(llm, "stream_events"):
+        with pytest.raises(InvalidRequestError, match="never streamed"):
+            llm.stream_events(prompt, version="v3", n=2).output
 
 
 async def _events(model, prompt) -> list[str]:

@@ -253,8 +253,10 @@ class ChatMLX(BaseChatModel):
     # Several answers are several generations of one result, which a stream of one message's
     # chunks cannot carry: such a call takes the whole path (core's stream() then yields the
     # first answer whole, as invoke returns it). langchain-core 1.8 asks _streaming_disabled
-    # for both of its streaming paths (v1 callbacks, and the v2 protocol of stream_events v3
-    # and LangGraph's v2 handler); _should_stream covers the v1 path of earlier versions.
+    # on both of its invoke paths (v1 callbacks, and the v2 protocol of LangGraph's v2
+    # handler); _should_stream covers the v1 path of earlier versions. stream_events v3
+    # (beta) asks neither and calls _stream, which refuses n > 1 (_one_answer): decoding n
+    # answers to stream one would spend the others for nothing.
     def _streaming_disabled(self, **kwargs: Any) -> bool:
         return self._several(kwargs) or super()._streaming_disabled(**kwargs)
 

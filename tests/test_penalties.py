@@ -78,24 +78,38 @@ def test_the_adapters_pass_the_penalties(llama_path):
     assert llm.chat([ChatMessage(role="user", content=prompt)]).message.content == want
 
 
-def test_penalised_rows_beside_speculating_rows_decode_as_without_mtp(qwen3_5_mtp_path):
-    """A penalty reads every position's history, so its row does not draft (as with any
-    processor); it shares the speculative batch and keeps its plain output."""
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_penalised_rows_draft_with_mtp_and_decode_as_without_it(qwen3_5_mtp_path, mode):
+    """A penalty is a pure function of the token context, so a penalised row drafts: each
+    drafted and verified position is penalised with the context a plain step there would
+    hold (spec/batch.PenaltyWalk). Its tokens (and logprobs) equal MTP off, beside greedy
+    rows that speculate and a row held to a grammar."""
     from mlx_tandem.testing.mtp_distill import default_prompts
 
     prompts = default_prompts(8)
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"word": {"type": "string", "maxLength": 12}}, "required": ["word"]}}}
 
-    async def run(mode):
-        async with Engine(qwen3_5_mtp_path, show_progress=False, mtp=mode) as engine:
+    async def run(mtp):
+        async with Engine(qwen3_5_mtp_path, show_progress=False, mtp=mtp) as engine:
             outs = await asyncio.gather(
                 *(engine.complete(p, {"max_tokens": 16, **PENALTIES[i % len(PENALTIES)]}) for i, p in enumerate(prompts)),
-                *(engine.complete(p, {"max_tokens": 16}) for p in prompts))  # greedy rows keep it speculating
-            return [o.token_ids for o in outs[:8]], engine.stats()["mtp"]
+                *(engine.complete(p, {"max_tokens": 16}) for p in prompts),  # greedy rows keep it speculating
+                engine.chat([{"role": "user", "content": prompts[0]}],
+                            {"max_tokens": 24, "presence_penalty": 1.0, "logprobs": True}, response_format=schema))
+            # Mild penalties keep the answers the head was distilled on: their drafts are
+            # accepted (strong ones rewrite the answer, where it drafts poorly).
+            before = engine.stats()["mtp"]["accepted"]
+            mild = await asyncio.gather(*(engine.complete(p, {"max_tokens": 16, "presence_penalty": 0.1,
+                                                                 "repetition_penalty": 1.01}) for p in prompts[:3]))
+            return outs + mild, engine.stats()["mtp"]["accepted"] - before
 
     plain, _ = asyncio.run(run("off"))
-    spec, mtp = asyncio.run(run("on"))
-    assert spec == plain
-    assert mtp["spec_steps"] > 0 and mtp["accepted"] > 0, mtp
+    spec, accepted_alone = asyncio.run(run(mode))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [lp.logprob for lp in spec[16].logprobs] == pytest.approx([lp.logprob for lp in plain[16].logprobs], abs=2e-3)
+    if mode == "on":
+        assert accepted_alone > 0  # the penalised rows drafted: alone they are all there is
 
 
 def test_cached_prompts_and_image_rows_penalise_the_answer_only(qwen3_5_vl_path):

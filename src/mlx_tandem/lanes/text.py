@@ -164,14 +164,20 @@ class TextLane:
         seeded_sampling = isinstance(sampler, SeededSampler)
         # A grammar (a whole-answer one, or the lazy call grammar under "auto") does not stop
         # drafting: the step walks the drafts through it (spec/batch.GrammarWalk). Nor does a
-        # token ban, which masks every position alike. Any other processor needs every
-        # position's logits in turn.
+        # token ban or a logit bias, which change every position alike, nor a penalty (a pure
+        # function of the token context: the step applies it at each position with the
+        # context a plain step there would hold, spec/batch.PenaltyWalk). A user's processor
+        # may keep state, so it needs every position's logits in turn: no drafting.
         bans = [p for p in request.processors if isinstance(p, TokenBan)]
         others = [p for p in request.processors if not isinstance(p, TokenBan)]
         # ``processors`` also holds the params' own, and the bans unless the sampler took them.
-        # A logit bias (mlx-lm's processor, the first) is history-free: the step applies it.
-        bias = request.params.logit_bias or ()
-        n_others = len(processors) - (0 if isinstance(sampler, BannedSampler) else len(bans)) - (1 if bias else 0)
+        # The params' own come first, the bias, then the penalties (make_request_processors).
+        params = request.params.with_defaults()
+        bias = params.logit_bias or ()
+        n_bias = 1 if bias else 0
+        n_pen = (params.repetition_penalty != 1.0) + bool(params.presence_penalty or params.frequency_penalty)
+        penalties = tuple(processors[n_bias: n_bias + n_pen])
+        n_others = len(processors) - (0 if isinstance(sampler, BannedSampler) else len(bans)) - n_bias - n_pen
         alone = others[0] if n_others == 1 and len(others) == 1 else None
         grammar = alone if isinstance(alone, (GrammarProcessor, LazyToolCallGrammar)) else None
         drafts = (n_others == 0 or grammar is not None) and (
@@ -179,6 +185,7 @@ class TextLane:
         rid = request.request_id
         return RowSpec(params=request.params, sampler=sampler, drafts=drafts, forces=mode == "on",
                        banned=_banned_ids(bans), grammar=grammar, logprobs=request.params.logprobs, bias=bias,
+                       penalties=penalties,
                        on_error=lambda exc, rid=rid: self._errors.append((rid, exc)))
 
     def mtp_stats(self) -> dict | None:

@@ -163,7 +163,7 @@ class RowSpec:
 
     params: SamplingParams
     sampler: Any  # the row's own sampler (None: greedy), as given to the generator
-    drafts: bool  # may this row draft? (no logits processors, or only a grammar; mode allows it)
+    drafts: bool  # may this row draft? (no user processors; a grammar, bias, penalties; mode allows it)
     forces: bool  # mode "on": speculate even when "auto" would not
     # Token ids the row may never emit (constraints.TokenBan: tool_choice="none", or no
     # tools). History-free, so drafts and verified positions are masked alike.
@@ -179,6 +179,9 @@ class RowSpec:
     # Its logit_bias as (id, bias) pairs: history-free as a ban, so a biased row drafts and
     # every drafted and verified position is biased as its bias processor biases a plain step.
     bias: tuple = ()
+    # Its penalty processors (pure functions of the token context): a penalized row drafts,
+    # each position processed with the context a plain step there would hold (PenaltyWalk).
+    penalties: tuple = ()
 
 
 #: A head that has had at least this many drafts checked and accepted under this share of
@@ -330,6 +333,55 @@ class GrammarWalk:
             contexts[i].update_and_fetch(mx.array(blocks[i][: acc[i] + 1], dtype=mx.int32))
 
 
+class PenaltyWalk:
+    """One speculative step's drafting rows whose processors are penalties (``RowSpec.
+    penalties``: the repetition penalty, OpenAI's presence and frequency penalties). Each
+    is a pure function of the token context, so position j (the token after x and the first
+    j drafts) is processed as a plain step would process it, with the context that step
+    would hold: the row's tokens, x and those drafts. The drafts are processed alike (a head
+    drafting unpenalized tokens would be rejected where the penalty bites). ``settle`` puts
+    the accepted tokens in the row's context, as that many plain steps would."""
+
+    def __init__(self, rows: list[RowSpec], idx: list[int], x: mx.array, contexts):
+        self.rows, self.idx, self._contexts = rows, idx, contexts
+        # The context a plain step feeding x holds (mlx-lm 0.32 TokenBuffer's contents).
+        self._base = {i: mx.concatenate([contexts[i]._buffer[: contexts[i]._size], x[i: i + 1].astype(mx.int32)])
+                      for i in idx}
+
+    @classmethod
+    def of(cls, rows: list[RowSpec], drafting: list[bool], x: mx.array, contexts):
+        idx = [i for i, (r, d) in enumerate(zip(rows, drafting)) if d and r.penalties]
+        return cls(rows, idx, x, contexts) if idx else None
+
+    def _processed(self, i: int, context: mx.array, logits: mx.array) -> mx.array:
+        for p in self.rows[i].penalties:
+            logits = p(context, logits)
+        return logits
+
+    def draft(self, logits: mx.array, drafts: list[mx.array]) -> mx.array:
+        """(B, V) draft logits at position ``len(drafts)``, the penalty rows processed."""
+        for i in self.idx:
+            context = mx.concatenate([self._base[i], *(d[i: i + 1].astype(mx.int32) for d in drafts)])
+            logits[i: i + 1] = self._processed(i, context, logits[i: i + 1])
+        return logits
+
+    def verify(self, logits: mx.array, drafts: mx.array) -> mx.array:
+        """(B, k+1, V) verify logits, the penalty rows processed at every position."""
+        for i in self.idx:
+            block = mx.concatenate([self._base[i], drafts[i].astype(mx.int32)])
+            size = self._base[i].shape[0]
+            logits[i] = mx.concatenate([self._processed(i, block[: size + j], logits[i, j][None])
+                                        for j in range(logits.shape[1])])
+        return logits
+
+    def settle(self, blocks: list[list[int]], acc: list[int], walked: set) -> None:
+        """The accepted tokens (x and the accepted drafts) into each row's context; a row the
+        grammar walk also took is settled there (GrammarWalk.settle)."""
+        for i in self.idx:
+            if i not in walked:
+                self._contexts[i].update_and_fetch(mx.array(blocks[i][: acc[i] + 1], dtype=mx.int32))
+
+
 class MTPGenerationBatch(GenerationBatch):
     spec: SpecConfig  # set by SpecBatchGenerator
     _last_plain = False  # was the previous step plain (so its forward is pipelined)?
@@ -402,10 +454,13 @@ class MTPGenerationBatch(GenerationBatch):
             self._bias = (biases, _bias_matrix(biases, lm.args.vocab_size))
         bias = self._bias[1]
         walk = GrammarWalk.of(rows, drafting, x, k, self._token_context)
+        pens = PenaltyWalk.of(rows, drafting, x, self._token_context)
         hid, tok, drafts = mtp[0].pending, x[:, None], []
         for depth in range(k):
             m = spec.head(embed(tok), hid, mtp)
             lg = _ban(_logits(lm, m)[:, -1], keep, bias)
+            if pens is not None:  # the penalties before the grammar, as a plain step's processors
+                lg = pens.draft(lg, drafts)
             if walk is not None:  # a grammar row drafts what its grammar allows there
                 lg = walk.mask(lg, depth, drafts[-1] if drafts else None)
             d = drafter.choose(depth, lg)
@@ -420,6 +475,8 @@ class MTPGenerationBatch(GenerationBatch):
         hidden, records = verify_hidden(lm, inputs, backbone)
         raw = _logits(lm, hidden)
         logits = _ban(raw, keep, bias)
+        if pens is not None:
+            logits = pens.verify(logits, drafts)
         if walk is not None:  # each verified position masked as a plain step masks it
             logits = walk.mask_all(logits)
         accepted, nxt = drafter.accept(logits, drafts)
@@ -437,6 +494,8 @@ class MTPGenerationBatch(GenerationBatch):
         blocks = inputs.tolist()
         if walk is not None:
             walk.settle(blocks, acc, self._token_context)
+        if pens is not None:
+            pens.settle(blocks, acc, set(walk.idx) if walk is not None else set())
         # Emit before rolling back, so a row that finishes inside its block (max_tokens or
         # a stop token before its last accepted draft) is cut back to its finish: its cache
         # then holds exactly its tokens and can be handed back for the prefix cache.

@@ -30,7 +30,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/admission.py benchmarks/results/admission.json
 	$(PY) benchmarks/structured.py benchmarks/results/structured.json
 	$(PY) benchmarks/vision_prefix.py benchmarks/results/vision_prefix.json
-	$(PY) benchmarks/logprobs.py benchmarks/results/logprobs.json
+	$(PY) benchmarks/request_settings.py benchmarks/results/request_settings.json
 
 bench-quick: $(VENV)/.installed
 	$(PY) benchmarks/batching.py benchmarks/results/batching-quick.json --quick
@@ -39,7 +39,7 @@ bench-quick: $(VENV)/.installed
 	$(PY) benchmarks/admission.py benchmarks/results/admission-quick.json --quick
 	$(PY) benchmarks/structured.py benchmarks/results/structured-quick.json --quick
 	$(PY) benchmarks/vision_prefix.py benchmarks/results/vision_prefix-quick.json --quick
-	$(PY) benchmarks/logprobs.py benchmarks/results/logprobs-quick.json --quick
+	$(PY) benchmarks/request_settings.py benchmarks/results/request_settings-quick.json --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache benchmarks/results

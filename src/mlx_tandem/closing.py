@@ -470,7 +470,7 @@ class GrammarProcessor:
     # ------------------------------------------------------------------ speculative steps
     # A speculative step walks the row's drafts through the grammar (consume, then the next
     # position's mask, as plain decoding would call it), then goes back to the position the
-    # verification accepted up to (spec/batch.py).
+    # verification accepted up to (spec/walks.py).
     _STATE = ("_calls", "_forced", "_estimate", "_path", "_path_stale", "_path_set", "_next_check",
               "_retry_at", "_failed", "closed_early", "_consumed")
     _consumed = 0  # tokens the matcher has taken (to roll it back)
@@ -495,7 +495,7 @@ class GrammarProcessor:
         return self.matcher.validate_tokens([int(tok)]) == 1
 
     def walk_start(self, context_size: int) -> None:
-        """A speculative step's walk begins (spec/batch.GrammarWalk); nothing to set up."""
+        """A speculative step's walk begins (spec/walks.GrammarWalk); nothing to set up."""
 
     def walk_take(self, tok: int) -> None:
         """Take ``tok`` as the next plain call would: the token sampled at the last call."""

@@ -22,7 +22,7 @@ markers; ``<think>`` opens reasoning only before any other token but whitespace,
 parser's rule). Before, the call was held to the grammar and then read as reasoning.
 
 Speculative decoding: the row drafts inside calls and out. A speculative step walks the
-row's drafts through this processor (``walk_take`` / ``walk_allowed``, spec/batch.py's
+row's drafts through this processor (``walk_take`` / ``walk_allowed``, spec/walks.py's
 ``GrammarWalk``) as plain steps would feed it: free text is unmasked, a start token arms
 the call grammar, whose masks then hold the drafts and the verified positions, and the end
 marker disarms it; ``state`` / ``restore`` take it back to where verification stopped.

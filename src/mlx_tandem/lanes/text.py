@@ -163,10 +163,10 @@ class TextLane:
         # depends on timing, and a seeded request's output must depend only on its seed.
         seeded_sampling = isinstance(sampler, SeededSampler)
         # A grammar (a whole-answer one, or the lazy call grammar under "auto") does not stop
-        # drafting: the step walks the drafts through it (spec/batch.GrammarWalk). Nor does a
+        # drafting: the step walks the drafts through it (spec/walks.GrammarWalk). Nor does a
         # token ban or a logit bias, which change every position alike, nor a penalty (a pure
         # function of the token context: the step applies it at each position with the
-        # context a plain step there would hold, spec/batch.PenaltyWalk). A user's processor
+        # context a plain step there would hold, spec/walks.PenaltyWalk). A user's processor
         # may keep state, so it needs every position's logits in turn: no drafting.
         bans = [p for p in request.processors if isinstance(p, TokenBan)]
         others = [p for p in request.processors if not isinstance(p, TokenBan)]

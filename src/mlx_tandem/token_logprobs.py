@@ -13,7 +13,6 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .constraints import keep_mask
 
 #: One token's (log-probability, ((token id, log-probability), ...) most likely first).
 RawLogprob = tuple[float, tuple[tuple[int, float], ...]]
@@ -30,8 +29,9 @@ def gather(logprobs: Sequence[mx.array], tokens: Sequence[int], top: Sequence[in
     rows = []
     for a, ban in zip(logprobs, banned):
         a = a.reshape(-1).astype(mx.float32)
-        if ban:
-            a = mx.where(mx.array(keep_mask(ban, a.shape[-1])), a, mx.array(-float("inf"), dtype=a.dtype))
+        ids = [t for t in ban if t < a.shape[-1]]
+        if ids:  # the few banned ids set, not a vocabulary-wide mask built every step
+            a[mx.array(ids)] = -float("inf")
             a = a - mx.logsumexp(a, axis=-1, keepdims=True)
         rows.append(a)
     lp = mx.stack(rows)

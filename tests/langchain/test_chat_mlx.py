@@ -26,8 +26,8 @@ from langchain_mlx_tandem._convert import to_engine_messages
 from mlx_tandem import Engine
 from mlx_tandem.call_options import resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
-from mlx_tandem.errors import (ConstraintError, ContextLengthError, InvalidRequestError, TandemError,
-                               UnsupportedContentError)
+from mlx_tandem.errors import (ConstraintError, ContextLengthError, InvalidRequestError, QueueFullError,
+                               TandemError, UnsupportedContentError)
 
 from ..numerics import AnswerLog
 from .conftest import PATHS
@@ -940,6 +940,47 @@ def test_n_answers_decode_together_each_as_its_own_request():
     for bad in ("3", True, 2.0, 0):  # the same rule at construction as per call
         with pytest.raises(ValueError):
             make_llm(n=bad)
+
+
+def test_n_answers_opened_before_one_fails_to_open_are_cancelled_at_once(monkeypatch):
+    """When answer 2 of n cannot be submitted, answer 1 is aborted then and there (sync and
+    async), not left decoding until its stream is garbage-collected."""
+    llm = make_llm(n=2, max_tokens=200, temperature=1.0, seed=1)
+    engine, opened = llm.engine, []
+
+    def failing_second(open_stream):
+        def wrapper(*args, **kwargs):
+            if opened:
+                raise QueueFullError("full")
+            opened.append(open_stream(*args, **kwargs))
+            return opened[-1]
+        return wrapper
+
+    async def afailing_second(*args, **kwargs):
+        if opened:
+            raise QueueFullError("full")
+        opened.append(await open_async(*args, **kwargs))
+        return opened[-1]
+
+    open_async = engine.open_chat_stream
+    monkeypatch.setattr(engine, "open_chat_stream_sync", failing_second(engine.open_chat_stream_sync))
+    monkeypatch.setattr(engine, "open_chat_stream", afailing_second)
+    for call in (lambda: llm.invoke("Tell me about rivers."), lambda: asyncio.run(llm.ainvoke("Tell me about rivers."))):
+        opened.clear()
+        before = engine.stats()["aborted"]
+        with pytest.raises(QueueFullError):
+            call()
+        assert len(opened) == 1 and opened[0]._done  # cancelled, while still referenced here
+        _wait_until(lambda: engine.stats()["aborted"] == before + 1)
+
+
+def _wait_until(condition, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_n_of_one_streams_and_several_answers_never_stream_on_any_path():

@@ -277,13 +277,15 @@ class ChatMLX(BaseChatModel):
         if self.streaming and n == 1:
             return _collect(self._stream(messages, stop=stop, run_manager=run_manager, **kwargs))
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
-        # All submitted before any is read: the answers decode in one batch.
-        streams = [engine.open_chat_stream_sync(msgs, p, timeout=timeout, **options) for p in _choice_params(params, n)]
+        streams = []
         try:
+            # All submitted before any is read: the answers decode in one batch.
+            for p in _choice_params(params, n):
+                streams.append(engine.open_chat_stream_sync(msgs, p, timeout=timeout, **options))
             return _result(*(to_ai_message(s.collect(), model_name) for s in streams))
         finally:
             for s in streams:
-                s.cancel()  # those left unread when one failed
+                s.cancel()  # those left running when one failed to open or to finish
 
     async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                          run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
@@ -293,8 +295,10 @@ class ChatMLX(BaseChatModel):
             chunks = [c async for c in self._astream(messages, stop=stop, run_manager=run_manager, **kwargs)]
             return _collect(iter(chunks))
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
-        streams = [await engine.open_chat_stream(msgs, p, timeout=timeout, **options) for p in _choice_params(params, n)]
+        streams = []
         try:
+            for p in _choice_params(params, n):
+                streams.append(await engine.open_chat_stream(msgs, p, timeout=timeout, **options))
             outs = await asyncio.gather(*(s.collect() for s in streams))
         finally:
             for s in streams:

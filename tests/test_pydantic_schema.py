@@ -19,7 +19,9 @@ def _model(**field) -> type[BaseModel]:
 
 @pytest.mark.parametrize("field", [{}, {"max_digits": 5, "decimal_places": 2}, {"max_digits": 3},
                                    {"decimal_places": 1}, {"max_digits": 4, "decimal_places": 0},
-                                   {"max_digits": 2, "decimal_places": 2}, {"max_digits": 2, "decimal_places": 3}])
+                                   {"max_digits": 2, "decimal_places": 2}, {"max_digits": 2, "decimal_places": 3},
+                                   {"multiple_of": Decimal("0.01")}, {"multiple_of": 1, "max_digits": 3},
+                                   {"multiple_of": 0.1, "decimal_places": 3}])
 def test_every_text_a_decimal_pattern_allows_validates(field):
     """Random texts of digits, signs, points, exponents and spaces: each one the pattern
     allows is a Decimal the field takes (a grammar may allow less, never more)."""
@@ -37,30 +39,78 @@ def test_every_text_a_decimal_pattern_allows_validates(field):
 
 
 def test_a_bounded_decimal_is_its_bounded_number_and_what_neither_branch_holds_keeps_both():
-    """With bounds the number alone: the grammar holds them (and writes no exponent, so no
-    infinity), where a pattern cannot. With multiple_of, or bounds and digit limits, neither
-    branch holds everything: Pydantic's two, the string one held to the pattern."""
+    """With bounds, or a step other than a power of ten, the number alone: the grammar holds
+    them (and writes no exponent, so no infinity), where a pattern cannot. A power-of-ten
+    step is a limit on the places: the pattern. With bounds or such a step and digit limits,
+    neither branch holds everything: Pydantic's two, the string one held to the pattern."""
 
     class Price(BaseModel):
         amount: Decimal
         tip: Optional[Decimal] = None
         rate: Decimal = Field(gt=0, le=100)
         step: Decimal = Field(multiple_of=0.5)
-        cents: Decimal = Field(ge=0, max_digits=5, decimal_places=2)
+        cents: Decimal = Field(multiple_of=Decimal("0.01"))
+        fee: Decimal = Field(multiple_of=Decimal("0.01"), ge=0)
+        coarse: Decimal = Field(multiple_of=0.5, max_digits=4)
+        bounded_digits: Decimal = Field(ge=0, max_digits=5, decimal_places=2)
         name: str
 
     props = json_schema(Price)["properties"]
     assert props["amount"] == {"type": "string", "pattern": DECIMAL_PATTERN, "title": "Amount"}
     assert {"type": "string", "pattern": DECIMAL_PATTERN} in props["tip"]["anyOf"]
     assert props["rate"] == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 100.0, "title": "Rate"}
-    assert props["step"]["anyOf"] == [{"type": "number", "multipleOf": 0.5},
-                                      {"type": "string", "pattern": DECIMAL_PATTERN}]
-    assert props["cents"]["anyOf"][0] == {"type": "number", "minimum": 0.0}
-    assert props["cents"]["anyOf"][1]["pattern"] == decimal_pattern(5, 2)
+    assert props["step"] == {"type": "number", "multipleOf": 0.5, "title": "Step"}
+    assert props["cents"] == {"type": "string", "pattern": decimal_pattern(None, 2), "title": "Cents"}
+    assert props["fee"] == {"type": "number", "multipleOf": 0.01, "minimum": 0.0, "title": "Fee"}
+    assert props["coarse"]["anyOf"] == [{"type": "number", "multipleOf": 0.5},
+                                        {"type": "string", "pattern": decimal_pattern(4)}]
+    assert props["bounded_digits"]["anyOf"][0] == {"type": "number", "minimum": 0.0}
+    assert props["bounded_digits"]["anyOf"][1]["pattern"] == decimal_pattern(5, 2)
     assert props["name"] == Price.model_json_schema()["properties"]["name"]
     assert narrowed_schema(Price) == json_schema(Price)
     assert narrowed_schema(type("N", (BaseModel,), {"__annotations__": {"n": float}})) is None
     assert narrowed_schema({"type": "object"}) is None and narrowed_schema(int) is None
+
+
+def test_the_grammar_holds_a_decimals_step_and_bounds(qwen3_5_engine):
+    """What the schemas above rely on from llguidance: a fractional ``multipleOf`` held
+    exactly, with bounds, and no exponent; each text it takes validates, each it refuses
+    fails the model."""
+    from mlx_tandem.constraints import Constraint
+
+    class Price(BaseModel):
+        step: Decimal = Field(multiple_of=Decimal("0.05"))
+        cents: Decimal = Field(multiple_of=Decimal("0.01"))
+        fee: Decimal = Field(multiple_of=Decimal("0.25"), ge=0, le=10)
+
+    grammar = qwen3_5_engine._grammar
+
+    def takes(name: str, text: str) -> bool:
+        matcher = grammar.compile(Constraint.json_schema(json_schema(Price)["properties"][name]))
+        return all(matcher.consume_token(t) for t in grammar.tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+    def validates(name: str, text: str) -> bool:
+        values = {"step": "0.05", "cents": '"0.01"', "fee": "0.25", name: text}
+        try:
+            Price.model_validate_json("{%s}" % ", ".join(f'"{k}": {v}' for k, v in values.items()))
+            return True
+        except ValidationError:
+            return False
+
+    # (text, taken): every text taken validates; each text refused that validates is
+    # written otherwise (an exponent, trailing zeros past the step: a grammar may allow
+    # less, never more).
+    cases = {"step": [("0.15", True), ("0.35", True), ("-1.05", True), ("3", True), ("0.07", False),
+                      ("1.234", False), ("1e1", False), ("2.5e-1", False), ("0.050", False)],
+             "cents": [('"19.99"', True), ('"-0.5"', True), ('"7"', True), ('"1.234"', False),
+                       ('"1e2"', False), ('"0.1 "', False), ("19.99", False)],
+             "fee": [("9.75", True), ("10", True), ("0", True), ("10.25", False), ("-0.25", False),
+                     ("0.3", False), ("2.5e0", False)]}
+    for name, texts in cases.items():
+        for text, taken in texts:
+            assert takes(name, text) == taken, (name, text)
+            assert not taken or validates(name, text), (name, text)
+        assert any(not taken and not validates(name, text) for text, taken in texts)  # real refusals too
 
 
 def test_digit_limits_no_text_fits_keep_pydantics_schema():

@@ -8,13 +8,17 @@ model (seen with sampled answers). ``json_schema`` writes a Decimal as follows:
 
 - without bounds: a string held to a decimal's pattern, within ``max_digits`` and
   ``decimal_places``, as Pydantic itself writes a Decimal out (``model_dump_json``), which
-  also keeps its digits exact;
-- with bounds (``gt``, ``ge``, ``lt``, ``le``) and no digit limits: the number alone, whose
-  bounds the grammar holds (llguidance then writes no exponent, so no infinity either);
-- otherwise (``multiple_of``, or bounds with digit limits): Pydantic's two branches, the
-  string one held to the pattern. Neither branch holds everything there (a pattern cannot
-  hold a bound; llguidance's numbers hold neither ``multiple_of`` nor digits), so such an
-  answer may still fail its model, as before.
+  also keeps its digits exact. A ``multiple_of`` that is a power of ten at most 1 (0.01 for
+  cents) is a limit on the places, so the pattern holds it too;
+- with bounds (``gt``, ``ge``, ``lt``, ``le``) or another ``multiple_of`` (0.05), and no
+  digit limits: the number alone, whose bounds and ``multipleOf`` the grammar holds
+  (llguidance 1.9 holds a fractional ``multipleOf`` exactly, and writes no exponent under
+  either, so no infinity). Pydantic reads a JSON number through a float, so a number of
+  more than about 15 significant digits may still fail its ``multiple_of``;
+- otherwise (bounds or such a ``multiple_of`` with digit limits): Pydantic's two branches,
+  the string one held to the pattern. Neither branch holds everything there (a pattern
+  cannot hold a bound; llguidance's numbers hold no digit limits), so such an answer may
+  still fail its model, as before.
 
 ``Json[...]`` (a string that holds a JSON document) stays a free string: no grammar holds
 the escaped document inside it to its schema.
@@ -25,6 +29,7 @@ Needs Pydantic 2, which both adapters' frameworks require; the engine itself nev
 
 from __future__ import annotations
 
+from decimal import Decimal, InvalidOperation
 from typing import Any, Optional
 
 from pydantic.json_schema import GenerateJsonSchema
@@ -39,22 +44,40 @@ class GrammarJsonSchema(GenerateJsonSchema):
     def decimal_schema(self, schema: Any) -> dict:
         out = super().decimal_schema(schema)
         branches = out.get("anyOf")
-        pattern = decimal_pattern(schema.get("max_digits"), schema.get("decimal_places"))
+        places, step_places = schema.get("decimal_places"), _places_of_step(schema.get("multiple_of"))
+        if step_places is not None:
+            places = step_places if places is None else min(places, step_places)
+        pattern = decimal_pattern(schema.get("max_digits"), places)
         if not isinstance(branches, list) or pattern is None:
             return out
         rest = {k: v for k, v in out.items() if k != "anyOf"}
         bounded = any(schema.get(k) is not None for k in _BOUNDS)
+        other_step = schema.get("multiple_of") is not None and step_places is None
+        if not bounded and not other_step:  # the pattern holds everything
+            return {**rest, "type": "string", "pattern": pattern}
+        number = [b for b in branches if b.get("type") == "number"]
         digits = schema.get("max_digits") is not None or schema.get("decimal_places") is not None
-        if schema.get("multiple_of") is None and not (bounded and digits):
-            if not bounded:
-                return {**rest, "type": "string", "pattern": pattern}
-            number = [b for b in branches if b.get("type") == "number"]
-            if len(number) == 1:
-                return {**rest, **number[0]}
+        if not digits and len(number) == 1:  # the number holds the bounds and the step
+            return {**rest, **number[0]}
         for branch in branches:
             if branch.get("type") == "string" and "pattern" not in branch:
                 branch["pattern"] = pattern
         return out
+
+
+def _places_of_step(step: Any) -> Optional[int]:
+    """k where ``multiple_of`` is 10**-k (k >= 0): being its multiple is having at most k
+    places. None for any other step, and for none."""
+    if step is None or isinstance(step, bool):
+        return None
+    try:
+        d = Decimal(str(step)).normalize()
+    except (InvalidOperation, ValueError):
+        return None
+    sign, digits, exponent = d.as_tuple()
+    if sign or digits != (1,) or not isinstance(exponent, int) or exponent > 0:
+        return None
+    return -exponent
 
 
 def decimal_pattern(max_digits: Optional[int] = None, decimal_places: Optional[int] = None) -> Optional[str]:

@@ -884,13 +884,15 @@ class Price(BaseModel):
 
     amount: Decimal
     currency: str
+    tip: Decimal = Field(multiple_of=Decimal("0.05"))
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_a_decimal_is_held_to_what_a_decimal_takes(method):
     """Pydantic writes a Decimal as a number or any string: held to that, sampled answers
     wrote ``"amount": "<any text>"`` and failed their own model. The engine's schema holds
-    the string branch to a decimal's pattern; a tool taking one is held the same way."""
+    the string branch to a decimal's pattern, and a step to the number that holds it (a
+    string ``"0.07"`` passed Pydantic's schema); a tool taking one is held the same way."""
     from langchain_core.tools import tool
 
     outs = [make_llm(max_tokens=60, temperature=1.0, seed=seed).with_structured_output(Price, method=method).invoke(

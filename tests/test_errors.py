@@ -272,19 +272,32 @@ def _held_arrays(exc: BaseException) -> list[str]:
             if any(isinstance(v, mx.array) for v in tb.tb_frame.f_locals.values()):
                 out.append(tb.tb_frame.f_code.co_name)
             tb = tb.tb_next
+        held = [*err.args, *vars(err).values()]
+        held += [v for x in held if isinstance(x, (tuple, list)) for v in x]
+        if any(isinstance(v, mx.array) for v in held):
+            out.append(f"{type(err).__name__}'s arguments")
         stack += [err.__cause__, err.__context__]
     return out
 
 
 async def test_errors_handed_to_callers_hold_no_engine_state(llama_path, monkeypatch):
     """A failed step's or processor's error keeps no frames of the engine thread with their
-    locals (the lane, its caches, a step's arrays): a caller holding it kept the engine's
-    MLX state alive past close(), to be freed on the caller's thread."""
+    locals (the lane, its caches, a step's arrays), and no arrays in its arguments or
+    attributes: a caller holding it kept the engine's MLX state alive past close(), to be
+    freed on the caller's thread."""
     import gc
     import weakref
 
     def broken(tokens, logits):
         raise ValueError("a processor bug")
+
+    class HoldsLogits(Exception):
+        def __init__(self, message, logits):
+            super().__init__(message, [logits])
+            self.logits = logits
+
+    def telling(tokens, logits):  # the user's error carries the step's logits (an audit)
+        raise HoldsLogits("bad row", logits)
 
     engine = Engine(llama_path, show_progress=False)
     await engine.start()
@@ -301,15 +314,18 @@ async def test_errors_handed_to_callers_hold_no_engine_state(llama_path, monkeyp
 
     with pytest.raises(InvalidRequestError) as processor_error:
         await engine.chat(chat_prompts(1)[0], {"max_tokens": 8, "logits_processors": [broken]})
+    with pytest.raises(InvalidRequestError) as telling_error:
+        await engine.chat(chat_prompts(1)[0], {"max_tokens": 8, "logits_processors": [telling]})
+    assert "bad row" in str(telling_error.value.__cause__)  # the message is kept
     monkeypatch.setattr(model_cls, "__call__", flaky)
     with pytest.raises(EngineStepError) as step_error:
         await engine.chat(chat_prompts(1)[0], {"max_tokens": 8})
     monkeypatch.setattr(model_cls, "__call__", real_call)
-    held = [processor_error.value, step_error.value]
+    held = [processor_error.value, step_error.value, telling_error.value]
     await engine.close()
     del engine
     gc.collect()
-    assert [_held_arrays(e) for e in held] == [[], []]
+    assert [_held_arrays(e) for e in held] == [[], [], []]
     # The engine loop's own frame may still name the lane, but a closed lane holds nothing.
     assert lane() is None or not vars(lane())
 

@@ -43,7 +43,32 @@ def clear_frames(exc: BaseException) -> None:
                 _running(frame)
                 frame = frame.f_back
             tb = tb.tb_next
+        _drop_arrays(err)
         stack += [err.__cause__, err.__context__, *getattr(err, "exceptions", ())]
+
+
+def _drop_arrays(err: BaseException) -> None:
+    """Replace the mx.arrays an error holds in its arguments or attributes (a user's
+    processor may raise ``MyError("bad logits", logits)``) with their description."""
+    import mlx.core as mx
+
+    def strip(value, depth: int = 0):
+        if isinstance(value, mx.array):
+            return f"<mx.array shape={tuple(value.shape)} dtype={value.dtype}>"
+        if depth < 4 and type(value) in (tuple, list):
+            return type(value)(strip(v, depth + 1) for v in value)
+        if depth < 4 and type(value) is dict:
+            return {k: strip(v, depth + 1) for k, v in value.items()}
+        return value
+
+    try:
+        err.args = strip(err.args)
+        for name, value in list(getattr(err, "__dict__", {}).items()):
+            stripped = strip(value)
+            if stripped is not value:
+                setattr(err, name, stripped)
+    except Exception:  # noqa: BLE001 - an exception type that refuses new arguments keeps them
+        logger.debug("could not drop the arrays of %r", type(err).__name__, exc_info=True)
 
 
 _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR

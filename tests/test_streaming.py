@@ -234,6 +234,38 @@ def test_stop_matching_does_not_depend_on_how_a_marker_is_tokenized(text, stop):
         assert run(sizes) == whole, sizes
 
 
+@pytest.mark.parametrize("exempt", [None, THINKING])
+def test_stops_contained_in_one_another_cut_the_same_however_the_text_is_grouped(exempt):
+    """The stop that ends first wins, the earlier start on a tie: what a text written a
+    character at a time meets first. With ``[" the", "h"]`` the earliest start won, and
+    " the end" became "" when " the" came in one token, " t" a character at a time (an
+    audit). Random texts and stop sets, whole, in random pieces and a character at a time."""
+    import random
+
+    def run(text, stops, sizes):
+        m = StopStringMatcher(stops, exempt=exempt)
+        out, pos = "", 0
+        for n in sizes:
+            piece, hit = m.feed(text[pos:pos + n])
+            out, pos = out + piece, pos + n
+            if hit:
+                return out, True
+        rest, hit = m.flush()
+        return out + rest, hit
+
+    assert run(" the end", [" the", "h"], [8]) == run(" the end", [" the", "h"], [1] * 8) == (" t", True)
+    assert run("a the", ["the", "he"], [5]) == ("a ", True)  # both end at "e": the earlier start
+    rng = random.Random(0)
+    pieces = ["a", "t", "h", "e", " ", "<", "/", ">", "think", "</think>", "<tool_call>", "</tool_call>", "é", "😀"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 10)))
+        stops = ["".join(rng.choice(["t", "h", "e", " ", "<", "/", ">", "think>", "é"]) for _ in range(rng.randint(1, 3)))
+                 for _ in range(rng.randint(2, 3))]
+        whole = run(text, stops, [len(text)])
+        assert run(text, stops, [1] * len(text)) == whole, (text, stops)
+        assert run(text, stops, [rng.randint(1, 4) for _ in range(len(text))]) == whole, (text, stops)
+
+
 @pytest.mark.parametrize("stop", ["</think>", "<think>", "</thi", "think", "k>"])
 @pytest.mark.parametrize("text", ["<think>\nI think.\n</think>\n\nThe answer is 4.", "Answer first. <think>x</think>"])
 def test_stop_strings_in_reasoning_markers_do_not_depend_on_tools(stop, text):

@@ -123,7 +123,7 @@ class StopStringMatcher:
                 self._buffer = buf[end:]
                 continue
             if self._state != _CALL:  # stop strings: in text and reasoning, never in a call
-                hit = min(((i, s) for s in self._stop if (i := buf.find(s)) >= 0), default=None)
+                hit = first_stop(buf, self._stop)
                 calls = tuple(mk for mk in markers if mk == self._m.call_start)
                 # A call's start wins a stop that does not come before it; reasoning markers
                 # are text to stop strings ("</think>" as a stop ends the reasoning there),
@@ -187,10 +187,22 @@ class StopStringMatcher:
         that was still forming can no longer complete)."""
         buf, self._buffer, self._done = self._buffer, "", 0
         if self._stop and self._state != _CALL:
-            hit = min((i for s in self._stop if (i := buf.find(s)) >= 0), default=None)
+            hit = first_stop(buf, self._stop)
             if hit is not None:
-                return buf[:hit], True
+                return buf[:hit[0]], True
         return buf, False
+
+
+def first_stop(buf: str, stops: Sequence[str]) -> Optional[tuple[int, str]]:
+    """(start, stop) of the stop string that ends first in ``buf``, the earlier start on a
+    tie: the one a text written a character at a time meets first, so the cut does not
+    depend on how the text came in tokens (with ``[" the", "h"]``, " the end" stops at
+    " t", where the earliest start cut it to "" when " the" came in one token)."""
+    hits = [(i + len(s), i, s) for s in stops if (i := buf.find(s)) >= 0]
+    if not hits:
+        return None
+    _, i, s = min(hits)
+    return i, s
 
 
 def partial_marker_length(buf: str, markers: Sequence[str]) -> int:

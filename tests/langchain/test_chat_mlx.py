@@ -403,6 +403,37 @@ def test_a_call_cut_by_max_tokens_keeps_its_arguments_and_is_never_run_from_a_st
     assert out.finish_reason == "length" and [c.truncated for c in out.invalid_tool_calls] == [True]
 
 
+@pytest.mark.parametrize("model, body", [
+    ("demo", '{"name": "add", "arguments": {"a": 3, "b": 4}'),  # JSON calls; the last brace missing
+    ("demo", '{"name": "add", "arguments": {"a": 3, "b": 4}}}'),
+    ("qwen3_5", "<function=add>\n"),  # XML calls; no parameter, no end
+    ("qwen3_5", "<function=add>\n<parameter=a>\n3\n</parameter>\n"),
+])
+def test_a_malformed_call_is_never_a_valid_call_of_its_tool_in_a_merged_stream(model, body):
+    """A call closed by its end marker but malformed is invalid to invoke; streamed, its
+    chunk named the tool with arguments LangChain reads as an object, so the merged chunks
+    held a valid call that a ToolNode would run (an audit). Now such a chunk is unnamed, as
+    a cut one: the merged call is invalid as invoke's, or has an empty name."""
+    llm = ChatMLX(max_tokens=80, engine_options=OPTS) if model == "demo" else make_llm(max_tokens=80)
+    llm.engine.start_sync()
+    marker = llm.engine._grammar.marker
+    grammar = f"start: {marker('<tool_call>')} {json.dumps(chr(10) + body + chr(10))} {marker('</tool_call>')}"
+    bound = llm.bind_tools([add]).bind(response_format={"type": "lark", "grammar": grammar})
+    invoked = bound.invoke("add 3 and 4")
+    assert invoked.tool_calls == [] and len(invoked.invalid_tool_calls) == 1
+    for chunks in (list(bound.stream("add 3 and 4")), asyncio.run(_chunks(bound, "add 3 and 4"))):
+        streamed = chunks[0]
+        for c in chunks[1:]:
+            streamed = streamed + c
+        assert len(streamed.tool_calls) + len(streamed.invalid_tool_calls) == 1
+        assert [c["name"] for c in streamed.tool_calls] in ([], [""])
+        assert [c["args"] for c in streamed.invalid_tool_calls] in ([], [invoked.invalid_tool_calls[0]["args"]])
+
+
+async def _chunks(model, prompt) -> list:
+    return [c async for c in model.astream(prompt)]
+
+
 def test_streamed_call_chunks_are_numbered_in_the_order_written():
     """A malformed call, then a valid one: each chunk's index is the call's place in the
     answer, from the engine (the adapter used to number a delta's valid calls before its

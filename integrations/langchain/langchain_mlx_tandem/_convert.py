@@ -23,6 +23,7 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.utils.json import parse_partial_json
 
 from mlx_tandem.errors import InvalidRequestError, UnsupportedContentError
 from mlx_tandem.messages import arguments_text
@@ -261,6 +262,17 @@ def register_block_translator() -> None:
     register_translator(PROVIDER, _v1_message_blocks, _v1_chunk_blocks)
 
 
+def _merges_valid(args: Optional[str]) -> bool:
+    """Would langchain-core (AIMessageChunk.init_tool_calls) read a streamed call with these
+    arguments as a valid call? Empty ones and those that parse, leniently, to an object."""
+    if not args:
+        return True
+    try:
+        return isinstance(parse_partial_json(args), dict)
+    except Exception:  # noqa: BLE001 - what core cannot parse stays invalid
+        return False
+
+
 class ChunkBuilder:
     """StreamDeltas -> AIMessageChunks; a tool call chunk's index is the call's place in the
     answer (the engine's, valid and invalid calls in the order written)."""
@@ -270,15 +282,16 @@ class ChunkBuilder:
         self._usage = usage  # usage_metadata on the last chunk (ChatMLX.stream_usage)
 
     def chunk(self, delta) -> Optional[AIMessageChunk]:
-        written = sorted([*((c.index, c, c.arguments_json) for c in delta.tool_calls),
-                          *((c.index, c, c.arguments) for c in delta.invalid_tool_calls)], key=lambda e: e[0])
-        # A call cut off by max_tokens carries no name here: LangChain merges a streamed call
-        # by parsing its arguments, and a named one would merge into a valid call of that
-        # tool with the fields written so far, which an agent (a ToolNode under LangGraph's
-        # streaming) would run. Unnamed it is an error message to the agent instead;
-        # invoke keeps the name in invalid_tool_calls.
-        chunks = [tool_call_chunk(name=None if getattr(c, "truncated", False) else c.name, args=args, id=c.id,
-                                  index=i) for i, c, args in written]
+        written = sorted([*((c.index, c, c.arguments_json, True) for c in delta.tool_calls),
+                          *((c.index, c, c.arguments, False) for c in delta.invalid_tool_calls)], key=lambda e: e[0])
+        # An invalid call whose arguments LangChain would read as an object (one cut off by
+        # max_tokens, or closed but malformed: a brace missing, ``<function=f>`` with no
+        # parameter) carries no name here: LangChain merges a streamed call by parsing its
+        # arguments, and a named one would merge into a valid call of that tool, which an
+        # agent (a ToolNode under LangGraph's streaming) would run. Unnamed it is an error
+        # message to the agent instead; invoke keeps the name in invalid_tool_calls.
+        chunks = [tool_call_chunk(name=c.name if valid or not _merges_valid(args) else None, args=args, id=c.id,
+                                  index=i) for i, c, args, valid in written]
         last = delta.finish_reason is not None
         # A delta whose text the parser still holds back has tokens all the same: with
         # logprobs it is a chunk too (empty content), or its tokens' logprobs were lost.

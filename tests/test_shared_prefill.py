@@ -90,6 +90,44 @@ async def test_a_claim_is_given_back_when_its_row_leaves_before_storing(qwen3_5_
     assert out.usage.cached_tokens == 0 and out.token_ids == reference_greedy(qwen3_5_path, ids[1], 6)
 
 
+async def test_when_the_row_waited_for_leaves_the_first_waiter_to_start_claims_again(qwen3_5_path):
+    """The row claiming a prefix is cancelled before storing it: the waiters go on, the
+    first to start claims the prefix again, and the others wait for that claim instead of
+    each prefilling the prefix (an audit: five waiters each prefilled a 3.9K-token
+    document). A wave whose first row is cancelled then prefills the prefix once more."""
+    chats = _chats(4)
+    async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8) as engine:
+        ids = [engine.apply_chat_template(c) for c in chats]
+        points = [engine._renderer.cache_points(c, p) for c, p in zip(chats, ids)]
+        system = {k: p for p, k in points[0]}["system"]
+        lane = engine._core._lanes["text"]
+        requests = [Request(f"r{i}", p, SamplingParams(), sink=None, max_tokens=4, cache_points=pts)
+                    for i, (p, pts) in enumerate(zip(ids, points))]
+
+        def check():
+            first, second, third, fourth = requests
+            lane.add(first)
+            waits = [lane.defer(r) for r in (second, third, fourth)]
+            lane.remove([first.request_id])  # cancelled before its prefill stored anything
+            assert not lane.defer(second)  # its claim is given back: the first waiter starts
+            lane.add(second)  # and claims the prefix again
+            again = [lane.defer(r) for r in (third, fourth)]
+            lane.remove([second.request_id])
+            return waits, again, len(lane._claims)
+
+        assert engine.run_on_owner_thread(check) == ([True] * 3, [True, True], 0)
+        # End to end: the first of a wave cancelled mid-prefill; the answers are cold runs'.
+        first = await engine.open_chat_stream(chats[0], SamplingParams(max_tokens=6))
+        rest = [asyncio.ensure_future(engine.chat(c, SamplingParams(max_tokens=6))) for c in chats[1:]]
+        await asyncio.sleep(0)
+        first.cancel()
+        outs = await asyncio.gather(*rest)
+        stats = engine.stats()["prefix_cache"]
+    for out, p in zip(outs, ids[1:]):
+        assert out.token_ids == reference_greedy(qwen3_5_path, p, 6)
+    assert max(out.usage.cached_tokens for out in outs) >= system and stats["entries"] >= 1
+
+
 async def test_a_request_waits_only_when_the_claim_adds_enough(qwen3_5_path):
     """Waiting costs a step: a claimed prefix no longer than the cached one by
     ``prefix_cache_min_tokens`` is not worth it. (Both rows hold one prompt: without shared

@@ -12,7 +12,12 @@ together (and none claims it again: the prefix cache now knows it would refuse i
 request at a time. A younger claim on a prefix longer than any the request waited for is
 waited for too: requests that waited for one's system prompt, where the first of them to
 start claims the few-shot examples (or the document) they all hold, wait for those as well
-(each such wait is for a longer prefix, so they end).
+(each such wait is for a longer prefix, so they end). So is a younger claim on a prefix
+whose claim was given back after the request began to wait, its row gone before storing
+(cancelled, failed): the first waiter to start claims it again and the others wait for it.
+Before (an audit), five requests waiting on a cancelled row each prefilled its 3.9K-token
+document. Each such wait needs another row gone, so they end too; a refused prefix is
+never claimed again, so its waiters still go on together.
 
 ``PromptsInPrefill`` keeps the prompts of rows in prefill, where a request that arrives
 with them finds what it shares with them before any is stored (a "shared" point);
@@ -30,9 +35,15 @@ from ..token_trie import TokenTrie, common_prefix_length
 Claim = tuple[tuple[int, ...], int]  # (the prefix's tokens, the claim's serial number)
 
 
+#: Prefixes whose last claim was given back, remembered for a replacement claim.
+MAX_RELEASED = 256
+
+
 class PrefillClaims:
     def __init__(self):
         self._live: dict[tuple[int, ...], set[int]] = {}
+        # Prefix -> the serial when its last live claim was given back (latest last).
+        self._released: dict[tuple[int, ...], int] = {}
         self.serial = 0  # of the latest claim
 
     def __bool__(self) -> bool:
@@ -54,19 +65,26 @@ class PrefillClaims:
                 live.discard(serial)
                 if not live:
                     del self._live[key]
+                    self._released.pop(key, None)
+                    self._released[key] = self.serial
+                    if len(self._released) > MAX_RELEASED:
+                        del self._released[next(iter(self._released))]
 
     def longest_prefix_of(self, prompt: tuple[int, ...], *, since: int, beyond: int) -> int:
         """The longest live claim on a prefix of ``prompt``: made no later than claim
-        ``since``, or longer than ``beyond`` tokens. Any row's claim counts, not only on
-        the request's own cache points: a "shared" point another request found (a document
-        in one message) or an earlier turn of its conversation is a prefix too."""
+        ``since``, longer than ``beyond`` tokens, or replacing one given back since then.
+        Any row's claim counts, not only on the request's own cache points: a "shared"
+        point another request found (a document in one message) or an earlier turn of its
+        conversation is a prefix too."""
         n = len(prompt)
         return max((len(key) for key, live in self._live.items()
-                    if len(key) < n and (min(live) <= since or len(key) > beyond) and prompt[:len(key)] == key),
+                    if len(key) < n and (min(live) <= since or len(key) > beyond
+                                         or self._released.get(key, -1) >= since) and prompt[:len(key)] == key),
                    default=0)
 
     def clear(self) -> None:
         self._live.clear()
+        self._released.clear()
 
 
 class PromptsInPrefill:

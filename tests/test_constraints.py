@@ -1302,3 +1302,36 @@ def test_a_ban_folded_into_the_sampler_draws_as_the_processor_does():
         assert got.tolist() == want.tolist(), params
         assert not set(got.tolist()) & set(banned)
         assert banned_sampler(base, banned) is sampler  # shared by rows with equal settings
+
+
+OPTIONS = ["no", "yes", "maybe later", "certainly yes"]
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "regex", "pattern": "(" + "|".join(OPTIONS) + ")"},
+    {"type": "json_schema", "json_schema": {"name": "pick", "schema": {
+        "type": "object", "properties": {"answer": {"enum": OPTIONS}},
+        "required": ["answer"], "additionalProperties": False}}},
+])
+async def test_a_tight_budget_keeps_the_models_choice_where_it_fits(qwen3_5_engine, response_format):
+    """Near the end of its budget a constrained answer was forced onto its grammar's shortest
+    completion, whatever the model preferred: a regex "(yes|no)" at max_tokens=4 always
+    answered "no" (an audit). Where every choice still leaves a completion that fits, the
+    model chooses: each greedy answer at a budget just large enough for it (and EOS) is the
+    answer with room to spare. The model is led to each option in turn by a logit bias on
+    the tokens that begin it."""
+    engine = qwen3_5_engine
+    tok = engine.tokenizer
+    texts = {i: tok.decode([i]) for i in range(len(tok.get_vocab()))}
+    prompt = chat_prompts(1)[0]
+
+    def params(option: str, max_tokens: int) -> SamplingParams:
+        starts = {i for i, t in texts.items() if t.strip('"') and option.startswith(t.strip('"'))}
+        return SamplingParams(max_tokens=max_tokens, logit_bias={i: 8.0 for i in starts})
+
+    roomy = [await engine.chat(prompt, params(o, 64), response_format=response_format) for o in OPTIONS]
+    assert len({o.text for o in roomy}) >= 3  # the choices differ, not only the shortest
+    tight = [await engine.chat(prompt, params(o, len(out.token_ids) + 1), response_format=response_format)
+             for o, out in zip(OPTIONS, roomy)]
+    assert [o.text for o in tight] == [o.text for o in roomy]
+    assert all(o.finish_reason == "stop" for o in roomy + tight)

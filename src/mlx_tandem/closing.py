@@ -420,7 +420,7 @@ class GrammarProcessor:
         return path
 
     def _fitting_branches(self, allowed: np.ndarray, remaining: int,
-                          path: Optional[list[int]]) -> tuple[np.ndarray, Optional[list[int]]]:
+                          path: Optional[list[int]]) -> tuple[np.ndarray, Optional[list[int]], bool]:
         """At a choice that a special token opens (a tool call or a document, another call
         or the end), or at any small choice once the budget is within ``_STRUCTURE_SLACK``
         of the completion (a JSON key, an XML call's next ``<parameter=`` or its
@@ -432,14 +432,18 @@ class GrammarProcessor:
         search took); an optional key or parameter opened near the end did the same, at
         eight tokens over the closing length on every seed. A search per choice: judged
         near the end only (sooner, it tripled the grammar's cost per token in
-        benchmarks/structured.py)."""
+        benchmarks/structured.py).
+
+        The third value: whether every choice kept is known to leave a completion that
+        fits (judged, or the one choice there is, on the completion found)."""
         n = min(allowed.shape[0], self._tiers.special.shape[0])
         choices = np.flatnonzero(allowed[:n])
+        known = not allowed[n:].any()  # no id past the tokenizer's vocabulary, never judged
         special = 1 < len(choices) <= _BRANCH_CHOICES and self._tiers.special[choices].any()
         tight = path is None or len(path) >= remaining - _STRUCTURE_SLACK
         judged = special or (tight and 1 < len(choices) <= _SMALL_CHOICES)
         if not judged:
-            return allowed, path
+            return allowed, path, known and path is not None and len(choices) == 1 and int(choices[0]) == path[0]
         fits: dict[int, list[int]] = {}
         for tok in (int(t) for t in choices):
             if tok in self._eos:
@@ -451,14 +455,16 @@ class GrammarProcessor:
             rest = [min(self._eos)] if probe.is_stopped() else self._search(probe, remaining - 1)
             if rest is not None:
                 fits[tok] = [tok, *rest]
-        if not fits or len(fits) == len(choices):
-            return allowed, path
+        if not fits:
+            return allowed, path, False
+        if len(fits) == len(choices):
+            return allowed, path, known and path is not None
         kept = np.zeros_like(allowed)
         kept[list(fits)] = True
         if path is None or path[0] not in fits:
             path = min(fits.values(), key=len)
             self._path, self._path_stale, self._path_set = path, False, allowed.tobytes()
-        return kept, path
+        return kept, path, True
 
     def mask(self, logits):
         """The logits for the next token, masked to the grammar (one call per token)."""
@@ -520,7 +526,7 @@ class GrammarProcessor:
                 self._calls >= self._next_check or remaining <= 2 * self._estimate + _STRUCTURE_SLACK):
             current = allowed_tokens(self.matcher, vocab, self._tiers.respelled)
             path = self._completion(current, remaining)
-            current, path = self._fitting_branches(current, remaining, path)
+            current, path, all_fit = self._fitting_branches(current, remaining, path)
             if path is None:
                 # None fits now (or the search found none): look again later, less often,
                 # since the model may reach a state it can close from; a failed search
@@ -528,10 +534,16 @@ class GrammarProcessor:
                 self._failed += 1
                 self._retry_at = (self._calls + max(4, remaining // 4) if self._failed < _MAX_FAILED_SEARCHES
                                   else self._max_tokens + 1)
-            elif len(path) >= remaining - _SLACK:
-                self._forced = list(path)  # the budget only just covers a completion: take it
+            elif len(path) >= remaining - _SLACK and not all_fit:
+                # The budget only just covers a completion, and not every choice here is
+                # known to leave one that fits: take it.
+                self._forced = list(path)
                 self.closed_early = True
             else:
+                # Far from the end, or every choice here leaves a completion that fits (a
+                # few were judged one by one): the model chooses, and the next token is
+                # looked at again. Before (an audit), a regex "(yes|no)" at max_tokens=4
+                # was forced to its shortest branch, whatever the model preferred.
                 self._estimate = len(path)
                 self._next_check = self._calls + max(1, (remaining - len(path) - _SLACK) // 4)
                 if len(path) >= remaining - _STRUCTURE_SLACK and self._tiers.tier[path[0]] <= 2:

@@ -280,6 +280,24 @@ def _held_arrays(exc: BaseException) -> list[str]:
     return out
 
 
+def test_arrays_in_built_in_exception_fields_become_numpy_copies():
+    """Built-in exceptions keep some arguments in fields of their own (not ``__dict__``)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_tandem.teardown import clear_frames
+
+    errors = [OSError(2, "gone", mx.arange(3)), StopIteration(mx.arange(3)), KeyError(mx.arange(3).astype(mx.bfloat16))]
+    for err in errors:
+        clear_frames(err)
+    assert isinstance(errors[0].filename, np.ndarray) and list(errors[0].filename) == [0, 1, 2]
+    assert isinstance(errors[1].value, np.ndarray) and isinstance(errors[2].args[0], np.ndarray)
+    untouched = ValueError("no arrays", [1, 2], {"a": (3,)})
+    args = untouched.args
+    clear_frames(untouched)
+    assert untouched.args is args  # nothing copied where nothing held an array
+
+
 async def test_errors_handed_to_callers_hold_no_engine_state(llama_path, monkeypatch):
     """A failed step's or processor's error keeps no frames of the engine thread with their
     locals (the lane, its caches, a step's arrays), and no arrays in its arguments or
@@ -294,7 +312,10 @@ async def test_errors_handed_to_callers_hold_no_engine_state(llama_path, monkeyp
     class HoldsLogits(Exception):
         def __init__(self, message, logits):
             super().__init__(message, [logits])
-            self.logits = logits
+            self.message, self.logits = message, logits
+
+        def __str__(self):  # reads its array: kept as a NumPy copy, so this still works
+            return f"{self.message}: max {float(self.logits.max()):.3f}"
 
     def telling(tokens, logits):  # the user's error carries the step's logits (an audit)
         raise HoldsLogits("bad row", logits)
@@ -316,7 +337,7 @@ async def test_errors_handed_to_callers_hold_no_engine_state(llama_path, monkeyp
         await engine.chat(chat_prompts(1)[0], {"max_tokens": 8, "logits_processors": [broken]})
     with pytest.raises(InvalidRequestError) as telling_error:
         await engine.chat(chat_prompts(1)[0], {"max_tokens": 8, "logits_processors": [telling]})
-    assert "bad row" in str(telling_error.value.__cause__)  # the message is kept
+    assert "bad row: max " in str(telling_error.value.__cause__)  # the message is kept, its values too
     monkeypatch.setattr(model_cls, "__call__", flaky)
     with pytest.raises(EngineStepError) as step_error:
         await engine.chat(chat_prompts(1)[0], {"max_tokens": 8})

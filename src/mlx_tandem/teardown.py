@@ -47,28 +47,44 @@ def clear_frames(exc: BaseException) -> None:
         stack += [err.__cause__, err.__context__, *getattr(err, "exceptions", ())]
 
 
+#: Built-in exception fields that are not in ``__dict__`` (``StopIteration(value)``, ...).
+_BUILTIN_FIELDS = ("value", "filename", "filename2", "object", "obj")
+
+
 def _drop_arrays(err: BaseException) -> None:
     """Replace the mx.arrays an error holds in its arguments or attributes (a user's
-    processor may raise ``MyError("bad logits", logits)``) with their description."""
+    processor may raise ``MyError("bad logits", logits)``) with NumPy copies: host memory
+    that any thread may free, and the same values for the error's own ``__str__``."""
     import mlx.core as mx
+    import numpy as np
 
     def strip(value, depth: int = 0):
         if isinstance(value, mx.array):
-            return f"<mx.array shape={tuple(value.shape)} dtype={value.dtype}>"
+            try:
+                return np.array(value if value.dtype != mx.bfloat16 else value.astype(mx.float32))
+            except Exception:  # noqa: BLE001 - what NumPy cannot take is described instead
+                return f"<mx.array shape={tuple(value.shape)} dtype={value.dtype}>"
         if depth < 4 and type(value) in (tuple, list):
-            return type(value)(strip(v, depth + 1) for v in value)
+            items = [strip(v, depth + 1) for v in value]
+            return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
         if depth < 4 and type(value) is dict:
-            return {k: strip(v, depth + 1) for k, v in value.items()}
+            items = {k: strip(v, depth + 1) for k, v in value.items()}
+            return value if all(items[k] is v for k, v in value.items()) else items
         return value
 
     try:
         err.args = strip(err.args)
-        for name, value in list(getattr(err, "__dict__", {}).items()):
+    except Exception:  # noqa: BLE001 - an exception type that refuses new arguments keeps them
+        logger.debug("could not drop the arrays of %r", type(err).__name__, exc_info=True)
+    fields = [*getattr(err, "__dict__", {})] + [f for f in _BUILTIN_FIELDS if hasattr(err, f)]
+    for name in fields:
+        try:
+            value = getattr(err, name)
             stripped = strip(value)
             if stripped is not value:
                 setattr(err, name, stripped)
-    except Exception:  # noqa: BLE001 - an exception type that refuses new arguments keeps them
-        logger.debug("could not drop the arrays of %r", type(err).__name__, exc_info=True)
+        except Exception:  # noqa: BLE001 - a read-only field keeps its value
+            logger.debug("could not drop the array in %r.%s", type(err).__name__, name, exc_info=True)
 
 
 _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR

@@ -52,6 +52,7 @@ def test_a_bounded_decimal_is_its_bounded_number_and_what_neither_branch_holds_k
         cents: Decimal = Field(multiple_of=Decimal("0.01"))
         fee: Decimal = Field(multiple_of=Decimal("0.01"), ge=0)
         coarse: Decimal = Field(multiple_of=0.5, max_digits=4)
+        odd: Decimal = Field(multiple_of=Decimal("0.07"))  # a step llguidance cannot hold
         bounded_digits: Decimal = Field(ge=0, max_digits=5, decimal_places=2)
         name: str
 
@@ -64,6 +65,7 @@ def test_a_bounded_decimal_is_its_bounded_number_and_what_neither_branch_holds_k
     assert props["fee"] == {"type": "number", "multipleOf": 0.01, "minimum": 0.0, "title": "Fee"}
     assert props["coarse"]["anyOf"] == [{"type": "number", "multipleOf": 0.5},
                                         {"type": "string", "pattern": decimal_pattern(4)}]
+    assert props["odd"] == {"type": "string", "pattern": DECIMAL_PATTERN, "title": "Odd"}
     assert props["bounded_digits"]["anyOf"][0] == {"type": "number", "minimum": 0.0}
     assert props["bounded_digits"]["anyOf"][1]["pattern"] == decimal_pattern(5, 2)
     assert props["name"] == Price.model_json_schema()["properties"]["name"]
@@ -82,6 +84,7 @@ def test_the_grammar_holds_a_decimals_step_and_bounds(qwen3_5_engine):
         step: Decimal = Field(multiple_of=Decimal("0.05"))
         cents: Decimal = Field(multiple_of=Decimal("0.01"))
         fee: Decimal = Field(multiple_of=Decimal("0.25"), ge=0, le=10)
+        odd: float = Field(multiple_of=0.07, ge=0)  # llguidance cannot hold it: dropped
 
     grammar = qwen3_5_engine._grammar
 
@@ -90,7 +93,7 @@ def test_the_grammar_holds_a_decimals_step_and_bounds(qwen3_5_engine):
         return all(matcher.consume_token(t) for t in grammar.tokenizer.tokenize_str(text)) and matcher.is_accepting()
 
     def validates(name: str, text: str) -> bool:
-        values = {"step": "0.05", "cents": '"0.01"', "fee": "0.25", name: text}
+        values = {"step": "0.05", "cents": '"0.01"', "fee": "0.25", "odd": "0.07", name: text}
         try:
             Price.model_validate_json("{%s}" % ", ".join(f'"{k}": {v}' for k, v in values.items()))
             return True
@@ -105,12 +108,15 @@ def test_the_grammar_holds_a_decimals_step_and_bounds(qwen3_5_engine):
              "cents": [('"19.99"', True), ('"-0.5"', True), ('"7"', True), ('"1.234"', False),
                        ('"1e2"', False), ('"0.1 "', False), ("19.99", False)],
              "fee": [("9.75", True), ("10", True), ("0", True), ("10.25", False), ("-0.25", False),
-                     ("0.3", False), ("2.5e0", False)]}
+                     ("0.3", False), ("2.5e0", False)],
+             # Every request failed ("too many digits"); now the bound is held, the step not.
+             "odd": [("0.14", True), ("7", True), ("-0.07", False)]}
     for name, texts in cases.items():
         for text, taken in texts:
             assert takes(name, text) == taken, (name, text)
             assert not taken or validates(name, text), (name, text)
         assert any(not taken and not validates(name, text) for text, taken in texts)  # real refusals too
+    assert takes("odd", "0.1") and not validates("odd", "0.1")  # the step is Pydantic's to check
 
 
 def test_digit_limits_no_text_fits_keep_pydantics_schema():

@@ -22,6 +22,7 @@ the smallest valid answer (then finish_reason is "length").
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import threading
@@ -144,7 +145,8 @@ def _prepared_schema(schema: Any) -> Any:
       not list.
     - ``date``, ``date-time`` and ``time`` strings also exclude year 0000 and second 60.
     - A ``format`` llguidance does not hold is dropped (an annotation, as JSON Schema allows
-      validators to treat it), and so is ``uniqueItems``, which it cannot hold.
+      validators to treat it), and so is ``uniqueItems``, which it cannot hold, and a
+      ``multipleOf`` it refuses (0.07: it cannot scale it exactly).
 
     A ``$defs`` entry that is only a reference back to itself (through other such entries)
     describes no value: a ConstraintError, since llguidance compiled it into a grammar that
@@ -215,6 +217,18 @@ def _defs_combined(schema: Any) -> set[str]:
     return names
 
 
+@functools.lru_cache(maxsize=256)
+def multiple_held(step: Any) -> bool:
+    """Does llguidance take ``multipleOf: step`` (a number)?"""
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "number", "multipleOf": step})
+    except (ValueError, TypeError):
+        return False
+    return not llguidance.LLMatcher.validate_grammar(grammar)
+
+
 def _prepare(schema: Any, *, open_defs: set[str], keep_open: bool) -> Any:
     if not isinstance(schema, dict):
         return schema
@@ -250,6 +264,12 @@ def _prepare(schema: Any, *, open_defs: set[str], keep_open: bool) -> Any:
     # frozenset field): the items are held, their uniqueness is not (pydantic's sets take
     # duplicates and drop them).
     out.pop("uniqueItems", None)
+    step = out.get("multipleOf")
+    if isinstance(step, (int, float)) and not isinstance(step, bool) and not multiple_held(step):
+        # llguidance 1.9 refuses a step it cannot scale to an integer exactly in floating
+        # point (0.07, 0.14, 1e-20: "too many digits"), and failed every request: dropped,
+        # as an unknown format is; such an answer may fail its model's own check.
+        del out["multipleOf"]
     properties = out.get("properties")
     required = out.get("required", [])
     if (isinstance(properties, dict) and not keep_open and out.get("type", "object") == "object"

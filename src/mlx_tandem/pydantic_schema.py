@@ -15,6 +15,9 @@ model (seen with sampled answers). ``json_schema`` writes a Decimal as follows:
   (llguidance 1.9 holds a fractional ``multipleOf`` exactly, and writes no exponent under
   either, so no infinity). Pydantic reads a JSON number through a float, so a number of
   more than about 15 significant digits may still fail its ``multiple_of``;
+- a ``multiple_of`` the grammar cannot hold (llguidance 1.9 refuses 0.07, which it cannot
+  scale exactly; the engine drops it from any schema) counts as none: such an answer may
+  fail its model's own check (before, every request failed);
 - otherwise (bounds or such a ``multiple_of`` with digit limits): Pydantic's two branches,
   the string one held to the pattern. Neither branch holds everything there (a pattern
   cannot hold a bound; llguidance's numbers hold no digit limits), so such an answer may
@@ -34,6 +37,8 @@ from typing import Any, Optional
 
 from pydantic.json_schema import GenerateJsonSchema
 
+from .constraints import multiple_held
+
 #: What ``Decimal(text)`` takes, less exponents and surrounding spaces (a grammar may allow
 #: less than the model validates, never more).
 DECIMAL_PATTERN = r"^[+-]?(\d+(\.\d*)?|\.\d+)$"
@@ -52,10 +57,13 @@ class GrammarJsonSchema(GenerateJsonSchema):
             return out
         rest = {k: v for k, v in out.items() if k != "anyOf"}
         bounded = any(schema.get(k) is not None for k in _BOUNDS)
-        other_step = schema.get("multiple_of") is not None and step_places is None
-        if not bounded and not other_step:  # the pattern holds everything
-            return {**rest, "type": "string", "pattern": pattern}
         number = [b for b in branches if b.get("type") == "number"]
+        # A step the grammar cannot hold (llguidance refuses 0.07: constraints.py drops
+        # it) is left to Pydantic's check, as a step is in the pattern's string.
+        other_step = step_places is not None or schema.get("multiple_of") is None
+        other_step = not other_step and all(multiple_held(b["multipleOf"]) for b in number if "multipleOf" in b)
+        if not bounded and not other_step:  # the pattern holds everything it can
+            return {**rest, "type": "string", "pattern": pattern}
         digits = schema.get("max_digits") is not None or schema.get("decimal_places") is not None
         if not digits and len(number) == 1:  # the number holds the bounds and the step
             return {**rest, **number[0]}

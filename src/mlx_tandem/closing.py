@@ -51,6 +51,9 @@ _BRANCH_CHOICES = 4
 # or parameter name is spelled in as many first tokens as there are names ("n", "no", "c",
 # "code", ...), one of them an optional one that no longer fits.
 _SMALL_CHOICES = 24
+# Within _SLACK of the end, where a choice not judged takes the whole completion: an enum of
+# twenty values begins in about forty first tokens.
+_CLOSING_CHOICES = 64
 
 
 class TokenClasses(NamedTuple):
@@ -441,7 +444,8 @@ class GrammarProcessor:
         known = not allowed[n:].any()  # no id past the tokenizer's vocabulary, never judged
         special = 1 < len(choices) <= _BRANCH_CHOICES and self._tiers.special[choices].any()
         tight = path is None or len(path) >= remaining - _STRUCTURE_SLACK
-        judged = special or (tight and 1 < len(choices) <= _SMALL_CHOICES)
+        closing = path is None or len(path) >= remaining - _SLACK
+        judged = special or (tight and 1 < len(choices) <= (_CLOSING_CHOICES if closing else _SMALL_CHOICES))
         if not judged:
             return allowed, path, known and path is not None and len(choices) == 1 and int(choices[0]) == path[0]
         fits: dict[int, list[int]] = {}
@@ -536,7 +540,9 @@ class GrammarProcessor:
                                   else self._max_tokens + 1)
             elif len(path) >= remaining - _SLACK and not all_fit:
                 # The budget only just covers a completion, and not every choice here is
-                # known to leave one that fits: take it.
+                # known to leave one that fits: take it. (Taking one token at a time and
+                # judging each next choice again kept a few more of the model's choices
+                # after a forced string, but searched 20 times as often.)
                 self._forced = list(path)
                 self.closed_early = True
             else:
@@ -546,8 +552,8 @@ class GrammarProcessor:
                 # was forced to its shortest branch, whatever the model preferred.
                 self._estimate = len(path)
                 self._next_check = self._calls + max(1, (remaining - len(path) - _SLACK) // 4)
-                if len(path) >= remaining - _STRUCTURE_SLACK and self._tiers.tier[path[0]] <= 2:
-                    steer = path[0]  # a closer, separator or EOS
+                if len(path) >= remaining - _STRUCTURE_SLACK and self._tiers.tier[path[0]] <= 2 and not all_fit:
+                    steer = path[0]  # a closer, separator or EOS, where the choice was not judged
         if self._forced:
             allowed = np.zeros(vocab, dtype=bool)
             allowed[self._forced.pop(0)] = True

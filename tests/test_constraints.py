@@ -1311,6 +1311,9 @@ def test_a_ban_folded_into_the_sampler_draws_as_the_processor_does():
 
 
 OPTIONS = ["no", "yes", "maybe later", "certainly yes"]
+# Twenty values in many first tokens (more than closing mode's small choices).
+MANY = OPTIONS + ["alpha", "bravo", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
+                  "lima", "oscar", "papa", "quebec", "romeo", "tango"]
 
 
 @pytest.mark.parametrize("response_format", [
@@ -1318,12 +1321,15 @@ OPTIONS = ["no", "yes", "maybe later", "certainly yes"]
     {"type": "json_schema", "json_schema": {"name": "pick", "schema": {
         "type": "object", "properties": {"answer": {"enum": OPTIONS}},
         "required": ["answer"], "additionalProperties": False}}},
+    {"type": "json_schema", "json_schema": {"name": "pick", "schema": {
+        "type": "object", "properties": {"answer": {"enum": MANY}},
+        "required": ["answer"], "additionalProperties": False}}},
 ])
 async def test_a_tight_budget_keeps_the_models_choice_where_it_fits(qwen3_5_engine, response_format):
     """Near the end of its budget a constrained answer was forced onto its grammar's shortest
     completion, whatever the model preferred: a regex "(yes|no)" at max_tokens=4 always
-    answered "no" (an audit). Where every choice still leaves a completion that fits, the
-    model chooses: each greedy answer at a budget just large enough for it (and EOS) is the
+    answered "no", and an enum of twenty values its shortest one (audits). Where every
+    choice still leaves a completion that fits, the model chooses: each greedy answer at a budget just large enough for it (and EOS) is the
     answer with room to spare. The model is led to each option in turn by a logit bias on
     the tokens that begin it."""
     engine = qwen3_5_engine

@@ -204,6 +204,18 @@ def test_a_stop_string_runs_on_past_a_reasoning_marker_with_tools_as_without(sto
             assert _feed(StopStringMatcher([stop], exempt=markers), split) == (expected, True), (split, markers)
 
 
+def _match_in_pieces(matcher, text: str, sizes) -> tuple[str, bool]:
+    """``text`` fed to ``matcher`` in pieces of ``sizes`` characters: (text out, stopped)."""
+    out, pos = "", 0
+    for n in sizes:
+        piece, hit = matcher.feed(text[pos:pos + n])
+        out, pos = out + piece, pos + n
+        if hit:
+            return out, True
+    rest, hit = matcher.flush()
+    return out + rest, hit
+
+
 @pytest.mark.parametrize("text", [
     'Sure.<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> after <b>',
     '<think>hmm, a <tool_call> in thought</think>Then <tool_call>{"x": 1}</tool_call> tail',
@@ -217,15 +229,7 @@ def test_stop_matching_does_not_depend_on_how_a_marker_is_tokenized(text, stop):
     import random
 
     def run(sizes):
-        m = StopStringMatcher([stop], exempt=THINKING)
-        out, pos = "", 0
-        for n in sizes:
-            piece, hit = m.feed(text[pos:pos + n])
-            out, pos = out + piece, pos + n
-            if hit:
-                return out, True
-        rest, hit = m.flush()
-        return out + rest, hit
+        return _match_in_pieces(StopStringMatcher([stop], exempt=THINKING), text, sizes)
 
     whole = run([len(text)])
     rng = random.Random(0)
@@ -243,15 +247,7 @@ def test_stops_contained_in_one_another_cut_the_same_however_the_text_is_grouped
     import random
 
     def run(text, stops, sizes):
-        m = StopStringMatcher(stops, exempt=exempt)
-        out, pos = "", 0
-        for n in sizes:
-            piece, hit = m.feed(text[pos:pos + n])
-            out, pos = out + piece, pos + n
-            if hit:
-                return out, True
-        rest, hit = m.flush()
-        return out + rest, hit
+        return _match_in_pieces(StopStringMatcher(stops, exempt=exempt), text, sizes)
 
     assert run(" the end", [" the", "h"], [8]) == run(" the end", [" the", "h"], [1] * 8) == (" t", True)
     assert run("a the", ["the", "he"], [5]) == ("a ", True)  # both end at "e": the earlier start

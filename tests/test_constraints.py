@@ -1347,3 +1347,18 @@ async def test_a_tight_budget_keeps_the_models_choice_where_it_fits(qwen3_5_engi
              for o, out in zip(OPTIONS, roomy)]
     assert [o.text for o in tight] == [o.text for o in roomy]
     assert all(o.finish_reason == "stop" for o in roomy + tight)
+
+
+async def test_a_match_completed_at_the_last_token_leaves_room_for_its_eos(qwen3_5_engine):
+    """A token that completes a regex's match needs one more token for EOS: judged to fit
+    with one token left, it was drawn there and the answer ended with "length" (a review
+    of the closing change, about 4% of budgets). Every budget from the shortest answer up
+    closes, greedy and sampled."""
+    patterns = [r"[a-c]{1,4}", r"[0-9]{1,8}(\.[0-9]{1,3})?", r"(cat|dog|bird)( (cat|dog|bird)){0,5}"]
+    runs = [(p, n, sampling) for p in patterns for n in range(3, 13)
+            for sampling in (dict(), dict(temperature=1.0, seed=n), dict(temperature=2.0, seed=19))]
+    outs = await asyncio.gather(*[
+        qwen3_5_engine.complete("pick", SamplingParams(max_tokens=n, **sampling),
+                                response_format={"type": "regex", "pattern": p}) for p, n, sampling in runs])
+    for (p, n, sampling), out in zip(runs, outs):
+        assert out.finish_reason == "stop" and re.fullmatch(p, out.text), (p, n, sampling, out.text)

@@ -457,7 +457,7 @@ class GrammarProcessor:
             if not probe.consume_token(tok):
                 continue
             rest = [min(self._eos)] if probe.is_stopped() else self._search(probe, remaining - 1)
-            if rest is not None:
+            if rest is not None and 1 + len(rest) <= remaining:  # a match's EOS needs room too
                 fits[tok] = [tok, *rest]
         if not fits:
             return allowed, path, False

@@ -292,6 +292,17 @@ def test_arrays_in_built_in_exception_fields_become_numpy_copies():
         clear_frames(err)
     assert isinstance(errors[0].filename, np.ndarray) and list(errors[0].filename) == [0, 1, 2]
     assert isinstance(errors[1].value, np.ndarray) and isinstance(errors[2].args[0], np.ndarray)
+    class Touchy(Exception):  # a user's error whose field raises when read (a review)
+        @property
+        def value(self):
+            raise RuntimeError("no value here")
+
+        def __getattr__(self, name):
+            raise KeyError(name)
+
+    touchy = Touchy("bad row", mx.arange(3))
+    clear_frames(touchy)  # raised, and the engine loop crashed with it
+    assert isinstance(touchy.args[1], np.ndarray)
     untouched = ValueError("no arrays", [1, 2], {"a": (3,)})
     args = untouched.args
     clear_frames(untouched)

@@ -44,7 +44,16 @@ def clear_frames(exc: BaseException) -> None:
                 frame = frame.f_back
             tb = tb.tb_next
         _drop_arrays(err)
-        stack += [err.__cause__, err.__context__, *getattr(err, "exceptions", ())]
+        stack += [err.__cause__, err.__context__, *_group_members(err)]
+
+
+def _group_members(err: BaseException) -> tuple:
+    """An ExceptionGroup's exceptions; none where reading them fails (a user's
+    ``__getattr__`` may raise anything)."""
+    try:
+        return tuple(getattr(err, "exceptions", ()))
+    except Exception:  # noqa: BLE001 - what cannot be read is not walked
+        return ()
 
 
 #: Built-in exception fields that are not in ``__dict__`` (``StopIteration(value)``, ...).
@@ -76,10 +85,16 @@ def _drop_arrays(err: BaseException) -> None:
         err.args = strip(err.args)
     except Exception:  # noqa: BLE001 - an exception type that refuses new arguments keeps them
         logger.debug("could not drop the arrays of %r", type(err).__name__, exc_info=True)
-    fields = [*getattr(err, "__dict__", {})] + [f for f in _BUILTIN_FIELDS if hasattr(err, f)]
-    for name in fields:
+    try:
+        fields = [*vars(err)]
+    except TypeError:  # no __dict__
+        fields = []
+    for name in fields + list(_BUILTIN_FIELDS):
         try:
             value = getattr(err, name)
+        except Exception:  # noqa: BLE001 - absent, or a property that raises: nothing held there
+            continue
+        try:
             stripped = strip(value)
             if stripped is not value:
                 setattr(err, name, stripped)

@@ -60,9 +60,12 @@ def test_a_bounded_decimal_is_its_bounded_number_and_what_neither_branch_holds_k
     assert props["amount"] == {"type": "string", "pattern": DECIMAL_PATTERN, "title": "Amount"}
     assert {"type": "string", "pattern": DECIMAL_PATTERN} in props["tip"]["anyOf"]
     assert props["rate"] == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 100.0, "title": "Rate"}
-    assert props["step"] == {"type": "number", "multipleOf": 0.5, "title": "Step"}
+    # Within 15 significant digits, which a float keeps (Pydantic reads the number as one).
+    assert props["step"] == {"type": "number", "multipleOf": 0.5, "title": "Step",
+                             "exclusiveMaximum": 10 ** 14, "exclusiveMinimum": -10 ** 14}
     assert props["cents"] == {"type": "string", "pattern": decimal_pattern(None, 2), "title": "Cents"}
-    assert props["fee"] == {"type": "number", "multipleOf": 0.01, "minimum": 0.0, "title": "Fee"}
+    assert props["fee"] == {"type": "number", "multipleOf": 0.01, "minimum": 0.0, "title": "Fee",
+                            "exclusiveMaximum": 10 ** 13}
     assert props["coarse"]["anyOf"] == [{"type": "number", "multipleOf": 0.5},
                                         {"type": "string", "pattern": decimal_pattern(4)}]
     assert props["odd"] == {"type": "string", "pattern": DECIMAL_PATTERN, "title": "Odd"}
@@ -104,6 +107,7 @@ def test_the_grammar_holds_a_decimals_step_and_bounds(qwen3_5_engine):
     # written otherwise (an exponent, trailing zeros past the step: a grammar may allow
     # less, never more).
     cases = {"step": [("0.15", True), ("0.35", True), ("-1.05", True), ("3", True), ("0.07", False),
+                      ("9999999999999.95", True), ("99999999999999.95", False),  # 16 digits: a float's rounding
                       ("1.234", False), ("1e1", False), ("2.5e-1", False), ("0.050", False)],
              "cents": [('"19.99"', True), ('"-0.5"', True), ('"7"', True), ('"1.234"', False),
                        ('"1e2"', False), ('"0.1 "', False), ("19.99", False)],

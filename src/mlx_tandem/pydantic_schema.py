@@ -13,8 +13,9 @@ model (seen with sampled answers). ``json_schema`` writes a Decimal as follows:
 - with bounds (``gt``, ``ge``, ``lt``, ``le``) or another ``multiple_of`` (0.05), and no
   digit limits: the number alone, whose bounds and ``multipleOf`` the grammar holds
   (llguidance 1.9 holds a fractional ``multipleOf`` exactly, and writes no exponent under
-  either, so no infinity). Pydantic reads a JSON number through a float, so a number of
-  more than about 15 significant digits may still fail its ``multiple_of``;
+  either, so no infinity). Pydantic reads a JSON number through a float, so with a step the
+  number is also kept within 15 significant digits (bounds of 10**(15 - the step's places)
+  where the field has none): a sampled answer's 29-digit integer failed its step;
 - a ``multiple_of`` the grammar cannot hold (llguidance 1.9 refuses 0.07, which it cannot
   scale exactly; the engine drops it from any schema) counts as none: such an answer may
   fail its model's own check (before, every request failed);
@@ -58,19 +59,45 @@ class GrammarJsonSchema(GenerateJsonSchema):
         rest = {k: v for k, v in out.items() if k != "anyOf"}
         bounded = any(schema.get(k) is not None for k in _BOUNDS)
         number = [b for b in branches if b.get("type") == "number"]
-        # A step the grammar cannot hold (llguidance refuses 0.07: constraints.py drops
-        # it) is left to Pydantic's check, as a step is in the pattern's string.
-        other_step = step_places is not None or schema.get("multiple_of") is None
-        other_step = not other_step and all(multiple_held(b["multipleOf"]) for b in number if "multipleOf" in b)
+        # A step other than a power of ten that the grammar holds (llguidance refuses 0.07,
+        # which constraints.py drops: left to Pydantic's check, as in the pattern's string).
+        other_step = (schema.get("multiple_of") is not None and step_places is None
+                      and all(multiple_held(b["multipleOf"]) for b in number if "multipleOf" in b))
         if not bounded and not other_step:  # the pattern holds everything it can
             return {**rest, "type": "string", "pattern": pattern}
         digits = schema.get("max_digits") is not None or schema.get("decimal_places") is not None
         if not digits and len(number) == 1:  # the number holds the bounds and the step
-            return {**rest, **number[0]}
+            return {**rest, **_within_float_digits(number[0])}
         for branch in branches:
             if branch.get("type") == "string" and "pattern" not in branch:
                 branch["pattern"] = pattern
         return out
+
+
+#: Significant digits a JSON number keeps through the float Pydantic reads it as.
+FLOAT_DIGITS = 15
+
+
+def _within_float_digits(number: dict) -> dict:
+    """A number branch with a ``multipleOf`` of k places, bounded where the field is not to
+    less than 10**(15 - k): Pydantic reads a JSON number through a float, and a longer one
+    (a sampled answer wrote a 29-digit integer) failed the step it holds."""
+    step = number.get("multipleOf")
+    if step is None:
+        return number
+    try:
+        exponent = Decimal(str(step)).normalize().as_tuple().exponent
+    except (InvalidOperation, ValueError):
+        return number
+    if not isinstance(exponent, int):
+        return number
+    limit = 10 ** (FLOAT_DIGITS - max(0, -exponent))
+    out = dict(number)
+    if "maximum" not in out and "exclusiveMaximum" not in out:
+        out["exclusiveMaximum"] = limit
+    if "minimum" not in out and "exclusiveMinimum" not in out:
+        out["exclusiveMinimum"] = -limit
+    return out
 
 
 def _places_of_step(step: Any) -> Optional[int]:

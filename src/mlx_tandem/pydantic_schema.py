@@ -82,13 +82,8 @@ def _within_float_digits(number: dict) -> dict:
     """A number branch with a ``multipleOf`` of k places, bounded where the field is not to
     less than 10**(15 - k): Pydantic reads a JSON number through a float, and a longer one
     (a sampled answer wrote a 29-digit integer) failed the step it holds."""
-    step = number.get("multipleOf")
-    if step is None:
-        return number
-    try:
-        exponent = Decimal(str(step)).normalize().as_tuple().exponent
-    except (InvalidOperation, ValueError):
-        return number
+    step = _as_decimal(number.get("multipleOf"))
+    exponent = None if step is None else step.as_tuple().exponent
     if not isinstance(exponent, int):
         return number
     limit = 10 ** (FLOAT_DIGITS - max(0, -exponent))
@@ -103,16 +98,24 @@ def _within_float_digits(number: dict) -> dict:
 def _places_of_step(step: Any) -> Optional[int]:
     """k where ``multiple_of`` is 10**-k (k >= 0): being its multiple is having at most k
     places. None for any other step, and for none."""
-    if step is None or isinstance(step, bool):
-        return None
-    try:
-        d = Decimal(str(step)).normalize()
-    except (InvalidOperation, ValueError):
+    d = _as_decimal(step)
+    if d is None:
         return None
     sign, digits, exponent = d.as_tuple()
     if sign or digits != (1,) or not isinstance(exponent, int) or exponent > 0:
         return None
     return -exponent
+
+
+def _as_decimal(step: Any) -> Optional[Decimal]:
+    """A step as a normalized Decimal (its exponent gives its places); None for none and
+    for what is not a number."""
+    if step is None or isinstance(step, bool):
+        return None
+    try:
+        return Decimal(str(step)).normalize()
+    except (InvalidOperation, ValueError):
+        return None
 
 
 def decimal_pattern(max_digits: Optional[int] = None, decimal_places: Optional[int] = None) -> Optional[str]:

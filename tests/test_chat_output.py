@@ -288,6 +288,8 @@ def test_arguments_given_as_a_json_string_are_decoded():
     ('{"name": "add", "arguments": {"a": }, "b": [', None, None),
     ('{"name": "add" "arguments": {"a": 1}}', None, None),
     ('{"name": "add", "arguments": {"a": 1}} junk', None, None),
+    # Arguments under a key no template writes: not a call of no arguments (they were lost).
+    ('{"name": "add", "args": {"a": 1}}', "add", '{"name": "add", "args": {"a": 1}}'),
 ])
 def test_unparsable_call_is_kept_as_invalid_with_its_raw_text(body, name, arguments):
     """An invalid call keeps its whole body, and its arguments' text where the body is a
@@ -316,6 +318,16 @@ def test_a_call_nested_past_the_recursion_limit_is_an_invalid_call(body, forced_
     assert [c.text for c in r.invalid_tool_calls] == [body]
     # Too deep to read: its name, and the rest of the text as its arguments.
     assert (r.invalid_tool_calls[0].name, r.invalid_tool_calls[0].arguments) == ("add", body[body.index('{"a"'):])
+
+
+def test_arguments_are_read_where_the_json_formats_write_them():
+    """Hermes-style templates write "arguments", Llama 3's JSON calls "parameters" (vLLM's
+    parser reads both); a call with neither is one of no arguments only where it wrote no
+    other key (its "args" came back as a valid call of ``{}``)."""
+    text = ('<tool_call>\n{"name": "add", "parameters": {"a": 1}}\n</tool_call>'
+            '<tool_call>\n{"name": "get_weather", "type": "function"}\n</tool_call>')
+    r = parse_every_split(text, parse_tool_calls=True)
+    assert _calls(r) == [("add", {"a": 1}), ("get_weather", {})] and r.invalid_tool_calls == []
 
 
 def test_valid_and_invalid_calls_in_one_answer():

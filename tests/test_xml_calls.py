@@ -326,6 +326,10 @@ def test_values_are_read_by_their_schema():
     book = MODELS["book"].model_json_schema()
     assert read_arguments({"price": "cheap", "extras": "{'a': 1}"}, book) == {"price": "cheap", "extras": {"a": 1}}
     assert read_arguments({"unknown": "1"}, book) == {"unknown": "1"}  # left for the tool to refuse
+    # The parser lowers "Null" to None; given the call's text, a string keeps its case (a
+    # field that takes null reads None).
+    body = "<function=lookup>\n<parameter=short>\nNuLL\n</parameter>\n<parameter=text>\nnull\n</parameter>\n"
+    assert read_arguments({"short": None, "text": None}, lookup, body) == {"short": "NuLL", "text": None}
 
 
 def _validate(name: str, args: dict) -> None:

@@ -333,9 +333,10 @@ class ChatOutputParser:
         """Each item as a call, or an invalid call where it is none; where none is, a whole
         ``block`` is one invalid call, as written."""
         calls, errors = [], []
+        text = block if block is not None and len(items) == 1 else ""  # the call's own text
         for item in items:
             try:
-                calls.append(self._call(item))
+                calls.append(self._call(item, text))
             except Exception as exc:  # noqa: BLE001 - as above, for this call alone
                 calls.append(None)
                 errors.append(exc)
@@ -344,15 +345,15 @@ class ChatOutputParser:
         failed = iter(errors)
         return [call or self._invalid(_item_text(item), next(failed)) for call, item in zip(calls, items)]
 
-    def _call(self, item: Any) -> ToolCall:
+    def _call(self, item: Any, body: str = "") -> ToolCall:
         name = item["name"]
-        args = item.get("arguments", {})
+        args = _arguments_of(item)
         if isinstance(args, str):
             args = json.loads(args) if args.strip() else {}
         if not isinstance(name, str) or not isinstance(args, dict):
             raise ValueError("a tool call needs a string name and object arguments")
         if self._xml_values:
-            args = read_arguments(args, self._parameters(name))
+            args = read_arguments(args, self._parameters(name), body)
         return ToolCall(id=self._call_id(item.get("id")), name=name, arguments=args)
 
     @staticmethod
@@ -360,6 +361,26 @@ class ChatOutputParser:
         name, arguments = _readable_parts(text)
         return InvalidToolCall(id=new_tool_call_id(), name=name, arguments=arguments,
                                error=f"{type(exc).__name__}: {exc}", text=text)
+
+
+#: Where a JSON call's arguments are read from: Hermes-style templates write "arguments",
+#: Llama 3's JSON calls "parameters" (vLLM's llama3_json parser reads both).
+ARGUMENT_KEYS = ("arguments", "parameters")
+#: Keys a call may hold besides its name and arguments.
+_CALL_KEYS = {"name", "id", "type"}
+
+
+def _arguments_of(item: dict) -> Any:
+    """A call's arguments. A call with neither key but other keys besides its name is no
+    call of no arguments: what it wrote under them (``"args"``) would be lost, and the tool
+    run without them."""
+    key = next((k for k in ARGUMENT_KEYS if k in item), None)
+    if key is not None:
+        return item[key]
+    unknown = sorted(str(k) for k in item if k not in _CALL_KEYS)
+    if unknown:
+        raise ValueError(f"a tool call's arguments go under 'arguments'; it wrote {unknown}")
+    return {}
 
 
 def _item_text(item: Any) -> str:
@@ -385,9 +406,10 @@ def _readable_parts(body: str) -> tuple[Optional[str], str]:
     if not isinstance(item, dict):
         return None, body
     name = item.get("name") if isinstance(item.get("name"), str) else None
-    if "arguments" not in item:
+    key = next((k for k in ARGUMENT_KEYS if k in item), None)
+    if key is None:
         return name, body
-    args = item["arguments"]
+    args = item[key]
     return name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 

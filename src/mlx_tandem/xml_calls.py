@@ -221,10 +221,11 @@ class _Rules:
 
 
 # ------------------------------------------------------------------------------ reading
-def read_arguments(arguments: dict, parameters: Any) -> dict:
+def read_arguments(arguments: dict, parameters: Any, body: str = "") -> dict:
     """A call's values, as mlx-lm's ``qwen3_coder`` parser hands them back when given no
     tools (each the raw text; None for ``null``), read by the parameter's schema the way
-    ``xml_body_rules`` writes them.
+    ``xml_body_rules`` writes them. ``body``, the call's text, gives back the case a string
+    parameter spelled "null" in (the parser lowers it: "Null" came back "null").
 
     Why not the parser's own conversion (mlx-lm 0.32, given the tools): it converts by a
     schema's ``type`` alone. ``Optional[int]`` (an ``anyOf``) came back as the string "3",
@@ -242,17 +243,28 @@ def read_arguments(arguments: dict, parameters: Any) -> dict:
     if not isinstance(props, dict):
         return arguments
     defs = _defs(parameters)
-    return {key: _read(value, props[key], defs) if key in props else value for key, value in arguments.items()}
+    nulls = _null_spellings(body)
+    return {key: _read(value, props[key], defs, nulls.get(key, "null")) if key in props else value
+            for key, value in arguments.items()}
 
 
 _UNREAD = object()
+# A parameter whose text is "null" in some case, as mlx-lm's parser cuts it (one newline
+# each side); its name as the parser reads it.
+_NULL_PARAMETER = re.compile(r"<parameter=\s*([^\s<>]+)>?\n?((?i:null))\n?</parameter>")
 
 
-def _read(value: Any, schema: Any, defs: dict) -> Any:
-    if value is None:  # the parser reads "null" in any case as None; a string may be "null"
+def _null_spellings(body: str) -> dict:
+    """Each parameter of ``body`` written as "null" in some case, with its spelling: the
+    parser hands all of them back as None, and a string parameter keeps the text written."""
+    return {m.group(1): m.group(2) for m in _NULL_PARAMETER.finditer(body)}
+
+
+def _read(value: Any, schema: Any, defs: dict, null_text: str = "null") -> Any:
+    if value is None:  # the parser reads "null" in any case as None; a string may be "Null"
         if _takes_null(schema, defs):
             return None
-        got = _read_text("null", schema, defs)
+        got = _read_text(null_text, schema, defs)
         return None if got is _UNREAD else got
     if not isinstance(value, str):
         return value

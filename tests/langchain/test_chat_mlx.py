@@ -140,6 +140,11 @@ def test_assistant_blocks_documents_and_invalid_calls_are_kept():
     # since Qwen3.5's template iterates them.
     assert [c["id"] for c in out[3]["tool_calls"]] == ["c8", "c9", "c7"]
     assert [c["function"]["arguments"] for c in out[3]["tool_calls"][1:]] == ["{}", '{"a": "x"}']
+    # One with no name (its text did not parse) goes back too, named "": templates pair
+    # results with calls by position, and its error result read as the next call's.
+    unnamed = AIMessage("", invalid_tool_calls=[{**bad, "name": None, "id": "c5"}])
+    assert to_engine_messages([unnamed, ToolMessage("Error", tool_call_id="c5")])[0]["tool_calls"] == [
+        {"id": "c5", "type": "function", "function": {"name": "", "arguments": "{}"}}]
     for block, error in (({"type": "text-plain", "url": "https://example.com/a.txt", "mime_type": "text/plain"},
                           UnsupportedContentError),
                          ({"type": "text-plain", "base64": base64.b64encode(b"\xff\xfe").decode(),

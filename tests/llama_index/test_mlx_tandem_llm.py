@@ -133,6 +133,14 @@ def test_tool_outputs_files_and_invalid_calls_convert():
     # template iterates them), the result says what was wrong.
     assert out[1]["tool_calls"] == [{"id": "c9", "type": "function", "function": {"name": "add", "arguments": "{}"}}]
     assert out[2] == {"role": "tool", "content": "Sunny in Oslo\nRain in Bergen", "tool_call_id": "c9"}
+    # One with no name (its text did not parse) goes back too, named "": templates pair
+    # results with calls by position, and its error result read as the next call's.
+    unnamed = ChatMessage(role="assistant", content="", additional_kwargs={"invalid_tool_calls": [
+        {"id": "c5", "name": None, "arguments": "{oops}", "error": "JSONDecodeError"}]})
+    assert "tool_calls" not in to_engine_messages([unnamed, msgs[2]])[0]  # answered by no result
+    assert to_engine_messages([unnamed, ChatMessage(role="tool", content="Error", additional_kwargs={
+        "tool_call_id": "c5"})])[0]["tool_calls"] == [
+        {"id": "c5", "type": "function", "function": {"name": "", "arguments": "{}"}}]
     # An answer's valid and invalid calls go back in the order written (its kwargs number them).
     answer = ChatMessage(role="assistant", blocks=[TextBlock(text=""), ToolCallBlock(
         tool_call_id="c2", tool_name="add", tool_kwargs={"a": 1, "b": 2})], additional_kwargs={

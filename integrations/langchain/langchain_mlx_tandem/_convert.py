@@ -144,10 +144,11 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
             # An invalid call a later tool result answers goes back (langchain-openai sends
             # them all), or that result would follow no call. Its arguments only where they
             # are a JSON object: Qwen3.5's template iterates them (``|items``) and fails on
-            # text; the result says what was wrong.
+            # text; the result says what was wrong. One with no name (its text did not parse)
+            # goes back with an empty one: templates pair results with calls by position.
             calls += [{"id": tc["id"], "type": "function",
-                       "function": {"name": tc["name"], "arguments": _object_text(tc.get("args"))}}
-                      for tc in m.invalid_tool_calls if tc.get("name") and tc.get("id") in answered]
+                       "function": {"name": tc.get("name") or "", "arguments": _object_text(tc.get("args"))}}
+                      for tc in m.invalid_tool_calls if tc.get("id") in answered]
             if calls:
                 d["tool_calls"] = calls
             # v0 keeps reasoning in additional_kwargs; v1 messages (and other providers')

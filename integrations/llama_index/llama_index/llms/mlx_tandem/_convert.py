@@ -152,17 +152,18 @@ def _invalid_calls(raw: Any, answered: set) -> list[dict]:
     them there) that a later tool result answers: that result would otherwise follow no
     call (langchain-openai sends such calls back too). Their arguments only where they are
     a JSON object: Qwen3.5's template iterates them (``|items``) and fails on text; the
-    result says what was wrong."""
+    result says what was wrong. One with no name (its text did not parse) goes back with an
+    empty one: templates pair results with calls by position."""
     out = []
     for c in raw or []:
-        if isinstance(c, dict) and c.get("name") and c.get("id") in answered:
+        if isinstance(c, dict) and c.get("id") in answered:
             args = c.get("arguments")
             try:
                 parsed = json.loads(args) if isinstance(args, str) else args
             except ValueError:
                 parsed = None
             out.append({"id": c["id"], "type": "function",
-                        "function": {"name": c["name"], "arguments": json.dumps(parsed if isinstance(parsed, dict)
+                        "function": {"name": c.get("name") or "", "arguments": json.dumps(parsed if isinstance(parsed, dict)
                                                                                 else {}, ensure_ascii=False)}})
     return out
 

@@ -240,6 +240,18 @@ def test_callers_prompt_functions_replace_the_chat_template():
     assert llm.complete("Hi", formatted=True).text == llm.engine.complete_sync("Hi", {"max_tokens": 16}).text
     with pytest.raises(TypeError, match="tools need a chat"):  # tools are rendered by the template
         llm.chat_with_tools([FunctionTool.from_defaults(fn=add)], user_msg="add 2 and 3")
+    # predict_and_call then takes core's ReAct path: its system prompt lists the tool and
+    # the prompt function renders it (core 0.14 built its agent with formatter=None and
+    # every such call failed).
+    from llama_index.core.chat_engine.types import AgentChatResponse
+
+    seen = []
+    react = make_llm(messages_to_prompt=lambda ms: seen.append(ms) or messages_to_prompt(ms))
+    for call in (lambda: react.predict_and_call([FunctionTool.from_defaults(fn=add)], user_msg="add 2 and 3"),
+                 lambda: asyncio.run(react.apredict_and_call([FunctionTool.from_defaults(fn=add)], user_msg="add 2"))):
+        n = len(seen)
+        assert isinstance(call(), AgentChatResponse)
+        assert len(seen) > n and "> Tool Name: add" in seen[n][0].content
     # Without them, a chat goes through the model's chat template.
     plain = make_llm()
     assert plain.chat(msgs).message.content == plain.engine.chat_sync(

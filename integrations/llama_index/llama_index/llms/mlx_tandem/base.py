@@ -327,6 +327,29 @@ class MLXTandemLLM(FunctionCallingLLM):
         return gen()
 
     # ------------------------------------------------------------------ tools
+    # llama-index-core 0.14 (checked on 0.14.25): ``LLM.predict_and_call``, the ReAct path a
+    # model that is not function-calling takes (under a caller's ``messages_to_prompt``),
+    # builds ``ReActAgent(formatter=kwargs.get("react_chat_formatter"), output_parser=...)``,
+    # and the agent refuses None: every such call failed. The agent's own defaults are given.
+    def predict_and_call(self, *args: Any, **kwargs: Any):
+        return super().predict_and_call(*args, **self._react_defaults(kwargs))
+
+    async def apredict_and_call(self, *args: Any, **kwargs: Any):
+        return await super().apredict_and_call(*args, **self._react_defaults(kwargs))
+
+    def _react_defaults(self, kwargs: dict) -> dict:
+        if self.metadata.is_function_calling_model:
+            return kwargs
+        from llama_index.core.agent.react.output_parser import ReActOutputParser
+        from llama_index.core.agent.workflow.react_agent import default_formatter
+
+        out = dict(kwargs)
+        if out.get("react_chat_formatter") is None:
+            out["react_chat_formatter"] = default_formatter()
+        if out.get("output_parser") is None:
+            out["output_parser"] = ReActOutputParser()
+        return out
+
     def _prepare_chat_with_tools(
         self,
         tools: Sequence[Any],

@@ -74,8 +74,8 @@ class Result:
     def key(self):
         """Everything but the random call ids."""
         return (self.content, self.reasoning,
-                [(c.name, c.arguments, c.index) for c in self.tool_calls],
-                [(c.name, c.arguments, c.index) for c in self.invalid_tool_calls])
+                [(c.name, c.arguments, c.index, c.content_offset) for c in self.tool_calls],
+                [(c.name, c.arguments, c.index, c.content_offset) for c in self.invalid_tool_calls])
 
 
 def parse(pieces, fmt=FMT, **kw) -> Result:
@@ -328,6 +328,18 @@ def test_arguments_are_read_where_the_json_formats_write_them():
             '<tool_call>\n{"name": "get_weather", "type": "function"}\n</tool_call>')
     r = parse_every_split(text, parse_tool_calls=True)
     assert _calls(r) == [("add", {"a": 1}), ("get_weather", {})] and r.invalid_tool_calls == []
+
+
+def test_a_call_knows_where_it_sat_in_the_content():
+    """``content_offset``: the content written before each call, whatever the deltas (the
+    content joins the text either side of a call; LangChain's v1 blocks put it back)."""
+    text = ("Let me look. " + call("get_weather", {"city": "Oslo"}) + "\nThen add.\n"
+            + "<tool_call>\n{oops}\n</tool_call>" + call("add", {"a": 3}) + " Done.")
+    r = parse_every_split(text, parse_tool_calls=True)
+    assert r.content == "Let me look.Then add.Done."
+    calls = sorted([*r.tool_calls, *r.invalid_tool_calls], key=lambda c: c.index)
+    assert [(c.index, r.content[:c.content_offset]) for c in calls] == [
+        (0, "Let me look."), (1, "Let me look.Then add."), (2, "Let me look.Then add.")]
 
 
 def test_valid_and_invalid_calls_in_one_answer():

@@ -105,6 +105,7 @@ class ChatOutputParser:
         self._seen_content = False
         self.num_tool_calls = 0
         self._calls_written = 0  # valid and invalid: the next call's index
+        self._content_chars = 0  # content handed out so far: a call's content_offset
         self._call_ids: set[str] = set()
         #: The answer has reasoned (it started in reasoning or opened it).
         self.reasoned = self._state == REASONING
@@ -193,7 +194,9 @@ class ChatOutputParser:
         if self._state == TOOL_CALL:  # stopped inside a call: parse what there is
             self._close_call(out, truncated=truncated)
         if not self.num_tool_calls:
-            out.content += self._content.take_pending()
+            rest = self._content.take_pending()
+            out.content += rest
+            self._content_chars += len(rest)
         return out
 
     def _take(self, text: str, out: ParsedDelta) -> None:
@@ -204,6 +207,7 @@ class ChatOutputParser:
             if piece:
                 self._seen_content = True
                 out.content += piece
+                self._content_chars += len(piece)
             elif text.strip():
                 self._seen_content = True
         elif self._state == REASONING:
@@ -266,7 +270,7 @@ class ChatOutputParser:
         for k, item in enumerate(items):
             if self.calls_exhausted:
                 break
-            item = dataclasses.replace(item, index=self._calls_written)
+            item = dataclasses.replace(item, index=self._calls_written, content_offset=self._content_chars)
             self._calls_written += 1
             if isinstance(item, ToolCall):
                 out.tool_calls.append(item)

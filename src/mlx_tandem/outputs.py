@@ -34,6 +34,10 @@ class ToolCall:
     #: The call's place among the answer's calls, valid and invalid ones counted together,
     #: in the order the model wrote them (as OpenAI's streamed ``tool_calls[].index``).
     index: int = 0
+    #: How much of the answer's ``content`` (characters) came before this call. Content and
+    #: calls are kept apart, as OpenAI's messages keep them; this is where the call sat in
+    #: the text (LangChain's v1 content blocks keep that order).
+    content_offset: int = 0
 
     @property
     def arguments_json(self) -> str:
@@ -56,6 +60,7 @@ class InvalidToolCall:
     text: str = ""
     index: int = 0  # as ToolCall.index
     truncated: bool = False
+    content_offset: int = 0  # as ToolCall.content_offset
 
 
 @dataclass(frozen=True)

@@ -700,6 +700,74 @@ def test_v1_stream_keeps_the_call_block_after_reasoning_or_text(lead):
         assert msg.tool_calls[0]["args"] == {"a": 1, "b": 2}
 
 
+def test_v1_blocks_keep_text_written_after_a_call_in_place():
+    """Text written after a call: invoke's v1 blocks put all the text first (core's blocks of
+    the joined content) while a stream's chunks brought text, call, text (an audit), and
+    a delta holding text either side of a call gave one text block before the call, so the
+    stream's blocks depended on how tokens were grouped (MTP on or off). Both now keep the
+    order written; v0 content is the joined text, as before."""
+    from types import SimpleNamespace
+
+    from langchain_mlx_tandem._convert import ChunkBuilder, WrittenBlocks
+    from mlx_tandem.chat_output import ChatOutputParser
+
+    def grammar(engine):
+        m = engine._grammar.marker
+        call = json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}})
+        bad = '{"name": "add", "arguments": {"a": 1,}}'
+        return {"type": "lark", "grammar": f'start: {m("<think>")} "\\n\\n" {m("</think>")} "\\n\\nabc" '
+                f'{m("<tool_call>")} {json.dumps(chr(10) + call + chr(10))} {m("</tool_call>")} "def" '
+                f'{m("<tool_call>")} {json.dumps(chr(10) + bad + chr(10))} {m("</tool_call>")} "ghi"'}
+
+    def shape(blocks):
+        return [(b["type"], b.get("text") or b.get("name") or b.get("args")) for b in blocks]
+
+    written = [("text", "abc"), ("tool_call", "add"), ("text", "def"),
+               ("invalid_tool_call", '{"name": "add", "arguments": {"a": 1,}}'), ("text", "ghi")]
+    llm = make_llm(max_tokens=80)
+    llm.engine.start_sync()
+    g = grammar(llm.engine)
+    assert llm.bind_tools([add]).bind(response_format=g).invoke("x").content == "abcdefghi"  # v0
+    v1 = make_llm(max_tokens=80, output_version="v1").bind_tools([add]).bind(response_format=g)
+    whole = v1.invoke("x")
+    assert shape(whole.content) == written and whole.content[1]["args"] == {"a": 1, "b": 2}
+    added = None
+    for chunk in v1.stream("x"):
+        added = chunk if added is None else added + chunk
+    # invoke with streaming=True merges the chunks as LangGraph's "messages" mode does
+    merged = make_llm(max_tokens=80, output_version="v1", streaming=True).bind_tools([add]).bind(
+        response_format=g).invoke("x")
+    # (core leaves a streamed invalid call as its chunk's block)
+    for msg in (added, merged):
+        assert shape(msg.content) == [*written[:3], ("tool_call_chunk", written[3][1]), written[4]]
+    # However the answer's text is cut into deltas, the chunks bring the blocks in order.
+    out = llm.engine.chat_sync([{"role": "user", "content": "x"}], {"max_tokens": 80},
+                               tools=[convert_to_openai_tool(add)], response_format=g)
+    parser_args = dict(parse_tool_calls=True, tools=[convert_to_openai_tool(add)])
+    assert shape(WrittenBlocks.of(out)) == written
+    for size in (1, 2, 3, 5, 8, len(out.text)):
+        parser, builder = ChatOutputParser(llm.engine._format, **parser_args), ChunkBuilder("m")
+        pieces = [out.text[i:i + size] for i in range(0, len(out.text), size)]
+        brought = []  # text and calls in the order the chunks bring them
+        for k, piece in enumerate(pieces):
+            d = parser.feed(piece)
+            if k == len(pieces) - 1:
+                end = parser.finish()
+                d.content += end.content
+                d.tool_calls += end.tool_calls
+                d.invalid_tool_calls += end.invalid_tool_calls
+            for chunk in builder.chunks(SimpleNamespace(**vars(d), finish_reason="stop" if k == len(pieces) - 1 else None,
+                                                        usage=None, logprobs=None)):
+                if chunk.content and brought and brought[-1][0] == "text":
+                    brought[-1] = ("text", brought[-1][1] + chunk.content)
+                elif chunk.content:
+                    brought.append(("text", chunk.content))
+                brought += [("call", c["args"]) for c in chunk.tool_call_chunks]
+        assert brought == [("text", "abc"), ("call", '{"a": 1, "b": 2}'), ("text", "def"), ("call", written[3][1]),
+                           ("text", "ghi")], size
+        assert shape(builder.written.blocks) == written
+
+
 def test_reasoning_goes_to_reasoning_content_not_text():
     llm = make_llm(max_tokens=40)
     llm.engine.start_sync()

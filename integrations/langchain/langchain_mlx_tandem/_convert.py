@@ -27,6 +27,7 @@ from langchain_core.utils.json import parse_partial_json
 
 from mlx_tandem.errors import InvalidRequestError, UnsupportedContentError
 from mlx_tandem.messages import arguments_text
+from mlx_tandem.outputs import ToolCall
 
 PROVIDER = "mlx_tandem"
 # ChatMessage roles by other names (other providers', as the LlamaIndex adapter maps them).
@@ -213,13 +214,15 @@ def logprobs_metadata(logprobs) -> dict:
     return {"logprobs": {"content": [lp.to_openai() for lp in logprobs]}}
 
 
-def to_ai_message(out, model_name: str) -> AIMessage:
+def to_ai_message(out, model_name: str, blocks: Optional[list] = None) -> AIMessage:
+    """The answer as an AIMessage; its ``content`` the text, or ``blocks`` where given (the
+    v1 blocks in the order written: ``WrittenBlocks``)."""
     additional = {"reasoning_content": out.reasoning} if out.reasoning else {}
     metadata = response_metadata(model_name, out.finish_reason)
     if out.logprobs is not None:
         metadata.update(logprobs_metadata(out.logprobs))
     return AIMessage(
-        content=out.content,
+        content=out.content if blocks is None else blocks,
         additional_kwargs=additional,
         tool_calls=[tool_call(name=c.name, args=c.arguments, id=c.id) for c in out.tool_calls],
         invalid_tool_calls=[invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error)
@@ -274,17 +277,90 @@ def _merges_valid(args: Optional[str]) -> bool:
         return False
 
 
+def _in_written_order(delta) -> list:
+    """A delta's (or an answer's) valid and invalid calls, in the order written."""
+    return sorted([*delta.tool_calls, *delta.invalid_tool_calls], key=lambda c: c.index)
+
+
+def _stretches(content: str, calls: list, start: int) -> list[tuple[str, list]]:
+    """``content`` (which begins ``start`` characters into the answer's content) cut where
+    ``calls`` (written in it, in order) sat: each stretch of text with the calls written
+    after it, and the text after the last call, where there is any."""
+    out: list[tuple[str, list]] = []
+    at = 0
+    for call in calls:
+        cut = min(max(call.content_offset - start, at), len(content))
+        if cut > at or not out:
+            out.append((content[at:cut], []))
+            at = cut
+        out[-1][1].append(call)
+    if at < len(content) or not out:
+        out.append((content[at:], []))
+    return out
+
+
+class WrittenBlocks:
+    """An answer's v1 content blocks in the order written: text, the calls after it, more
+    text. The engine keeps content and calls apart (as OpenAI's messages do), and joined,
+    ``invoke``'s blocks put the text before the calls while a stream's chunks brought them in
+    order (an audit, 2026-11-30). Reasoning is left to core (it puts it first, from
+    ``reasoning_content``)."""
+
+    def __init__(self):
+        self.blocks: list[dict] = []
+
+    def add(self, stretches: list[tuple[str, list]]) -> None:
+        for text, calls in stretches:
+            if text:
+                if self.blocks and self.blocks[-1]["type"] == "text":
+                    self.blocks[-1]["text"] += text
+                else:
+                    self.blocks.append({"type": "text", "text": text})
+            for c in calls:
+                if isinstance(c, ToolCall):
+                    self.blocks.append({"type": "tool_call", "id": c.id, "name": c.name, "args": c.arguments})
+                else:
+                    self.blocks.append({"type": "invalid_tool_call", "id": c.id, "name": c.name,
+                                        "args": c.arguments, "error": c.error})
+
+    @classmethod
+    def of(cls, out) -> list[dict]:
+        """A whole answer's blocks."""
+        written = cls()
+        written.add(_stretches(out.content, _in_written_order(out), 0))
+        return written.blocks
+
+
 class ChunkBuilder:
     """StreamDeltas -> AIMessageChunks; a tool call chunk's index is the call's place in the
-    answer (the engine's, valid and invalid calls in the order written)."""
+    answer (the engine's, valid and invalid calls in the order written). A delta that holds
+    text after a call is cut there, one chunk per stretch of text and the calls after it, so
+    the chunks' v1 blocks (which core numbers in order) keep the order written, however the
+    tokens were grouped into deltas (MTP on or off). ``written`` gathers the blocks as
+    ``WrittenBlocks.of`` gives them for the whole answer."""
 
-    def __init__(self, model_name: str, usage: bool = True):
+    def __init__(self, model_name: str, usage: bool = True, written: Optional[WrittenBlocks] = None):
         self._model_name = model_name
         self._usage = usage  # usage_metadata on the last chunk (ChatMLX.stream_usage)
+        self._content_chars = 0  # content of the deltas so far
+        self.written = WrittenBlocks() if written is None else written
 
-    def chunk(self, delta) -> Optional[AIMessageChunk]:
-        written = sorted([*((c.index, c, c.arguments_json, True) for c in delta.tool_calls),
-                          *((c.index, c, c.arguments, False) for c in delta.invalid_tool_calls)], key=lambda e: e[0])
+    def chunks(self, delta) -> list[AIMessageChunk]:
+        stretches = _stretches(delta.content or "", _in_written_order(delta), self._content_chars)
+        self._content_chars += len(delta.content or "")
+        self.written.add(stretches)
+        out = []
+        for k, (text, calls) in enumerate(stretches):
+            first, last = k == 0, k == len(stretches) - 1
+            chunk = self._chunk(delta, text, calls, reasoning=delta.reasoning if first else "",
+                                logprobs=delta.logprobs if first else None, last=last and delta.finish_reason is not None)
+            if chunk is not None:
+                out.append(chunk)
+        return out
+
+    def _chunk(self, delta, content: str, calls: list, *, reasoning: str, logprobs, last: bool) -> Optional[AIMessageChunk]:
+        written = [(c.index, c, c.arguments_json, True) if isinstance(c, ToolCall) else (c.index, c, c.arguments, False)
+                   for c in calls]
         # An invalid call whose arguments LangChain would read as an object (one cut off by
         # max_tokens, or closed but malformed: a brace missing, ``<function=f>`` with no
         # parameter) carries no name here: LangChain merges a streamed call by parsing its
@@ -293,10 +369,9 @@ class ChunkBuilder:
         # message to the agent instead; invoke keeps the name in invalid_tool_calls.
         chunks = [tool_call_chunk(name=c.name if valid or not _merges_valid(args) else None, args=args, id=c.id,
                                   index=i) for i, c, args, valid in written]
-        last = delta.finish_reason is not None
         # A delta whose text the parser still holds back has tokens all the same: with
         # logprobs it is a chunk too (empty content), or its tokens' logprobs were lost.
-        if not (delta.content or delta.reasoning or chunks or last or delta.logprobs):
+        if not (content or reasoning or chunks or last or logprobs):
             return None
         # The provider on every chunk, so langchain-core finds its block translator.
         kwargs: dict[str, Any] = {"response_metadata": {"model_provider": PROVIDER}}
@@ -306,11 +381,11 @@ class ChunkBuilder:
                 response_metadata=response_metadata(self._model_name, delta.finish_reason),
                 chunk_position="last",
             )
-        if delta.logprobs:
-            kwargs["response_metadata"].update(logprobs_metadata(delta.logprobs))
+        if logprobs:
+            kwargs["response_metadata"].update(logprobs_metadata(logprobs))
         return AIMessageChunk(
-            content=delta.content or "",
-            additional_kwargs={"reasoning_content": delta.reasoning} if delta.reasoning else {},
+            content=content,
+            additional_kwargs={"reasoning_content": reasoning} if reasoning else {},
             tool_call_chunks=chunks,
             **kwargs,
         )

@@ -30,7 +30,7 @@ from mlx_tandem.call_options import (merge_stops, model_name_alias, pin_checkpoi
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 from mlx_tandem.errors import InvalidRequestError, TemplateError
 
-from ._convert import PROVIDER, ChunkBuilder, to_ai_message, to_engine_messages
+from ._convert import PROVIDER, ChunkBuilder, WrittenBlocks, to_ai_message, to_engine_messages
 from ._parsers import WholeJsonKeyToolsParser, WholeJsonParser, WholePydanticParser, WholePydanticToolsParser
 from ._schemas import whole_model_schema
 
@@ -275,14 +275,15 @@ class ChatMLX(BaseChatModel):
         kwargs = dict(kwargs)
         n = self._choices(kwargs)
         if self.streaming and n == 1:
-            return _collect(self._stream(messages, stop=stop, run_manager=run_manager, **kwargs))
+            written = WrittenBlocks()
+            return _collect(self._chunks(messages, stop, run_manager, kwargs, written), self._blocks(written))
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
         streams = []
         try:
             # All submitted before any is read: the answers decode in one batch.
             for p in _choice_params(params, n):
                 streams.append(engine.open_chat_stream_sync(msgs, p, timeout=timeout, **options))
-            return _result(*(to_ai_message(s.collect(), model_name) for s in streams))
+            return _result(*(self._message(s.collect(), model_name) for s in streams))
         finally:
             for s in streams:
                 s.cancel()  # those left running when one failed to open or to finish
@@ -292,8 +293,9 @@ class ChatMLX(BaseChatModel):
         kwargs = dict(kwargs)
         n = self._choices(kwargs)
         if self.streaming and n == 1:
-            chunks = [c async for c in self._astream(messages, stop=stop, run_manager=run_manager, **kwargs)]
-            return _collect(iter(chunks))
+            written = WrittenBlocks()
+            chunks = [c async for c in self._achunks(messages, stop, run_manager, kwargs, written)]
+            return _collect(iter(chunks), self._blocks(written))
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
         streams = []
         try:
@@ -303,40 +305,55 @@ class ChatMLX(BaseChatModel):
         finally:
             for s in streams:
                 s.cancel()
-        return _result(*(to_ai_message(out, model_name) for out in outs))
+        return _result(*(self._message(out, model_name) for out in outs))
+
+    def _blocks(self, written: WrittenBlocks) -> Optional[list]:
+        """Under ``output_version="v1"``, the answer's content: its blocks in the order
+        written, as a stream's chunks bring them (core's blocks of the joined text put all
+        text before the calls); else None, the text."""
+        return written.blocks if self.output_version == "v1" else None
+
+    def _message(self, out, model_name: str) -> AIMessage:
+        return to_ai_message(out, model_name, WrittenBlocks.of(out) if self.output_version == "v1" else None)
 
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        yield from self._chunks(messages, stop, run_manager, kwargs)
+
+    def _chunks(self, messages: list[BaseMessage], stop: Optional[list[str]], run_manager,
+                kwargs: dict, written: Optional[WrittenBlocks] = None) -> Iterator[ChatGenerationChunk]:
+        """The stream's chunks; ``written`` gathers their v1 blocks in the order written."""
         self._one_answer(kwargs)
         usage = _stream_usage(kwargs.pop("stream_usage", None), self.stream_usage)
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
-        builder = ChunkBuilder(model_name, usage=usage)
+        builder = ChunkBuilder(model_name, usage=usage, written=written)
         with engine.open_chat_stream_sync(msgs, params, timeout=timeout, **options) as stream:
             for delta in stream:
-                message = builder.chunk(delta)
-                if message is None:
-                    continue
-                chunk = ChatGenerationChunk(message=message, generation_info=_chunk_info(message))
-                if run_manager is not None:
-                    run_manager.on_llm_new_token(message.text, chunk=chunk)
-                yield chunk
+                for message in builder.chunks(delta):
+                    chunk = ChatGenerationChunk(message=message, generation_info=_chunk_info(message))
+                    if run_manager is not None:
+                        run_manager.on_llm_new_token(message.text, chunk=chunk)
+                    yield chunk
 
     async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        async for chunk in self._achunks(messages, stop, run_manager, kwargs):
+            yield chunk
+
+    async def _achunks(self, messages: list[BaseMessage], stop: Optional[list[str]], run_manager,
+                       kwargs: dict, written: Optional[WrittenBlocks] = None) -> AsyncIterator[ChatGenerationChunk]:
         self._one_answer(kwargs)
         usage = _stream_usage(kwargs.pop("stream_usage", None), self.stream_usage)
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
-        builder = ChunkBuilder(model_name, usage=usage)
+        builder = ChunkBuilder(model_name, usage=usage, written=written)
         async with await engine.open_chat_stream(msgs, params, timeout=timeout, **options) as stream:
             async for delta in stream:
-                message = builder.chunk(delta)
-                if message is None:
-                    continue
-                chunk = ChatGenerationChunk(message=message, generation_info=_chunk_info(message))
-                if run_manager is not None:
-                    await run_manager.on_llm_new_token(message.text, chunk=chunk)
-                yield chunk
+                for message in builder.chunks(delta):
+                    chunk = ChatGenerationChunk(message=message, generation_info=_chunk_info(message))
+                    if run_manager is not None:
+                        await run_manager.on_llm_new_token(message.text, chunk=chunk)
+                    yield chunk
 
     # ------------------------------------------------------------------ tools and structured output
     def bind_tools(
@@ -512,7 +529,8 @@ def _stream_usage(per_call: Optional[bool], default: bool) -> bool:
     return default if per_call is None else per_call
 
 
-def _collect(chunks: Iterator[ChatGenerationChunk]) -> ChatResult:
+def _collect(chunks: Iterator[ChatGenerationChunk], blocks: Optional[list] = None) -> ChatResult:
+    """The chunks added up, as one answer; its content ``blocks`` where given (v1)."""
     full: Optional[ChatGenerationChunk] = None
     for c in chunks:
         full = c if full is None else full + c
@@ -520,7 +538,8 @@ def _collect(chunks: Iterator[ChatGenerationChunk]) -> ChatResult:
         raise RuntimeError("the stream produced no chunks")
     msg = full.message
     message = AIMessage(
-        content=msg.content, additional_kwargs=msg.additional_kwargs, tool_calls=msg.tool_calls,
+        content=msg.content if blocks is None else blocks, additional_kwargs=msg.additional_kwargs,
+        tool_calls=msg.tool_calls,
         invalid_tool_calls=msg.invalid_tool_calls, usage_metadata=msg.usage_metadata,
         response_metadata=msg.response_metadata, id=msg.id)
     return _result(message)

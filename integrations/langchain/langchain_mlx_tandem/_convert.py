@@ -301,10 +301,10 @@ def _stretches(content: str, calls: list, start: int) -> list[tuple[str, list]]:
 
 class WrittenBlocks:
     """An answer's v1 content blocks in the order written: text, the calls after it, more
-    text. The engine keeps content and calls apart (as OpenAI's messages do), and joined,
-    ``invoke``'s blocks put the text before the calls while a stream's chunks brought them in
-    order (an audit, 2026-11-30). Reasoning is left to core (it puts it first, from
-    ``reasoning_content``)."""
+    text. The engine keeps content and calls apart (as OpenAI's messages do); from that
+    joined text ``invoke``'s blocks put all text before the calls, while a stream's chunks
+    brought them in order (until an audit, 2026-11-30). Reasoning is left to core, which
+    puts it first (from ``reasoning_content``)."""
 
     def __init__(self):
         self.blocks: list[dict] = []

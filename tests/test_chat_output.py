@@ -498,6 +498,15 @@ def test_a_mistral_list_keeps_its_calls_beside_one_that_is_none():
     assert _calls(r) == [("add", {"a": 1})] and [c.text for c in r.invalid_tool_calls] == ['{"name": 5}']
     broken = parse(['[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, x]'], fmt, parse_tool_calls=True)
     assert broken.tool_calls == [] and len(broken.invalid_tool_calls) == 1  # broken JSON: one invalid block
+    # Its items are read as written: mlx-lm's parser keeps only "name" and "arguments", so
+    # "parameters" were dropped and "args" read as a valid call of none (review h93).
+    r = parse_every_split('[TOOL_CALLS][{"name": "add", "parameters": {"a": 1}}, {"name": "add", "args": {"a": 2}},'
+                          ' {"name": "add", "arguments": "{\\"a\\": 3}", "id": "a1B2c3D4e"}]', fmt, parse_tool_calls=True)
+    assert _calls(r) == [("add", {"a": 1}), ("add", {"a": 3})] and r.tool_calls[1].id == "a1B2c3D4e"
+    assert [c.text for c in r.invalid_tool_calls] == ['{"name": "add", "args": {"a": 2}}']
+    for one, read in (('{"name": "add", "parameters": {"a": 1}}', [("add", {"a": 1})]),
+                      ('{"name": "add", "args": {"a": 1}}', [])):  # a list of one comes back alone
+        assert _calls(parse_every_split(f"[TOOL_CALLS][{one}]", fmt, parse_tool_calls=True)) == read
 
 
 def test_think_after_any_call_is_content():

@@ -303,7 +303,7 @@ class ChatOutputParser:
                 # reads it by the schema as the grammar writes it (see its docstring for why).
                 parsed = self._fmt.tool_parser(body, None)
             else:
-                parsed = self._fmt.tool_parser(body, self._tools or None)
+                parsed = self._as_written(body, self._fmt.tool_parser(body, self._tools or None))
         except Exception as exc:  # noqa: BLE001 - any parser failure is an invalid call
             cut = self._whole_before_cut(body)
             if cut is None:
@@ -315,6 +315,19 @@ class ChatOutputParser:
                 return [self._invalid(body.strip(), exc)]
             return self._judged(whole) + ([self._invalid(rest, exc)] if rest else [])
         return self._judged(parsed if isinstance(parsed, list) else [parsed], block=body)
+
+    @staticmethod
+    def _as_written(body: str, parsed: Any) -> Any:
+        """The items of a whole JSON list of calls (Mistral's) as written, where the
+        format's parser read that list: mlx-lm's (0.32) rebuilds each call from its "name"
+        and "arguments" only, so arguments under another key ("parameters", "args") were
+        lost and the call read as one of none, past ``_arguments_of``'s check."""
+        read = parsed if isinstance(parsed, list) else [parsed]  # one call comes back alone
+        listed = _list_items(body)
+        if listed is None or listed[1] or len(listed[0]) != len(read) \
+                or not all(isinstance(item, dict) for item in listed[0]):
+            return parsed
+        return listed[0]
 
     def _whole_before_cut(self, body: str) -> Optional[tuple[list, str]]:
         """The whole calls of a block the format's parser refused, and the text of a call cut

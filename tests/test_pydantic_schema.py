@@ -127,3 +127,92 @@ def test_digit_limits_no_text_fits_keep_pydantics_schema():
     assert decimal_pattern(0) is None
     model = _model(max_digits=0)
     assert json_schema(model) == model.model_json_schema()
+
+
+def test_naive_datetimes_and_durations_are_held_to_what_the_type_takes():
+    """``format: date-time`` always writes an offset, which NaiveDatetime refuses (every
+    answer failed), and ``format: duration`` any number of digits, past what a timedelta
+    holds: patterns instead, each text of which validates (a fuzz, 2026-11-30)."""
+    import datetime
+
+    from pydantic import AwareDatetime, NaiveDatetime
+
+    class When(BaseModel):
+        naive: NaiveDatetime
+        aware: AwareDatetime
+        any: datetime.datetime
+        span: datetime.timedelta
+
+    props = json_schema(When)["properties"]
+    assert "format" not in props["naive"] and "format" not in props["span"]
+    assert props["aware"]["format"] == props["any"]["format"] == "date-time"  # RFC 3339: an offset, as they take
+    rng = random.Random(0)
+
+    def stamp():
+        tz = rng.choice(["", "", "Z", "+05:30"])
+        frac = rng.choice(["", "." + "7" * rng.randint(1, 8)])
+        return (f"{rng.randint(0, 9999):04d}-{rng.randint(0, 13):02d}-{rng.randint(0, 32):02d}{rng.choice('Tt _')}"
+                f"{rng.randint(0, 25):02d}:{rng.randint(0, 61):02d}" + rng.choice(["", f":{rng.randint(0, 61):02d}{frac}"]) + tz)
+
+    def span():
+        parts = [f"{rng.randint(0, 10 ** rng.randint(1, 9))}{u}" for u in "YMWD" if rng.random() < 0.4]
+        clock = [f"{rng.randint(0, 10 ** rng.randint(1, 9))}{u}" for u in "HMS" if rng.random() < 0.4]
+        rng.shuffle(parts) if rng.random() < 0.2 else None
+        return "P" + "".join(parts) + ("T" + "".join(clock) if clock or rng.random() < 0.1 else "")
+
+    for field, make in (("naive", stamp), ("span", span)):
+        texts = {make() for _ in range(20000)}
+        allowed = [t for t in texts if re.search(props[field]["pattern"], t)]
+        assert len(allowed) > 300, field
+        for text in allowed:
+            values = {"naive": "2020-01-01T00:00:00", "aware": "2020-01-01T00:00:00Z", "any": "2020-01-01T00:00:00",
+                      "span": "P1D", field: text}
+            try:
+                When.model_validate(values)
+            except ValidationError as exc:
+                pytest.fail(f"{field}: {text!r} is allowed but refused: {exc}")
+
+
+def test_the_grammar_keeps_floats_where_pydantic_checks_them(qwen3_5_engine):
+    """A float's ``multiple_of`` is checked in binary floating point, which fails a multiple
+    of 0.1 past about 10**7 steps (a sampled -35870854620523.3 failed), and a finite float
+    read infinity from a long exponent: the number is kept where the check holds. Every
+    text the grammar takes validates."""
+    from pydantic import FiniteFloat
+
+    from mlx_tandem.constraints import Constraint
+
+    class Amounts(BaseModel):
+        tenth: float = Field(multiple_of=0.1)
+        twentieth: float = Field(multiple_of=0.05, ge=0)
+        halves: float = Field(multiple_of=2.5)
+        finite: FiniteFloat
+        plain: float  # infinity is a float: left as it was
+
+    props = json_schema(Amounts)["properties"]
+    assert "exclusiveMaximum" not in props["plain"]
+    grammar = qwen3_5_engine._grammar
+    matchers = {}
+
+    def takes(name: str, text: str) -> bool:
+        if name not in matchers:
+            matchers[name] = Constraint.json_schema(props[name])
+        m = grammar.compile(matchers[name])
+        return all(m.consume_token(t) for t in grammar.tokenizer.tokenize_str(text)) and m.is_accepting()
+
+    rng = random.Random(0)
+    base = {"tenth": "0.1", "twentieth": "0.05", "halves": "2.5", "finite": "1.5", "plain": "1"}
+    steps = {"tenth": Decimal("0.1"), "twentieth": Decimal("0.05"), "halves": Decimal("2.5")}
+    for name in ("tenth", "twentieth", "halves", "finite"):
+        texts = ["56E63524760826950", "1e400", "-35870854620523.3"]
+        for _ in range(300):
+            k = rng.randint(0, 10 ** rng.randint(1, 16)) * rng.choice([1, -1])
+            texts.append(format(k * steps[name], "f") if name in steps else f"{k}.{rng.randint(0, 99)}")
+        taken = [t for t in texts if takes(name, t)]
+        assert len(taken) > 50, name
+        for text in taken:
+            try:
+                Amounts.model_validate_json("{%s}" % ", ".join(f'"{k}": {v}' for k, v in {**base, name: text}.items()))
+            except ValidationError as exc:
+                pytest.fail(f"{name}: the grammar takes {text}, which the model refuses: {exc}")
+    assert takes("plain", "1e400")  # reads as inf, which a float takes

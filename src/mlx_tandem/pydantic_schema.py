@@ -24,6 +24,21 @@ model (seen with sampled answers). ``json_schema`` writes a Decimal as follows:
   cannot hold a bound; llguidance's numbers hold no digit limits), so such an answer may
   still fail its model, as before.
 
+Other types whose schema allows what the type refuses (found by a fuzz, 2026-11-30):
+
+- a ``float`` with ``multiple_of``: Pydantic checks the step in binary floating point, with
+  a tolerance that holds up to about 10**7 steps (measured: 52176088.9 fails a step of
+  0.1); a step a float holds exactly (0.5, 2.5, 5) to 15 significant digits, as a
+  Decimal's. The number is bounded there where the field is not (a sampled answer wrote
+  -35870854620523.3 for a step of 0.1);
+- a finite float (``FiniteFloat``, ``allow_inf_nan=False``): JSON's ``56E63524760826950``
+  reads as infinity. llguidance 1.9 builds number ranges only within about 1e18, so the
+  number is kept within 1e18 where the field is not bounded (less than the type takes);
+- ``NaiveDatetime``: ``format: date-time`` is RFC 3339's, which always writes an offset,
+  so every answer failed; it is a pattern of a date and time without one;
+- ``timedelta``: ``format: duration`` takes any number of digits, past what a timedelta
+  holds (``P51M260638593387794054D``); it is a pattern of at most 6 digits a component.
+
 ``Json[...]`` (a string that holds a JSON document) stays a free string: no grammar holds
 the escaped document inside it to its schema.
 
@@ -47,8 +62,14 @@ _BOUNDS = ("gt", "ge", "lt", "le")
 
 
 class GrammarJsonSchema(GenerateJsonSchema):
+    _in_decimal = False  # Pydantic writes a Decimal's number branch with float_schema
+
     def decimal_schema(self, schema: Any) -> dict:
-        out = super().decimal_schema(schema)
+        self._in_decimal = True
+        try:
+            out = super().decimal_schema(schema)
+        finally:
+            self._in_decimal = False
         branches = out.get("anyOf")
         places, step_places = schema.get("decimal_places"), _places_of_step(schema.get("multiple_of"))
         if step_places is not None:
@@ -74,8 +95,67 @@ class GrammarJsonSchema(GenerateJsonSchema):
         return out
 
 
+    def float_schema(self, schema: Any) -> dict:
+        out = super().float_schema(schema)
+        if self._in_decimal:  # a Decimal's step is checked exactly (decimal_schema bounds it)
+            return out
+        if "multipleOf" in out and multiple_held(out["multipleOf"]):
+            out = _float_step_bounds(out)
+        if schema.get("allow_inf_nan") is False:
+            out = _bounded(out, FINITE_LIMIT)
+        return out
+
+    def datetime_schema(self, schema: Any) -> dict:
+        out = super().datetime_schema(schema)
+        if schema.get("tz_constraint") == "naive" and out.get("format") == "date-time":
+            out = {**{k: v for k, v in out.items() if k != "format"}, "pattern": NAIVE_DATETIME_PATTERN}
+        return out
+
+    def timedelta_schema(self, schema: Any) -> dict:
+        out = super().timedelta_schema(schema)
+        if out.get("format") == "duration":
+            out = {**{k: v for k, v in out.items() if k != "format"}, "pattern": DURATION_PATTERN}
+        return out
+
+
 #: Significant digits a JSON number keeps through the float Pydantic reads it as.
 FLOAT_DIGITS = 15
+#: Steps of a float ``multiple_of`` Pydantic's check holds when the step is no exact float.
+FLOAT_STEPS = 10 ** 7
+#: Where a finite float's number is kept: llguidance 1.9 builds number ranges within ~1e18.
+FINITE_LIMIT = 10 ** 18
+_DAYS = r"(0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8])"
+#: A date and time with no offset, as NaiveDatetime takes it (Feb 29 and years before 1000 left out).
+NAIVE_DATETIME_PATTERN = rf"^[1-9]\d{{3}}-({_DAYS})[Tt ]([01]\d|2[0-3]):[0-5]\d(:[0-5]\d(\.\d{{1,6}})?)?$"
+_Q = r"\d{1,6}"
+_SECONDS = rf"{_Q}(\.{_Q})?S"
+_TIME = rf"T({_Q}H({_Q}M)?({_SECONDS})?|{_Q}M({_SECONDS})?|{_SECONDS})"
+_DATE = rf"{_Q}Y({_Q}M)?({_Q}W)?({_Q}D)?|{_Q}M({_Q}W)?({_Q}D)?|{_Q}W({_Q}D)?|{_Q}D"
+#: An ISO 8601 duration a timedelta holds: at most 6 digits a component (all of them at
+#: most ~4e8 days, under its 999999999), at least one component, none after an empty "T".
+DURATION_PATTERN = rf"^P(({_DATE})({_TIME})?|{_TIME})$"
+
+
+def _bounded(number: dict, limit) -> dict:
+    """``number`` kept within ``limit`` on each side it has no bound."""
+    out = dict(number)
+    if "maximum" not in out and "exclusiveMaximum" not in out:
+        out["exclusiveMaximum"] = limit
+    if "minimum" not in out and "exclusiveMinimum" not in out:
+        out["exclusiveMinimum"] = -limit
+    return out
+
+
+def _float_step_bounds(number: dict) -> dict:
+    """A float's number with a ``multipleOf``, kept where Pydantic's float check of the step
+    holds (module docstring)."""
+    step = _as_decimal(number["multipleOf"])
+    if step is None:
+        return number
+    if Decimal(float(step)) == step:  # the float is the step written: exact to 15 digits
+        return _within_float_digits(number)
+    limit = step * FLOAT_STEPS
+    return _bounded(number, int(limit) if limit == limit.to_integral_value() else float(limit))
 
 
 def _within_float_digits(number: dict) -> dict:
@@ -86,13 +166,7 @@ def _within_float_digits(number: dict) -> dict:
     exponent = None if step is None else step.as_tuple().exponent
     if not isinstance(exponent, int):
         return number
-    limit = 10 ** (FLOAT_DIGITS - max(0, -exponent))
-    out = dict(number)
-    if "maximum" not in out and "exclusiveMaximum" not in out:
-        out["exclusiveMaximum"] = limit
-    if "minimum" not in out and "exclusiveMinimum" not in out:
-        out["exclusiveMinimum"] = -limit
-    return out
+    return _bounded(number, 10 ** (FLOAT_DIGITS - max(0, -exponent)))
 
 
 def _places_of_step(step: Any) -> Optional[int]:

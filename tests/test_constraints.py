@@ -172,6 +172,62 @@ async def test_schema_keywords_llguidance_cannot_hold_no_longer_fail_the_request
         Kinds.model_validate_json(out.content)
 
 
+async def test_dicts_keyed_by_a_literal_or_an_enum_are_held_to_their_keys(qwen3_5_engine):
+    """llguidance holds no ``propertyNames``, and every request with a ``dict[Literal[...], X]``
+    or ``dict[AnEnum, X]`` failed (a fuzz): the names it lists are the object's optional
+    properties, and no others, which takes the same objects."""
+    import enum
+
+    from pydantic import BaseModel
+
+    from mlx_tandem.constraints import Constraint
+
+    class Color(str, enum.Enum):
+        red = "red"
+        green = "green"
+
+    class Tally(BaseModel):
+        by_color: dict[Color, int]
+        by_axis: dict[Literal["x", "y"], str]
+
+    schema = Tally.model_json_schema()
+    assert "propertyNames" in json.dumps(schema)
+    from mlx_tandem.constraints import _prepared_schema
+
+    # A listed property keeps its schema, the other names take additionalProperties'; a
+    # required key the names refuse is left for llguidance to refuse (no object fits).
+    assert _prepared_schema({"type": "object", "propertyNames": {"enum": ["a", "b"]},
+                             "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}}) == {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+        "additionalProperties": False}
+    assert "propertyNames" in _prepared_schema({"type": "object", "propertyNames": {"const": "a"}, "required": ["b"]})
+    grammar = qwen3_5_engine._grammar
+    compiled = Constraint.json_schema(schema)
+
+    def takes(text: str) -> bool:
+        m = grammar.compile(compiled)
+        return all(m.consume_token(t) for t in grammar.tokenizer.tokenize_str(text)) and m.is_accepting()
+
+    texts = {'{"by_color": {"red": 1, "green": 2}, "by_axis": {"y": "up"}}': True,
+             '{"by_color": {}, "by_axis": {}}': True,
+             '{"by_color": {"blue": 1}, "by_axis": {}}': False,
+             '{"by_color": {}, "by_axis": {"z": "no"}}': False,
+             '{"by_color": {"red": "one"}, "by_axis": {}}': False}
+    for text, taken in texts.items():
+        assert takes(text) == taken, text
+        try:
+            Tally.model_validate_json(text)
+            valid = True
+        except ValueError:
+            valid = False
+        assert valid == taken, text
+    outs = await asyncio.gather(*[qwen3_5_engine.chat(USER, SamplingParams(max_tokens=80, **s),
+                                                      response_format=rf(schema)) for s in SAMPLINGS])
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        Tally.model_validate_json(out.content)
+
+
 # Schemas that closing objects by default (additionalProperties: false) must leave as they are.
 UNCLOSABLE = {
     # const/enum/default values are data: a value with a "properties" key is no object schema.

@@ -147,12 +147,14 @@ def _prepared_schema(schema: Any) -> Any:
     - A ``format`` llguidance does not hold is dropped (an annotation, as JSON Schema allows
       validators to treat it), and so is ``uniqueItems``, which it cannot hold, and a
       ``multipleOf`` it refuses (0.07: it cannot scale it exactly).
+    - A ``propertyNames`` that lists the keys (an enum or const) becomes those keys as
+      optional properties, and no others (``_names_as_properties``).
 
     A ``$defs`` entry that is only a reference back to itself (through other such entries)
     describes no value: a ConstraintError, since llguidance compiled it into a grammar that
     rejected the model's tokens mid-answer, or ended a "stop" answer at ``{"a": ``.
     """
-    out = _prepare(schema, open_defs=_defs_combined(schema), keep_open=False)
+    out = _prepare(schema, open_defs=_defs_combined(schema), keep_open=False, defs=_local_defs(schema))
     _refuse_empty_ref_cycles(out)
     for pattern in schema_patterns(out):
         refuse_dangling_escape(pattern)
@@ -174,8 +176,7 @@ _ANNOTATIONS = frozenset({"$ref", "title", "description", "default", "examples",
 def _refuse_empty_ref_cycles(schema: Any) -> None:
     if not isinstance(schema, dict):
         return
-    defs = {f"#/{key}/{name}": entry for key in ("$defs", "definitions")
-            for name, entry in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict)}
+    defs = _local_defs(schema)
     for start in defs:
         seen, ref = set(), start
         while isinstance(ref, str) and ref in defs:
@@ -186,6 +187,50 @@ def _refuse_empty_ref_cycles(schema: Any) -> None:
             if not (isinstance(entry, dict) and set(entry) <= _ANNOTATIONS):
                 break
             ref = entry.get("$ref")
+
+
+def _local_defs(schema: Any) -> dict[str, Any]:
+    """The schema's ``$defs``/``definitions`` entries by their local pointer ("#/$defs/A")."""
+    if not isinstance(schema, dict):
+        return {}
+    return {f"#/{key}/{name}": entry for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)
+            for name, entry in schema[key].items()}
+
+
+def _listed_names(names: Any, defs: dict[str, Any]) -> Optional[list[str]]:
+    """The keys a ``propertyNames`` lists (an enum or const of strings, inline or through
+    local ``$ref``s, as Pydantic writes ``dict[Literal[...], X]`` and ``dict[AnEnum, X]``);
+    None where it does not list them."""
+    for _ in range(8):
+        if not (isinstance(names, dict) and isinstance(names.get("$ref"), str) and names["$ref"] in defs):
+            break
+        names = defs[names["$ref"]]
+    if not isinstance(names, dict):
+        return None
+    values = [names["const"]] if "const" in names else names.get("enum")
+    if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+        return None
+    return list(dict.fromkeys(values))
+
+
+def _names_as_properties(out: dict, defs: dict[str, Any]) -> None:
+    """An object whose ``propertyNames`` lists its keys, as the same keys listed as optional
+    properties of the ``additionalProperties`` schema, and no others: the values it takes
+    are the same. llguidance 1.x holds no ``propertyNames`` ("Unimplemented keys"), and
+    every request with an enum-keyed dict failed."""
+    names = _listed_names(out.get("propertyNames"), defs)
+    if names is None or "patternProperties" in out or "unevaluatedProperties" in out:
+        return
+    value = out.get("additionalProperties", True)
+    listed = out.get("properties") or {}
+    required = out.get("required") or []
+    if not isinstance(listed, dict) or not isinstance(required, list) or not set(required) <= set(names):
+        return  # a key the names refuse is required: no object fits, and llguidance says so
+    del out["propertyNames"]
+    # A listed property keeps its own schema; the other names take additionalProperties'.
+    out["properties"] = {k: listed[k] if k in listed else ({} if value is True else value)
+                         for k in names if k in listed or value is not False}
+    out["additionalProperties"] = False
 
 
 def _defs_combined(schema: Any) -> set[str]:
@@ -229,13 +274,13 @@ def multiple_held(step: Any) -> bool:
     return not llguidance.LLMatcher.validate_grammar(grammar)
 
 
-def _prepare(schema: Any, *, open_defs: set[str], keep_open: bool) -> Any:
+def _prepare(schema: Any, *, open_defs: set[str], keep_open: bool, defs: dict[str, Any]) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
 
     def sub(value: Any, keep: bool = False) -> Any:
-        return _prepare(value, open_defs=open_defs, keep_open=keep)
+        return _prepare(value, open_defs=open_defs, keep_open=keep, defs=defs)
 
     for key in SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
@@ -270,6 +315,8 @@ def _prepare(schema: Any, *, open_defs: set[str], keep_open: bool) -> Any:
         # point (0.07, 0.14, 1e-20: "too many digits"), and failed every request: dropped,
         # as an unknown format is; such an answer may fail its model's own check.
         del out["multipleOf"]
+    if "propertyNames" in out:
+        _names_as_properties(out, defs)
     properties = out.get("properties")
     required = out.get("required", [])
     if (isinstance(properties, dict) and not keep_open and out.get("type", "object") == "object"

@@ -228,6 +228,50 @@ async def test_dicts_keyed_by_a_literal_or_an_enum_are_held_to_their_keys(qwen3_
         Tally.model_validate_json(out.content)
 
 
+def test_numeric_bounds_are_held_as_written_or_refused(qwen3_5_engine):
+    """llguidance 1.9 took the bare ``0`` for ``exclusiveMinimum: 0`` under a maximum below 1
+    (Pydantic's ``gt=0, lt=1e-3`` answered 0), read integer bounds past 2**53 as doubles and
+    past int64 as int64 (``minimum: 2**70`` answered 9223372036854775807): such bounds are
+    rewritten to ones it holds, or refused with a ConstraintError (a fuzz, 2026-11-30)."""
+    from mlx_tandem.constraints import Constraint
+
+    grammar = qwen3_5_engine._grammar
+
+    def takes(schema: dict, text: str) -> bool:
+        m = grammar.compile(Constraint.json_schema(schema))
+        return all(m.consume_token(t) for t in grammar.tokenizer.tokenize_str(text)) and m.is_accepting()
+
+    cases = [({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.5}, {"0": False, "0.25": True}),
+             ({"type": "number", "exclusiveMinimum": 0, "maximum": 0.001}, {"0": False, "0.001": True}),
+             ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-10},
+              {"0": False, "0.00000000005": True}),
+             ({"type": "number", "exclusiveMinimum": 1e6, "exclusiveMaximum": 1e6 + 0.5},
+              {"1000000": False, "1000000.25": True}),
+             ({"exclusiveMinimum": 1, "maximum": 1.5}, {"1": False, "1.5": True, "1.25": True}),
+             ({"type": "number", "exclusiveMinimum": -0.5, "exclusiveMaximum": 0}, {"-0": False, "-0.25": True}),
+             ({"type": "integer", "minimum": 2 ** 53 + 1, "maximum": 2 ** 53 + 3},
+              {str(2 ** 53): False, str(2 ** 53 + 2): True, str(2 ** 53 + 4): False}),
+             ({"type": "integer", "minimum": 0, "maximum": 2 ** 70}, {"5": True}),
+             ({"type": "string", "minimum": 1e300}, {'"a"': True})]  # bounds say nothing of a string
+    for schema, texts in cases:
+        for text, taken in texts.items():
+            assert takes(schema, text) == taken, (schema, text)
+    for schema in ({"type": "integer", "minimum": 2 ** 70, "maximum": 2 ** 70 + 3},
+                   {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0},  # empty: llguidance says so
+                   {"type": "number", "maximum": 1e300}, {"type": "integer", "minimum": 2 ** 1100}):
+        with pytest.raises(ConstraintError):
+            grammar.compile(Constraint.json_schema(schema))
+    # Both integer bounds below -2**63 crashed the process (SIGSEGV) in llguidance's matcher.
+    import subprocess
+    import sys
+
+    code = ("from mlx_tandem.constraints import _prepared_schema; from mlx_tandem.errors import ConstraintError\n"
+            "try:\n    _prepared_schema({'type': 'integer', 'minimum': -2**70, 'maximum': -2**70 + 5})\n"
+            "except ConstraintError:\n    print('refused')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "refused", (run.returncode, run.stderr[-400:])
+
+
 # Schemas that closing objects by default (additionalProperties: false) must leave as they are.
 UNCLOSABLE = {
     # const/enum/default values are data: a value with a "properties" key is no object schema.

@@ -25,8 +25,10 @@ import copy
 import functools
 import json
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -149,6 +151,8 @@ def _prepared_schema(schema: Any) -> Any:
       ``multipleOf`` it refuses (0.07: it cannot scale it exactly).
     - A ``propertyNames`` that lists the keys (an enum or const) becomes those keys as
       optional properties, and no others (``_names_as_properties``).
+    - Numeric bounds llguidance 1.9 would not hold as written are rewritten to ones it holds,
+      or refused (``_held_bounds``).
 
     A ``$defs`` entry that is only a reference back to itself (through other such entries)
     describes no value: a ConstraintError, since llguidance compiled it into a grammar that
@@ -274,6 +278,113 @@ def multiple_held(step: Any) -> bool:
     return not llguidance.LLMatcher.validate_grammar(grammar)
 
 
+_BOUND_KEYS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+#: llguidance 1.9 reads every bound as a double and an integer bound as a saturated int64.
+#: The widest integer range it holds exactly: the int64 extremes that are doubles.
+_INT_HELD = (-(2**63) + 1024, 2**63 - 1024)
+
+
+def _bound_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)  # (an int past 1e308 has no float)
+
+
+def _inside(bound: float, other: float) -> float:
+    """The least number past ``bound`` (a whole number) toward ``other`` whose decimal
+    llguidance can still write as a range: a step of 10**-k, a millionth of the range or
+    less (the next double after 0 is 5e-324, whose range nests past llguidance's 250
+    parentheses); never ``bound`` itself, which a float of a step too small rounds back to."""
+    k = min(200, 6 - math.floor(math.log10(other - bound)))
+    return max(float(Fraction(bound) + Fraction(1, 10 ** k)), math.nextafter(bound, math.inf))
+
+
+def _held_bounds(out: dict) -> None:
+    """Rewrite numeric bounds into ones llguidance 1.9 holds exactly (in place).
+
+    - An integer beyond 2**53 is rounded to a double: ``minimum: 2**53+1`` answered 2**53.
+      Such a bound moves inward to the nearest double, so no invalid value gets in.
+    - Integer ranges saturate to int64: ``minimum: 2**70, maximum: 2**70+3`` answered
+      9223372036854775807, and both bounds below -2**63 crashed the process (SIGSEGV).
+      Ranges reaching past int64 are narrowed to it; a range wholly beyond it, and a
+      ``number`` bound of 2**63 or more (its grammar is built on int64 too), are refused.
+    - ``exclusiveMinimum: n`` (an integer, n >= 0) with an upper bound below n + 1 also
+      took the bare ``n`` ("0" for ``gt=0, lt=1e-3``), as ``exclusiveMaximum: n`` (n <= 0)
+      with a lower bound above n - 1 took ``-n``: the bound becomes an inclusive one just
+      inside it (``_inside``: the numbers within a millionth of the range from it are lost).
+    """
+    types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if not any(t in (None, "number", "integer") for t in types):
+        return  # bounds say nothing of a string, an object, ...
+    lo = hi = None  # (value as an exact Fraction, exclusive)
+    for key in _BOUND_KEYS:
+        value = out.get(key)
+        if not _bound_number(value):
+            continue
+        f, excl, lower = Fraction(value), key.startswith("exclusive"), key.endswith("inimum")
+        cur = lo if lower else hi
+        if cur is None or (f > cur[0] if lower else f < cur[0]) or (f == cur[0] and excl):
+            if lower:
+                lo = (f, excl)
+            else:
+                hi = (f, excl)
+    if lo is None and hi is None:
+        return
+    if "integer" in types and "number" not in types:
+        lo_i = None if lo is None else (math.floor(lo[0]) + 1 if lo[1] else math.ceil(lo[0]))
+        hi_i = None if hi is None else (math.ceil(hi[0]) - 1 if hi[1] else math.floor(hi[0]))
+        if all(b is None or abs(b) <= 2**53 for b in (lo_i, hi_i)):
+            return
+        if (lo_i is not None and lo_i > _INT_HELD[1]) or (hi_i is not None and hi_i < _INT_HELD[0]):
+            raise ConstraintError(f"integer bounds [{lo_i}, {hi_i}] lie beyond +-{_INT_HELD[1]}, "
+                                  "the range the grammar holds")
+        if lo_i is not None:
+            lo_i = max(lo_i, _INT_HELD[0])
+            lo_i = int(float(lo_i) if float(lo_i) >= lo_i else math.nextafter(float(lo_i), math.inf))
+        if hi_i is not None:
+            hi_i = min(hi_i, _INT_HELD[1])
+            hi_i = int(float(hi_i) if float(hi_i) <= hi_i else math.nextafter(float(hi_i), -math.inf))
+        if lo_i is not None and hi_i is not None and lo_i > hi_i:
+            raise ConstraintError(f"no integer in [{lo_i}, {hi_i}] the grammar can hold: it holds "
+                                  "an integer bound beyond 2**53 only as a double")
+        for key in _BOUND_KEYS:
+            out.pop(key, None)
+        if lo_i is not None:
+            out["minimum"] = lo_i
+        if hi_i is not None:
+            out["maximum"] = hi_i
+        return
+    if any(b is not None and abs(b[0]) >= 2**63 for b in (lo, hi)):
+        raise ConstraintError("a number bound of magnitude 2**63 or more is beyond what the grammar holds")
+    changed = False
+
+    def inward(b, up):  # a bound that is not a double: the nearest double inside it
+        nonlocal changed
+        r = float(b[0])
+        if Fraction(r) == b[0]:
+            return (r, b[1])
+        changed = True
+        if (Fraction(r) < b[0]) == up:
+            r = math.nextafter(r, math.inf if up else -math.inf)
+        return (r, False)
+
+    lo = None if lo is None else inward(lo, True)
+    hi = None if hi is None else inward(hi, False)
+    if lo is not None and hi is not None:
+        if lo[1] and lo[0].is_integer() and lo[0] >= 0 and lo[0] < hi[0] < lo[0] + 1:
+            lo, changed = (_inside(lo[0], hi[0]), False), True
+        if hi[1] and hi[0].is_integer() and hi[0] <= 0 and hi[0] - 1 < lo[0] < hi[0]:
+            hi, changed = (-_inside(-hi[0], -lo[0]), False), True
+    if not changed:
+        return
+    for key in _BOUND_KEYS:
+        out.pop(key, None)
+    if lo is not None:
+        out["exclusiveMinimum" if lo[1] else "minimum"] = lo[0]
+    if hi is not None:
+        out["exclusiveMaximum" if hi[1] else "maximum"] = hi[0]
+
+
 def _prepare(schema: Any, *, open_defs: set[str], keep_open: bool, defs: dict[str, Any]) -> Any:
     if not isinstance(schema, dict):
         return schema
@@ -315,6 +426,7 @@ def _prepare(schema: Any, *, open_defs: set[str], keep_open: bool, defs: dict[st
         # point (0.07, 0.14, 1e-20: "too many digits"), and failed every request: dropped,
         # as an unknown format is; such an answer may fail its model's own check.
         del out["multipleOf"]
+    _held_bounds(out)
     if "propertyNames" in out:
         _names_as_properties(out, defs)
     properties = out.get("properties")

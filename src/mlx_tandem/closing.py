@@ -237,7 +237,9 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
         n = m.try_consume_tokens(list(ids))
         if n == len(ids):
             after = allowed_tokens(m, vocab, tiers.respelled)
-            left = m.is_stopped() or 2 * int(after.sum()) <= vocab
+            # Left the free text: only where it began in free text (in a narrow string or
+            # a number few tokens are allowed before and after alike).
+            left = m.is_stopped() or (free_text and 2 * int(after.sum()) <= vocab)
             if whole or left or (not leave and (after & ends & ~allowed).any()):
                 return after
         m.rollback(n)
@@ -305,9 +307,13 @@ def closing_path(matcher, tiers: TokenClasses, eos: frozenset[int], limit: int,
             # left off; after such a step only the next few are tried (tries are the cost).
             k = turned % len(best)
             turn = best[k:] + best[:k]
-            if tok is None and free_text and budget > 0:  # 3, first: a pattern's witness
+            # 3, first: a pattern's witness, wherever the grammar takes its first token: a
+            # string held to a narrow pattern ("[a-z]+@...") allows far less than half the
+            # vocabulary, so it is not free text, and the witness was never tried there.
+            if tok is None and budget > 0:
                 for ids in hints:
-                    if len(path) + len(ids) < limit and (after := spell(ids)) is not None:  # room to close
+                    if (ids and allowed[ids[0]] and len(path) + len(ids) < limit
+                            and (after := spell(ids)) is not None):  # room to close
                         *spelled, tok = ids
                         break
             if tok is None:  # 3: a set not seen since the last closer, else one seen once

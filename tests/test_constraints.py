@@ -201,6 +201,12 @@ async def test_dicts_keyed_by_a_literal_or_an_enum_are_held_to_their_keys(qwen3_
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
         "additionalProperties": False}
     assert "propertyNames" in _prepared_schema({"type": "object", "propertyNames": {"const": "a"}, "required": ["b"]})
+    # Names restricted further (maxLength, a pattern, a $ref beside other keywords) are left
+    # as written: listed as properties, "bb" was taken (review h96).
+    defs = {"K": {"enum": ["a", "bb"]}}
+    for names in ({"enum": ["a", "bb"], "type": "string", "maxLength": 1}, {"enum": ["a", "bb"], "pattern": "^a$"},
+                  {"$ref": "#/$defs/K", "maxLength": 1}):
+        assert "propertyNames" in _prepared_schema({"type": "object", "$defs": defs, "propertyNames": names})
     grammar = qwen3_5_engine._grammar
     compiled = Constraint.json_schema(schema)
 
@@ -252,12 +258,15 @@ def test_numeric_bounds_are_held_as_written_or_refused(qwen3_5_engine):
              ({"type": "integer", "minimum": 2 ** 53 + 1, "maximum": 2 ** 53 + 3},
               {str(2 ** 53): False, str(2 ** 53 + 2): True, str(2 ** 53 + 4): False}),
              ({"type": "integer", "minimum": 0, "maximum": 2 ** 70}, {"5": True}),
-             ({"type": "string", "minimum": 1e300}, {'"a"': True})]  # bounds say nothing of a string
+             ({"type": "string", "minimum": 1e300}, {'"a"': True}),  # bounds say nothing of a string
+             # draft 4's flag beside minimum: left as written (it was dropped with the bounds)
+             ({"type": "integer", "minimum": 0, "exclusiveMinimum": True, "maximum": 2 ** 60}, {"0": False, "1": True})]
     for schema, texts in cases:
         for text, taken in texts.items():
             assert takes(schema, text) == taken, (schema, text)
     for schema in ({"type": "integer", "minimum": 2 ** 70, "maximum": 2 ** 70 + 3},
                    {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0},  # empty: llguidance says so
+                   {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-250},  # past 200 places
                    {"type": "number", "maximum": 1e300}, {"type": "integer", "minimum": 2 ** 1100}):
         with pytest.raises(ConstraintError):
             grammar.compile(Constraint.json_schema(schema))

@@ -186,6 +186,8 @@ def test_the_grammar_keeps_floats_where_pydantic_checks_them(qwen3_5_engine):
         tenth: float = Field(multiple_of=0.1)
         twentieth: float = Field(multiple_of=0.05, ge=0)
         halves: float = Field(multiple_of=2.5)
+        wide: float = Field(multiple_of=0.1, ge=0, le=1e12)  # its own bound past where the check holds
+        coarse: float = Field(multiple_of=123.4)  # fails just past 2**23, as 0.1 does
         finite: FiniteFloat
         plain: float  # infinity is a float: left as it was
 
@@ -201,10 +203,12 @@ def test_the_grammar_keeps_floats_where_pydantic_checks_them(qwen3_5_engine):
         return all(m.consume_token(t) for t in grammar.tokenizer.tokenize_str(text)) and m.is_accepting()
 
     rng = random.Random(0)
-    base = {"tenth": "0.1", "twentieth": "0.05", "halves": "2.5", "finite": "1.5", "plain": "1"}
-    steps = {"tenth": Decimal("0.1"), "twentieth": Decimal("0.05"), "halves": Decimal("2.5")}
-    for name in ("tenth", "twentieth", "halves", "finite"):
-        texts = ["56E63524760826950", "1e400", "-35870854620523.3"]
+    base = {"tenth": "0.1", "twentieth": "0.05", "halves": "2.5", "wide": "0.1", "coarse": "123.4", "finite": "1.5",
+            "plain": "1"}
+    steps = {"tenth": Decimal("0.1"), "twentieth": Decimal("0.05"), "halves": Decimal("2.5"), "wide": Decimal("0.1"),
+             "coarse": Decimal("123.4")}
+    for name in ("tenth", "twentieth", "halves", "wide", "coarse", "finite"):
+        texts = ["56E63524760826950", "1e400", "-35870854620523.3", "52176088.9", "8392804.2"]
         for _ in range(300):
             k = rng.randint(0, 10 ** rng.randint(1, 16)) * rng.choice([1, -1])
             texts.append(format(k * steps[name], "f") if name in steps else f"{k}.{rng.randint(0, 99)}")

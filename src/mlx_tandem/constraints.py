@@ -208,9 +208,12 @@ def _listed_names(names: Any, defs: dict[str, Any]) -> Optional[list[str]]:
     for _ in range(8):
         if not (isinstance(names, dict) and isinstance(names.get("$ref"), str) and names["$ref"] in defs):
             break
+        if set(names) - _ANNOTATIONS:  # a $ref beside other keywords: they restrict it too
+            return None
         names = defs[names["$ref"]]
-    if not isinstance(names, dict):
-        return None
+    if not isinstance(names, dict) or set(names) - _ANNOTATIONS - {"enum", "const", "type"} \
+            or names.get("type", "string") != "string":
+        return None  # other keywords (maxLength, pattern, not) restrict the names further
     values = [names["const"]] if "const" in names else names.get("enum")
     if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
         return None
@@ -295,7 +298,10 @@ def _inside(bound: float, other: float) -> float:
     llguidance can still write as a range: a step of 10**-k, a millionth of the range or
     less (the next double after 0 is 5e-324, whose range nests past llguidance's 250
     parentheses); never ``bound`` itself, which a float of a step too small rounds back to."""
-    k = min(200, 6 - math.floor(math.log10(other - bound)))
+    k = 6 - math.floor(math.log10(other - bound))
+    if k > 200:
+        raise ConstraintError(f"the range ({bound}, {other}) is narrower than the grammar can write: "
+                              "its numbers need more than 200 places")
     return max(float(Fraction(bound) + Fraction(1, 10 ** k)), math.nextafter(bound, math.inf))
 
 
@@ -316,6 +322,8 @@ def _held_bounds(out: dict) -> None:
     types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
     if not any(t in (None, "number", "integer") for t in types):
         return  # bounds say nothing of a string, an object, ...
+    if any(isinstance(out.get(k), bool) for k in ("exclusiveMinimum", "exclusiveMaximum")):
+        return  # draft 4's flags on minimum/maximum: left as written (llguidance reads them)
     lo = hi = None  # (value as an exact Fraction, exclusive)
     for key in _BOUND_KEYS:
         value = out.get(key)

@@ -27,9 +27,10 @@ model (seen with sampled answers). ``json_schema`` writes a Decimal as follows:
 Other types whose schema allows what the type refuses (found by a fuzz, 2026-11-30):
 
 - a ``float`` with ``multiple_of``: Pydantic checks the step in binary floating point, with
-  a tolerance that holds up to about 10**7 steps (measured: 52176088.9 fails a step of
-  0.1); a step a float holds exactly (0.5, 2.5, 5) to 15 significant digits, as a
-  Decimal's. The number is bounded there where the field is not (a sampled answer wrote
+  a tolerance that holds within 2**23 when the step is no exact float (measured for steps
+  from 0.01 to 1000.1: 8388822.2 fails a step of 1.1, 52176088.9 one of 0.1); a step a
+  float holds exactly (0.5, 2.5, 5), to 15 significant digits, as a Decimal's. The number
+  is bounded there where the field is not, or is past it (a sampled answer wrote
   -35870854620523.3 for a step of 0.1);
 - a finite float (``FiniteFloat``, ``allow_inf_nan=False``): JSON's ``56E63524760826950``
   reads as infinity. llguidance 1.9 builds number ranges only within about 1e18, so the
@@ -120,8 +121,9 @@ class GrammarJsonSchema(GenerateJsonSchema):
 
 #: Significant digits a JSON number keeps through the float Pydantic reads it as.
 FLOAT_DIGITS = 15
-#: Steps of a float ``multiple_of`` Pydantic's check holds when the step is no exact float.
-FLOAT_STEPS = 10 ** 7
+#: Where Pydantic's check of a float ``multiple_of`` holds when the step is no exact float
+#: (0.1, 1.1, 123.4): it failed multiples from just past 2**23 on, whatever the step.
+FLOAT_STEP_LIMIT = 2 ** 23
 #: Where a finite float's number is kept: llguidance 1.9 builds number ranges within ~1e18.
 FINITE_LIMIT = 10 ** 18
 _DAYS = r"(0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8])"
@@ -137,12 +139,15 @@ DURATION_PATTERN = rf"^P(({_DATE})({_TIME})?|{_TIME})$"
 
 
 def _bounded(number: dict, limit) -> dict:
-    """``number`` kept within ``limit`` on each side it has no bound."""
+    """``number`` kept within ``limit``: a side with no bound, or one past it, is bounded
+    there (the field's own ``le=1e12`` let 52176088.9 through a step of 0.1)."""
     out = dict(number)
-    if "maximum" not in out and "exclusiveMaximum" not in out:
-        out["exclusiveMaximum"] = limit
-    if "minimum" not in out and "exclusiveMinimum" not in out:
-        out["exclusiveMinimum"] = -limit
+    for key, exclusive, sign in (("maximum", "exclusiveMaximum", 1), ("minimum", "exclusiveMinimum", -1)):
+        own = [out[k] * sign for k in (key, exclusive) if isinstance(out.get(k), (int, float))
+               and not isinstance(out.get(k), bool)]
+        if not own or min(own) > limit:
+            out.pop(key, None)
+            out[exclusive] = sign * limit
     return out
 
 
@@ -154,13 +159,12 @@ def _float_step_bounds(number: dict) -> dict:
         return number
     if Decimal(float(step)) == step:  # the float is the step written: exact to 15 digits
         return _within_float_digits(number)
-    limit = step * FLOAT_STEPS
-    return _bounded(number, int(limit) if limit == limit.to_integral_value() else float(limit))
+    return _bounded(number, FLOAT_STEP_LIMIT)
 
 
 def _within_float_digits(number: dict) -> dict:
-    """A number branch with a ``multipleOf`` of k places, bounded where the field is not to
-    less than 10**(15 - k): Pydantic reads a JSON number through a float, and a longer one
+    """A number branch with a ``multipleOf`` of k places, kept under 10**(15 - k) (where
+    the field is not bounded, or is past it): Pydantic reads a JSON number through a float, and a longer one
     (a sampled answer wrote a 29-digit integer) failed the step it holds."""
     step = _as_decimal(number.get("multipleOf"))
     exponent = None if step is None else step.as_tuple().exponent

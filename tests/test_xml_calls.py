@@ -17,7 +17,7 @@ import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
 import pytest
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from mlx_tandem import Engine, SamplingParams
 from mlx_tandem.chat_format import ChatFormat
@@ -330,6 +330,40 @@ def test_values_are_read_by_their_schema():
     # field that takes null reads None).
     body = "<function=lookup>\n<parameter=short>\nNuLL\n</parameter>\n<parameter=text>\nnull\n</parameter>\n"
     assert read_arguments({"short": None, "text": None}, lookup, body) == {"short": "NuLL", "text": None}
+
+
+def test_raw_values_take_ascii_digits_and_a_date_time_its_offset(grammar):
+    """A raw value's pattern was compiled with Rust's Unicode ``\\d``, so the model wrote
+    Arabic-Indic and fullwidth digits into NaiveDatetime, timedelta and Decimal values that
+    Pydantic refused, and a ``date-time`` without its offset (AwareDatetime took none): a
+    JSON Schema pattern's classes are ECMA-262's, ASCII, and RFC 3339 writes an offset (a
+    fuzz, 2026-11-30). Each text the grammar takes validates."""
+    from decimal import Decimal as D
+
+    from pydantic import AwareDatetime, NaiveDatetime
+
+    from mlx_tandem.pydantic_schema import json_schema
+
+    class Stamp(BaseModel):
+        naive: Optional[NaiveDatetime] = None
+        aware: Optional[AwareDatetime] = None
+        span: Optional[datetime.timedelta] = None
+        price: Optional[D] = None
+        code: Optional[str] = Field(default=None, pattern=r"^\d{3}$")
+
+    tools = [{"type": "function", "function": {"name": "stamp", "parameters": json_schema(Stamp)}}]
+    forced = tool_call_constraint(ChatFormat(**CODER), tools, ["stamp"], parallel=False, marker=grammar.marker)
+    cases = {"naive": {"2024-01-05T10:20:30": True, "\u0662024-01-05T10:20:30": False},
+             "aware": {"2024-01-05T10:20:30Z": True, "2024-01-05T10:20:30": False},
+             "span": {"P12DT3H": True, "P\u0661D": False, "P\uff11D": False},
+             "price": {"12.50": True, "1\u0663.5": False},
+             "code": {"123": True, "\u0661\u0662\u0663": False}}
+    for key, texts in cases.items():
+        for value, taken in texts.items():
+            text = f"<tool_call>\n<function=stamp>\n<parameter={key}>\n{value}\n</parameter>\n</function>\n</tool_call>"
+            assert _takes(grammar, forced, text) == taken, (key, value)
+            if taken:
+                Stamp.model_validate({key: value})
 
 
 def _validate(name: str, args: dict) -> None:

@@ -23,7 +23,8 @@ reads the values back by the same rules:
   (mlx-lm's parser cuts there) or the call's end marker (chat_output.py ends the call
   there), or spelling ``null`` in any case (the parser reads None). Its ``pattern``,
   ``minLength`` (up to ``_MAX_MIN_LENGTH``), ``maxLength`` (up to ``_MAX_LENGTH``) and the
-  formats in ``_FORMATS`` hold. Enum and const values are literals, booleans and nulls
+  formats in ``_FORMATS`` hold (a pattern's ``\\d`` and ``\\w`` ASCII, as ECMA-262 reads
+  them: ``ascii_classes``). Enum and const values are literals, booleans and nulls
   in either spelling (below).
 - Numbers, objects and arrays are JSON text; the JSON grammar holds their schemas. A
   number without bounds is held to 16 digits and a two-digit exponent (``1e999`` reads as
@@ -75,7 +76,8 @@ _MAX_DEPTH = 16
 _CLOCK = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?"
 _OFFSET = r"([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _FORMATS = {
-    "date-time": rf"[0-9]{{4}}-[0-9]{{2}}-[0-9]{{2}}[Tt ]{_CLOCK}{_OFFSET}?",
+    # RFC 3339's, as a JSON body's: an offset (one left optional let AwareDatetime go without).
+    "date-time": rf"[0-9]{{4}}-[0-9]{{2}}-[0-9]{{2}}[Tt ]{_CLOCK}{_OFFSET}",
     "time": rf"{_CLOCK}{_OFFSET}?",
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
     "email": r"[^@\s<>]+@[^@\s<>.]+(\.[^@\s<>.]+)+",
@@ -410,9 +412,44 @@ def _anchored(pattern: str) -> str:
     alternative is anchored on its own (``^a|b$``: starts with a, or ends with b), after
     leading inline flags such as ``(?i)``. Anchors inside a group are left to the regex
     engine (Lark's regex then holds them only at the value's ends)."""
+    pattern = ascii_classes(pattern)
     flags = re.match(r"\(\?[a-zA-Z]+\)", pattern)
     head = flags.group(0) if flags else ""
     return head + "|".join(_anchored_branch(b) for b in _top_level_branches(pattern[len(head):]))
+
+
+_ASCII = {"d": ("[0-9]", "0-9"), "w": ("[A-Za-z0-9_]", "A-Za-z0-9_"), "D": ("[^0-9]", None),
+          "W": ("[^A-Za-z0-9_]", None)}
+
+
+def ascii_classes(pattern: str) -> str:
+    """``\\d``, ``\\w`` (and outside a class ``\\D``, ``\\W``) as ECMA-262 reads them in a JSON
+    Schema pattern: ASCII. A raw value's pattern goes to llguidance as a Lark regex (Rust's
+    syntax), whose classes are Unicode, and the model wrote Arabic-Indic and fullwidth
+    digits into dates and durations that Pydantic refused (a fuzz, 2026-11-30)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            ascii_form = _ASCII.get(pattern[i + 1])
+            form = ascii_form and ascii_form[1 if in_class else 0]
+            out.append(form or pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class and ch == "]":
+            in_class = False
+        elif not in_class and ch == "[":
+            in_class = True
+            out.append(ch)
+            i += 1
+            for lead in ("^", "]"):  # a "]" first in a class is a literal
+                if pattern[i:i + 1] == lead:
+                    out.append(lead)
+                    i += 1
+            continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
 
 
 def _anchored_branch(body: str) -> str:

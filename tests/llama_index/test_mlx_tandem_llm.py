@@ -675,6 +675,30 @@ def test_a_decimal_is_held_to_what_a_decimal_takes():
         Price.model_validate(call.tool_kwargs["price"])
 
 
+class Tree(BaseModel):
+    v: int
+    kids: list["Tree"] = []
+
+
+def plant(**kwargs) -> str:
+    """Plant a tree."""
+    return "planted"
+
+
+def test_a_recursive_tool_schema_keeps_its_ref():
+    """A recursive model is a "$ref" to its own "$defs" entry; core's ``to_openai_tool``
+    keeps the "$defs" and drops the "$ref", a schema of any JSON: a forced call's arguments
+    came back ``0.0`` or ``true``, an invalid call (a fuzz, 2026-11-30)."""
+    tool = FunctionTool.from_defaults(fn=plant, name="plant", fn_schema=Tree)
+    assert "$ref" not in tool.metadata.to_openai_tool()["function"]["parameters"]
+    for seed in range(3):
+        llm = make_llm(max_tokens=60, temperature=1.0, seed=seed)
+        response = llm.chat_with_tools([tool], user_msg="plant", tool_required=True)
+        (call,) = llm.get_tool_calls_from_response(response)
+        Tree.model_validate(call.tool_kwargs)
+        assert not response.message.additional_kwargs.get("invalid_tool_calls")
+
+
 def test_a_relative_model_path_is_fixed_when_the_adapter_is_made(tmp_path, monkeypatch):
     from ..adapter_checks import relative_model_path_is_fixed_at_construction
 

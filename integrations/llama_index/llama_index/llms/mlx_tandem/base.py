@@ -511,11 +511,27 @@ def _openai_tool(tool: Any) -> dict:
     Pydantic (a ``Decimal``'s string branch held to a decimal's pattern, where Pydantic's
     takes any text) in the engine's words, keeping the keys core keeps."""
     spec = tool.metadata.to_openai_tool(skip_length_check=True)
-    ours = narrowed_schema(tool.metadata.fn_schema)
+    model = tool.metadata.fn_schema
+    ours = narrowed_schema(model)
+    if ours is None and "$ref" in _pydantic_schema(model):
+        # A recursive model is a "$ref" to its own "$defs" entry; core keeps the "$defs" and
+        # drops the "$ref" (llama-index-core 0.14), which left {"$defs": ...}: a schema of
+        # any JSON, and a forced call's arguments came back 0.0 or true.
+        ours = json_schema(model)
     if ours is not None:
         spec["function"]["parameters"] = {k: v for k, v in ours.items()
-                                          if k in ("type", "properties", "required", "definitions", "$defs")}
+                                          if k in ("type", "properties", "required", "definitions", "$defs", "$ref")}
     return spec
+
+
+def _pydantic_schema(model: Any) -> dict:
+    """A Pydantic 2 model's own JSON schema; {} for anything else, or one it cannot write."""
+    if not (isinstance(model, type) and hasattr(model, "model_json_schema")):
+        return {}
+    try:
+        return model.model_json_schema()
+    except Exception:  # noqa: BLE001 - core's own conversion reports it
+        return {}
 
 
 def _kwargs_dict(args: Union[dict, str]) -> dict:

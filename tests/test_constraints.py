@@ -594,6 +594,26 @@ def test_demo_model_structured_answer_closes_within_its_budget():
         assert_valid_structured(out, schema, Joke, n)
 
 
+def test_a_forced_call_that_fits_its_budget_is_the_models_own():
+    """The demo model's forced ``add(4, 5)`` is 24 tokens. At max_tokens=25 closing mode
+    took ``"b": 0``: the search after "5" closed with "}}" and "\\n" (4 tokens), not "}}\\n"
+    (3, but not counted a closer), so "5" was judged not to fit; at 24 the same call ended
+    with "length", the EOS after it unwritten (a fuzz, 2026-11-30). A forced call now ends
+    at its end marker, and a closer with a template's whitespace is a closer."""
+    from mlx_tandem import Engine
+
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+    with Engine(show_progress=False) as engine:
+        outs = {n: engine.chat_sync([{"role": "user", "content": "Add 4 and 5 using the tool."}],
+                                    SamplingParams(max_tokens=n), tools=tools, tool_choice="add", reasoning=False)
+                for n in (24, 25, 40)}
+    calls = {n: [(c.name, c.arguments) for c in out.tool_calls] for n, out in outs.items()}
+    assert len(outs[40].token_ids) == 24 and calls[40] == [("add", {"a": 4, "b": 5})]
+    assert calls[24] == calls[25] == calls[40]
+    assert all(out.finish_reason == "tool_calls" and out.usage.completion_tokens == 24 for out in outs.values())
+
+
 async def test_budget_just_large_enough_still_gives_valid_output(qwen3_5_engine):
     """max_tokens equal to (or just above) what closing mode needs: still a valid document.
     What it needs is its shorter spelling: content in long tokens closes enum_and_scalars
@@ -1327,6 +1347,10 @@ async def test_engine_keeps_serving_after_bad_constraints(qwen3_5_engine):
     assert plain.finish_reason in ("stop", "length") and len(plain.token_ids) >= 1
     assert_valid_structured(structured, schema, pytype, 30)
     assert_valid_calls(called, {"get_weather"})
+    for _ in range(100):  # a call that ends its answer frees its row on the engine's next loop
+        if engine.stats()["running"] == 0:
+            break
+        await asyncio.sleep(0.01)
     stats = engine.stats()
     assert stats["running"] == 0 and stats["waiting"] == 0
 

@@ -203,8 +203,11 @@ def plan_chat(
         forced_call=bool(forced),
         open_call=open_call,
         call_start_id=start_id,
-        # A forced call's grammar (and call_or_answer's) already ends the answer after one call.
-        max_tool_calls=1 if parallel_tool_calls is False and tools and not forced and not call_or_answer else None,
+        # One call: the answer ends at its end marker (a forced call's grammar would write
+        # only EOS after it, which a budget that fits the call exactly had no room for: a
+        # whole call ended with "length"). call_or_answer's grammar ends it itself.
+        max_tool_calls=1 if tools and not call_or_answer and (
+            parallel_tool_calls is not True if forced else parallel_tool_calls is False) else None,
         reason_first=reason_first,
         # With tools a grammar may write calls (a Lark format that names <tool_call>): parsed.
         verbatim=not tools and _verbatim(constraint, reason_first),

@@ -20,6 +20,7 @@ from .errors import ConstraintError
 # EOS ends the answer once it is complete.
 _CLOSERS = frozenset(b'"}])')
 _SEPARATORS = frozenset(b",:")
+_BLANKS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
 _STRUCTURE = frozenset(b'"{}[](),: \t\n\r')
 # Take the closing path while the budget still exceeds it by this many tokens. One token can
@@ -97,8 +98,8 @@ def token_classes(llt, vocab_size: int, eos_token_ids: Sequence[int]) -> TokenCl
             awkward[i] = b"\\" in b
         except UnicodeDecodeError:
             partial[i] = True
-        if b and all(ch in _CLOSERS for ch in b):
-            tier[i] = 1
+        if b and all(ch in _CLOSERS or ch in _BLANKS for ch in b) and any(ch in _CLOSERS for ch in b):
+            tier[i] = 1  # closers, with the whitespace a template writes after them ("}}\n")
         elif b and all(ch in _SEPARATORS for ch in b):
             tier[i] = 2
         elif b and all(ch in _DIGITS for ch in b):

@@ -746,7 +746,7 @@ def test_v1_blocks_keep_text_written_after_a_call_in_place():
     parser_args = dict(parse_tool_calls=True, tools=[convert_to_openai_tool(add)])
     assert shape(WrittenBlocks.of(out)) == written
     for size in (1, 2, 3, 5, 8, len(out.text)):
-        parser, builder = ChatOutputParser(llm.engine._format, **parser_args), ChunkBuilder("m")
+        parser, builder = ChatOutputParser(llm.engine._format, **parser_args), ChunkBuilder("m", written=WrittenBlocks())
         pieces = [out.text[i:i + size] for i in range(0, len(out.text), size)]
         brought = []  # text and calls in the order the chunks bring them
         for k, piece in enumerate(pieces):

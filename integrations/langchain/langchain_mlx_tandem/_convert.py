@@ -336,19 +336,20 @@ class ChunkBuilder:
     answer (the engine's, valid and invalid calls in the order written). A delta that holds
     text after a call is cut there, one chunk per stretch of text and the calls after it, so
     the chunks' v1 blocks (which core numbers in order) keep the order written, however the
-    tokens were grouped into deltas (MTP on or off). ``written`` gathers the blocks as
-    ``WrittenBlocks.of`` gives them for the whole answer."""
+    tokens were grouped into deltas (MTP on or off). ``written``, where given (v1), gathers
+    the blocks as ``WrittenBlocks.of`` gives them for the whole answer."""
 
     def __init__(self, model_name: str, usage: bool = True, written: Optional[WrittenBlocks] = None):
         self._model_name = model_name
         self._usage = usage  # usage_metadata on the last chunk (ChatMLX.stream_usage)
         self._content_chars = 0  # content of the deltas so far
-        self.written = WrittenBlocks() if written is None else written
+        self.written = written
 
     def chunks(self, delta) -> list[AIMessageChunk]:
         stretches = _stretches(delta.content or "", _in_written_order(delta), self._content_chars)
         self._content_chars += len(delta.content or "")
-        self.written.add(stretches)
+        if self.written is not None:
+            self.written.add(stretches)
         out = []
         for k, (text, calls) in enumerate(stretches):
             first, last = k == 0, k == len(stretches) - 1

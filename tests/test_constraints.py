@@ -192,21 +192,21 @@ async def test_dicts_keyed_by_a_literal_or_an_enum_are_held_to_their_keys(qwen3_
 
     schema = Tally.model_json_schema()
     assert "propertyNames" in json.dumps(schema)
-    from mlx_tandem.constraints import _prepared_schema
+    from mlx_tandem.schema_prep import prepared_schema
 
     # A listed property keeps its schema, the other names take additionalProperties'; a
     # required key the names refuse is left for llguidance to refuse (no object fits).
-    assert _prepared_schema({"type": "object", "propertyNames": {"enum": ["a", "b"]},
+    assert prepared_schema({"type": "object", "propertyNames": {"enum": ["a", "b"]},
                              "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}}) == {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
         "additionalProperties": False}
-    assert "propertyNames" in _prepared_schema({"type": "object", "propertyNames": {"const": "a"}, "required": ["b"]})
+    assert "propertyNames" in prepared_schema({"type": "object", "propertyNames": {"const": "a"}, "required": ["b"]})
     # Names restricted further (maxLength, a pattern, a $ref beside other keywords) are left
     # as written: listed as properties, "bb" was taken (review h96).
     defs = {"K": {"enum": ["a", "bb"]}}
     for names in ({"enum": ["a", "bb"], "type": "string", "maxLength": 1}, {"enum": ["a", "bb"], "pattern": "^a$"},
                   {"$ref": "#/$defs/K", "maxLength": 1}):
-        assert "propertyNames" in _prepared_schema({"type": "object", "$defs": defs, "propertyNames": names})
+        assert "propertyNames" in prepared_schema({"type": "object", "$defs": defs, "propertyNames": names})
     grammar = qwen3_5_engine._grammar
     compiled = Constraint.json_schema(schema)
 
@@ -274,8 +274,8 @@ def test_numeric_bounds_are_held_as_written_or_refused(qwen3_5_engine):
     import subprocess
     import sys
 
-    code = ("from mlx_tandem.constraints import _prepared_schema; from mlx_tandem.errors import ConstraintError\n"
-            "try:\n    _prepared_schema({'type': 'integer', 'minimum': -2**70, 'maximum': -2**70 + 5})\n"
+    code = ("from mlx_tandem.schema_prep import prepared_schema; from mlx_tandem.errors import ConstraintError\n"
+            "try:\n    prepared_schema({'type': 'integer', 'minimum': -2**70, 'maximum': -2**70 + 5})\n"
             "except ConstraintError:\n    print('refused')")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "refused", (run.returncode, run.stderr[-400:])

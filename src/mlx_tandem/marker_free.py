@@ -18,7 +18,7 @@ refuses them instead:
 Not held: a string with a ``minLength`` over ``MAX_MIN_LENGTH`` (below); the keys of a
 free-form object (``dict[str, int]``; llguidance 1.9.1 has no ``propertyNames``); and the
 values of keys an object leaves open beside properties that other subschemas name
-(constraints.py keeps such objects open).
+(schema_prep.py keeps such objects open).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ from typing import Any, Optional
 
 from pydantic.json_schema import GenerateJsonSchema
 
-from .constraints import multiple_held
+from .schema_prep import multiple_held
 
 #: What ``Decimal(text)`` takes, less exponents and surrounding spaces (a grammar may allow
 #: less than the model validates, never more).
@@ -82,7 +82,7 @@ class GrammarJsonSchema(GenerateJsonSchema):
         bounded = any(schema.get(k) is not None for k in _BOUNDS)
         number = [b for b in branches if b.get("type") == "number"]
         # A step other than a power of ten that the grammar holds (llguidance refuses 0.07,
-        # which constraints.py drops: left to Pydantic's check, as in the pattern's string).
+        # which schema_prep.py drops: left to Pydantic's check, as in the pattern's string).
         other_step = (schema.get("multiple_of") is not None and step_places is None
                       and all(multiple_held(b["multipleOf"]) for b in number if "multipleOf" in b))
         if not bounded and not other_step:  # the pattern holds everything it can

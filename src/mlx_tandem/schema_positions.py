@@ -2,7 +2,7 @@
 
 Everything else, ``const``, ``enum``, ``default`` and ``examples`` above all, is data: a
 value that has a "properties" key is not an object schema. Walks over a schema
-(constraints.py's preparation, marker_free.py) visit these positions only.
+(schema_prep.py's preparation, marker_free.py) visit these positions only.
 """
 
 SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

@@ -71,7 +71,7 @@ _MAX_LENGTH = 16
 # A larger minLength ran llguidance out of fuel ("fuel exhausted"); left to the tool.
 _MAX_MIN_LENGTH = 500
 _MAX_DEPTH = 16
-# String formats a raw value is held to (on top of constraints.py's date patterns, which
+# String formats a raw value is held to (on top of schema_prep.py's date patterns, which
 # check the date and leave the rest to llguidance's own format check in a JSON body).
 _CLOCK = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?"
 _OFFSET = r"([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
@@ -115,7 +115,7 @@ def xml_body_rules(tools: Sequence[dict], names: Sequence[str], *, json_style: d
     grammar takes it (closing.py, ``text_markup``): a greedy walk wrote every optional
     parameter whose name shares a first token with a required one.
 
-    ``prepare``: constraints.py's schema preparation (formats as patterns, closed objects),
+    ``prepare``: schema_prep.py's schema preparation (formats as patterns, closed objects),
     applied to each tool's parameters as the JSON body applies it. ``end_marker``: the
     format's ``</tool_call>``, which a raw value may not spell either."""
     by_name = {t["function"]["name"]: t["function"] for t in tools}

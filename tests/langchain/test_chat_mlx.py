@@ -1048,6 +1048,21 @@ def test_n_answers_decode_together_each_as_its_own_request():
             make_llm(n=bad)
 
 
+def test_n_beyond_what_the_engine_holds_is_refused_before_any_answer_is_submitted():
+    """An ``n`` over max_batch_size + max_waiting could never be queued: it fails at once,
+    submitting nothing (it filled the waiting queue, so other callers' requests failed, then
+    failed itself with QueueFullError after tens of seconds at n=60000); one that fits runs."""
+    llm = ChatMLX(model=PATHS["qwen3_5"], engine_options={**OPTS, "max_batch_size": 2, "max_waiting": 3},
+                  max_tokens=2)
+    before = llm.engine.stats()["requests"]
+    for call in (lambda: llm.invoke("Hi", n=6), lambda: asyncio.run(llm.ainvoke("Hi", n=6))):
+        with pytest.raises(InvalidRequestError, match="at most 5 requests"):
+            call()
+    assert llm.engine.stats()["requests"] == before
+    result = llm.generate([[HumanMessage("Hi")]], n=5)
+    assert len(result.generations[0]) == 5
+
+
 def test_n_answers_opened_before_one_fails_to_open_are_cancelled_at_once(monkeypatch):
     """When answer 2 of n cannot be submitted, answer 1 is aborted then and there (sync and
     async), not left decoding until its stream is garbage-collected."""

@@ -15,7 +15,7 @@ from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.utils import convert_to_messages
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableGenerator, RunnableMap
 from langchain_core.runnables.utils import AddableDict
 from langchain_core.tools import BaseTool
@@ -30,6 +30,7 @@ from mlx_tandem.call_options import (merge_stops, model_name_alias, pin_checkpoi
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 from mlx_tandem.errors import InvalidRequestError, TemplateError
 
+from ._choices import choice_params, fits_queue, result_of
 from ._convert import PROVIDER, ChunkBuilder, WrittenBlocks, to_ai_message, to_engine_messages
 from ._parsers import WholeJsonKeyToolsParser, WholeJsonParser, WholePydanticParser, WholePydanticToolsParser
 from ._schemas import whole_model_schema
@@ -278,12 +279,13 @@ class ChatMLX(BaseChatModel):
             written = WrittenBlocks()
             return _collect(self._chunks(messages, stop, run_manager, kwargs, written), self._blocks(written))
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
+        fits_queue(engine, n)
         streams = []
         try:
             # All submitted before any is read: the answers decode in one batch.
-            for p in _choice_params(params, n):
+            for p in choice_params(params, n):
                 streams.append(engine.open_chat_stream_sync(msgs, p, timeout=timeout, **options))
-            return _result(*(self._message(s.collect(), model_name) for s in streams))
+            return result_of(*(self._message(s.collect(), model_name) for s in streams))
         finally:
             for s in streams:
                 s.cancel()  # those left running when one failed to open or to finish
@@ -297,15 +299,16 @@ class ChatMLX(BaseChatModel):
             chunks = [c async for c in self._achunks(messages, stop, run_manager, kwargs, written)]
             return _collect(iter(chunks), self._blocks(written))
         engine, model_name, msgs, params, options, timeout = self._request(messages, stop, kwargs)
+        fits_queue(engine, n)
         streams = []
         try:
-            for p in _choice_params(params, n):
+            for p in choice_params(params, n):
                 streams.append(await engine.open_chat_stream(msgs, p, timeout=timeout, **options))
             outs = await asyncio.gather(*(s.collect() for s in streams))
         finally:
             for s in streams:
                 s.cancel()
-        return _result(*(self._message(out, model_name) for out in outs))
+        return result_of(*(self._message(out, model_name) for out in outs))
 
     def _blocks(self, written: WrittenBlocks) -> Optional[list]:
         """Under ``output_version="v1"``, the answer's content: its blocks in the order
@@ -542,34 +545,7 @@ def _collect(chunks: Iterator[ChatGenerationChunk], blocks: Optional[list] = Non
         tool_calls=msg.tool_calls,
         invalid_tool_calls=msg.invalid_tool_calls, usage_metadata=msg.usage_metadata,
         response_metadata=msg.response_metadata, id=msg.id)
-    return _result(message)
-
-
-def _choice_params(params, n: int) -> list:
-    """One request's params per answer: with a seed, answer i draws with seed + i (the same
-    seed would draw the same answer n times)."""
-    if params.seed is None:
-        return [params] * n
-    return [params.with_updates(seed=(params.seed + i) % 2**64) for i in range(n)]
-
-
-def _result(*messages: AIMessage) -> ChatResult:
-    """A generation per answer, with ``llm_output`` as ChatOpenAI fills it (model name, token
-    usage in OpenAI's keys: the prompt once, every answer's tokens): callback handlers
-    written for ``on_llm_end`` read usage there."""
-    llm_output: dict[str, Any] = {"model_name": messages[0].response_metadata.get("model_name")}
-    usages = [m.usage_metadata for m in messages if m.usage_metadata]
-    if usages:
-        prompt, completion = usages[0]["input_tokens"], sum(u["output_tokens"] for u in usages)
-        llm_output["token_usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                                     "total_tokens": prompt + completion}
-    generations = []
-    for message in messages:
-        info: dict[str, Any] = {"finish_reason": message.response_metadata.get("finish_reason")}
-        if "logprobs" in message.response_metadata:  # as ChatOpenAI's generation_info
-            info["logprobs"] = message.response_metadata["logprobs"]
-        generations.append(ChatGeneration(message=message, generation_info=info))
-    return ChatResult(generations=generations, llm_output=llm_output)
+    return result_of(message)
 
 
 def _chunk_info(message: AIMessageChunk) -> Optional[dict[str, Any]]:

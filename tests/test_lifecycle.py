@@ -463,6 +463,37 @@ time.sleep(1.0)
     assert "exit waits for the engine's step in progress" in proc.stderr
 
 
+def test_exit_stops_the_engine_before_library_exit_hooks_touch_mlx(tmp_path, qwen3_5_mtp_path):
+    """mlx-vlm 0.7.10, first imported while the MTP head loads, registers an exit hook that
+    calls ``mx.clear_streams()`` on the main thread; exit ran it (newest first) while the
+    owner thread was still alive, before the engine's own hook stopped it (an audit)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_with_engine_open.py"
+    script.write_text(f'''
+import sys, threading
+from mlx_tandem import Engine  # before mlx: it loads OpenBLAS under it
+from mlx_tandem.core import OWNER_THREAD_NAME
+import mlx.core as mx
+
+real = mx.clear_streams
+def recording():
+    alive = any(t.name == OWNER_THREAD_NAME and t.is_alive() for t in threading.enumerate())
+    print(f"clear_streams on {{threading.current_thread().name}}, owner alive: {{alive}}", file=sys.stderr)
+    return real()
+mx.clear_streams = recording
+
+engine = Engine({str(qwen3_5_mtp_path)!r}, show_progress=False, mtp="on").start_sync()
+assert "mlx_vlm" in sys.modules  # the load imported it, as the hook's registration needs
+engine.complete_sync("go on", {{"max_tokens": 2}})
+''')
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "clear_streams on MainThread, owner alive: False" in proc.stderr, proc.stderr[-2000:]
+    assert "on MainThread, owner alive: True" not in proc.stderr  # the owner's own call is its own
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 def test_a_child_forked_while_the_engine_loads_gets_a_typed_error(llama_path, monkeypatch):
     """Forked while the parent's engine was still loading, the child waited for good on the

@@ -8,7 +8,6 @@ come back through a per-request sink.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import dataclasses
 import functools
 import logging
@@ -42,6 +41,7 @@ from .params import SamplingParams
 from .prompt import PromptRenderer, raw_prompt_ids
 from .stats import EngineStats
 from .streams import AsyncStream, SyncStream
+from .teardown import exit_hook
 from .request import AsyncSink, Request, SyncSink, new_request_id
 
 logger = logging.getLogger(__name__)
@@ -582,7 +582,7 @@ class Engine:
 _EXIT_WAIT_S = 120.0
 
 
-@atexit.register
+@exit_hook
 def _close_live_engines() -> None:
     cores = {id(c): c for c in _live_cores}
     cores.update({id(e._core): e._core for e in list(_live_engines) if e._core is not None})

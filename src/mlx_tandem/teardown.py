@@ -9,12 +9,34 @@ of a load error it hands to callers.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
+
+_exit_hooks: list[Callable[[], None]] = []
+
+
+def exit_hook(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register ``fn`` to run at exit, before the hooks of libraries imported later (see
+    ``keep_exit_hooks_first``)."""
+    _exit_hooks.append(fn)
+    atexit.register(fn)
+    return fn
+
+
+def keep_exit_hooks_first() -> None:
+    """Register our exit hooks again, so they run before any a library registered since
+    (exit runs them newest first). mlx-vlm 0.7.10 registers one when it is first imported,
+    during a model load, that calls ``mx.clear_streams()`` on the main thread: it ran while
+    the owner thread was still alive, before the hook that stops it (an audit). Pure
+    Python: any thread may call it."""
+    for fn in _exit_hooks:
+        atexit.unregister(fn)
+        atexit.register(fn)
 
 
 def clear_frames(exc: BaseException) -> None:

@@ -187,7 +187,11 @@ async def test_template_failure_is_a_typed_error(llama_engine):
 
 
 @pytest.mark.parametrize("calls", ["nope", [1], [{"id": "x", "function": "f"}], [{"function": {"name": None}}],
-                                   [{"id": "x", "arguments": {}}]])
+                                   [{"id": "x", "arguments": {}}],
+                                   # arguments the template cannot print as JSON: a set came out
+                                   # "<set>", a NaN as NaN (the adapters refused them already)
+                                   [{"function": {"name": "f", "arguments": {"a": {1, 2}}}}],
+                                   [{"name": "f", "arguments": {"a": float("nan")}}]])
 def test_malformed_tool_calls_are_typed_errors(calls):
     with pytest.raises(InvalidRequestError):
         normalize_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls}])

@@ -71,15 +71,18 @@ def _validate_tool_calls(calls: Any, where: str) -> None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise InvalidRequestError(
                 f"{where}[{j}] must be {{'function': {{'name': ..., 'arguments': ...}}}} or {{'name': ..., 'arguments': ...}}")
+        # The template prints them as JSON: a set went in as "<set>", a NaN as NaN.
+        arguments_text(fn.get("arguments"), f"{where}[{j}]")
 
 
 def arguments_text(args: Any, where: str) -> str:
     """A call's arguments as the JSON text a template renders (a string is kept as given),
-    for the adapters' histories; InvalidRequestError where they are not JSON (a date, a set)."""
+    for the adapters' histories; InvalidRequestError where they are not JSON (a date, a
+    set, a NaN)."""
     if isinstance(args, str):
         return args
     try:
-        return json.dumps(args, ensure_ascii=False)
+        return json.dumps(args, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(f"{where}: tool call arguments must be JSON-serializable ({exc})") from None
 

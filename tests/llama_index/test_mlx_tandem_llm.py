@@ -169,6 +169,18 @@ def test_history_that_is_not_json_or_not_a_call_is_a_typed_error():
             to_engine_messages([*user("hi"), *history, result])
 
 
+def test_tools_that_are_not_llama_index_tools_are_a_typed_error():
+    """A name, None or an OpenAI-style dict where a tool belongs raised a bare AttributeError
+    (an audit); the call is refused before anything reaches the engine."""
+    llm = make_llm()
+    good = FunctionTool.from_defaults(add)
+    before = llm.engine.stats()["requests"]
+    for bad in ("add", None, good.metadata.to_openai_tool()):
+        with pytest.raises(InvalidRequestError, match="LlamaIndex tools"):
+            llm.chat_with_tools([good, bad], user_msg="What is 2 + 3?")
+    assert llm.engine.stats()["requests"] == before
+
+
 def test_images_on_text_model_are_a_typed_error_and_the_engine_keeps_serving():
     llm = make_llm()
     msg = ChatMessage(role="user", blocks=[TextBlock(text="what is this"), ImageBlock(image=PNG)])

@@ -43,8 +43,9 @@ from llama_index.core.types import PydanticProgramMode
 from mlx_tandem import Engine, SamplingParams
 from mlx_tandem.call_options import model_name_alias, pin_checkpoint, pinned_checkpoint, resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
-from mlx_tandem.pydantic_schema import json_schema, narrowed_schema
+from mlx_tandem.pydantic_schema import json_schema
 
+from ._tools import first_call_only, keep_first_tool_call, kwargs_dict, openai_tool
 from ._convert import (StreamAccumulator, in_written_order, to_chat_response, to_completion_response,
                        to_engine_messages)
 
@@ -254,7 +255,7 @@ class MLXTandemLLM(FunctionCallingLLM):
                 for delta in stream:
                     response = acc.chat(delta)
                     if response is not None:
-                        yield _one_call(response) if one_call else response
+                        yield first_call_only(response) if one_call else response
 
         return gen()
 
@@ -271,7 +272,7 @@ class MLXTandemLLM(FunctionCallingLLM):
                 async for delta in stream:
                     response = acc.chat(delta)
                     if response is not None:
-                        yield _one_call(response) if one_call else response
+                        yield first_call_only(response) if one_call else response
 
         return gen()
 
@@ -372,7 +373,7 @@ class MLXTandemLLM(FunctionCallingLLM):
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
         out: dict[str, Any] = {"messages": messages, **kwargs}
         if tools:
-            out["tools"] = [_openai_tool(t) for t in tools]
+            out["tools"] = [openai_tool(t) for t in tools]
             # The LLM's default tool_choice (additional_kwargs) holds unless the call asks
             # for one: tool_required or its own tool_choice.
             default = self.additional_kwargs.get("tool_choice", "auto")
@@ -383,13 +384,13 @@ class MLXTandemLLM(FunctionCallingLLM):
     def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[Any],
                                            allow_parallel_tool_calls: bool = False, **kwargs: Any) -> ChatResponse:
         if not allow_parallel_tool_calls:
-            _keep_first_tool_call(response.message)
+            keep_first_tool_call(response.message)
         return response
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
                                      **kwargs: Any) -> list[ToolSelection]:
         calls = [ToolSelection(tool_id=b.tool_call_id or f"call_{i}", tool_name=b.tool_name,
-                               tool_kwargs=_kwargs_dict(b.tool_kwargs))
+                               tool_kwargs=kwargs_dict(b.tool_kwargs))
                  for i, b in enumerate(b for b in response.message.blocks if isinstance(b, ToolCallBlock))]
         # A call that failed to parse but names a tool is returned too, its arguments read
         # leniently (as the OpenAI LLM reads any): the agent runs it, the tool's error goes
@@ -400,7 +401,7 @@ class MLXTandemLLM(FunctionCallingLLM):
             if isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] and c.get("id") \
                     and not c.get("truncated"):
                 calls.append(ToolSelection(tool_id=c["id"], tool_name=c["name"],
-                                           tool_kwargs=_kwargs_dict(c.get("arguments") or "")))
+                                           tool_kwargs=kwargs_dict(c.get("arguments") or "")))
         if not calls and error_on_no_tool_call:
             raise ValueError(f"Expected at least one tool call, but got {len(calls)} tool calls.")
         # In the order the model wrote them (an agent runs them in this order).
@@ -506,72 +507,6 @@ class MLXTandemLLM(FunctionCallingLLM):
 
 
 # ---------------------------------------------------------------------- helpers
-def _openai_tool(tool: Any) -> dict:
-    """``to_openai_tool()``, with a Pydantic argument model the engine writes tighter than
-    Pydantic (a ``Decimal``'s string branch held to a decimal's pattern, where Pydantic's
-    takes any text) in the engine's words, keeping the keys core keeps."""
-    spec = tool.metadata.to_openai_tool(skip_length_check=True)
-    model = tool.metadata.fn_schema
-    ours = narrowed_schema(model)
-    if ours is None and "$ref" in _pydantic_schema(model):
-        # A recursive model is a "$ref" to its own "$defs" entry; core keeps the "$defs" and
-        # drops the "$ref" (llama-index-core 0.14), which left {"$defs": ...}: a schema of
-        # any JSON, and a forced call's arguments came back 0.0 or true.
-        ours = json_schema(model)
-    if ours is not None:
-        spec["function"]["parameters"] = {k: v for k, v in ours.items()
-                                          if k in ("type", "properties", "required", "definitions", "$defs", "$ref")}
-    return spec
-
-
-def _pydantic_schema(model: Any) -> dict:
-    """A Pydantic 2 model's own JSON schema; {} for anything else, or one it cannot write."""
-    if not (isinstance(model, type) and hasattr(model, "model_json_schema")):
-        return {}
-    try:
-        return model.model_json_schema()
-    except Exception:  # noqa: BLE001 - core's own conversion reports it
-        return {}
-
-
-def _kwargs_dict(args: Union[dict, str]) -> dict:
-    """A call's arguments; a string (a block from another integration) is parsed as the
-    OpenAI LLM does, leniently (a truncated object keeps its complete fields), else ``{}``."""
-    if isinstance(args, dict):
-        return args
-    try:
-        parsed = parse_partial_json(args)
-    except (TypeError, ValueError):
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
-
-
-def _one_call(response: ChatResponse) -> ChatResponse:
-    """A streamed response under ``parallel_tool_calls=False`` (``allow_parallel_tool_calls``
-    off): the engine ends the answer at its first valid call, but an invalid call before it
-    is streamed too; trimmed here as ``chat_with_tools`` trims, so an agent reading the last
-    response runs the same one call either way."""
-    _keep_first_tool_call(response.message)
-    return response
-
-
-def _keep_first_tool_call(message: ChatMessage) -> None:
-    seen = False
-    blocks = []
-    for b in message.blocks:
-        if isinstance(b, ToolCallBlock):
-            if seen:
-                continue
-            seen = True
-        blocks.append(b)
-    message.blocks = blocks
-    if message.additional_kwargs.get("tool_calls"):
-        message.additional_kwargs["tool_calls"] = message.additional_kwargs["tool_calls"][:1]
-    invalid = message.additional_kwargs.get("invalid_tool_calls")
-    if invalid:  # one call in all: the first valid one, else the first invalid one
-        message.additional_kwargs["invalid_tool_calls"] = [] if seen else invalid[:1]
-
-
 def _parse(output_cls: Type[BaseModel], response: Optional[ChatResponse]) -> BaseModel:
     if response is None:
         raise ValueError(f"the model produced no output for {output_cls.__name__}")

@@ -385,6 +385,16 @@ def test_an_integer_python_cannot_read_is_an_invalid_call(body):
     assert r.tool_calls == [] and [c.name for c in r.invalid_tool_calls] == [None] and r.content == "ok"
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_call_with_numbers_json_has_not_is_an_invalid_call(constant):
+    """Python's JSON reader takes NaN and Infinity: such a call came back valid, and sending
+    the answer back as history then failed (JSON arguments are required there)."""
+    text = call("add", None, raw_args='{"a": ' + constant + ', "b": 1}') + call("add", {"a": 1, "b": 2})
+    r = parse([text], parse_tool_calls=True)
+    assert [(c.name, c.arguments) for c in r.tool_calls] == [("add", {"a": 1, "b": 2})]
+    assert [c.name for c in r.invalid_tool_calls] == ["add"]
+
+
 def test_only_a_call_open_at_max_tokens_is_marked_truncated():
     """``truncated``: the answer reached max_tokens inside the call, so its arguments are
     those written so far; the adapters never run such a call."""

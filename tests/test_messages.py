@@ -180,6 +180,18 @@ async def test_openai_tool_call_arguments_render_like_dicts(llama_engine):
     assert llama_engine.apply_chat_template(as_string) == llama_engine.apply_chat_template(as_dict)
 
 
+def test_string_arguments_holding_numbers_json_has_not_reach_the_template_as_written():
+    """A JSON string of arguments becomes a dict for the template; one holding NaN or
+    Infinity is not JSON, so it stays the string (as any other non-JSON text does), where it
+    went in as a dict whose NaN the template printed."""
+    from mlx_tandem.prompt import _template_ready
+
+    for args, want in (('{"a": NaN}', '{"a": NaN}'), ('{"a": -Infinity}', '{"a": -Infinity}'), ('{"a": 1}', {"a": 1})):
+        msgs = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": args}}]}]
+        assert _template_ready(normalize_messages(msgs))[1]["tool_calls"][0]["function"]["arguments"] == want
+
+
 async def test_template_failure_is_a_typed_error(llama_engine):
     with pytest.raises(TemplateError):  # the template iterates over "tools"
         await llama_engine.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2),

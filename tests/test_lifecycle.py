@@ -463,13 +463,19 @@ time.sleep(1.0)
     assert "exit waits for the engine's step in progress" in proc.stderr
 
 
-def test_exit_stops_the_engine_before_library_exit_hooks_touch_mlx(tmp_path, qwen3_5_mtp_path):
-    """mlx-vlm 0.7.10, first imported while the MTP head loads, registers an exit hook that
-    calls ``mx.clear_streams()`` on the main thread; exit ran it (newest first) while the
-    owner thread was still alive, before the engine's own hook stopped it (an audit)."""
+@pytest.mark.parametrize("case", ["imported_by_the_load", "imported_by_the_user_later"])
+def test_exit_stops_the_engine_before_library_exit_hooks_touch_mlx(tmp_path, case, request):
+    """mlx-vlm 0.7.10, first imported while the MTP head loads (or by the user at any time),
+    registers an exit hook that calls ``mx.clear_streams()`` on the main thread; exit ran it
+    (newest first) while the owner thread was still alive, before the engine's own hook
+    stopped it (an audit and its review)."""
     import subprocess
     import sys
 
+    if case == "imported_by_the_load":
+        path, options, late_import = request.getfixturevalue("qwen3_5_mtp_path"), 'mtp="on"', ""
+    else:
+        path, options, late_import = request.getfixturevalue("llama_path"), 'mtp="off"', "import mlx_vlm"
     script = tmp_path / "exit_with_engine_open.py"
     script.write_text(f'''
 import sys, threading
@@ -484,9 +490,10 @@ def recording():
     return real()
 mx.clear_streams = recording
 
-engine = Engine({str(qwen3_5_mtp_path)!r}, show_progress=False, mtp="on").start_sync()
-assert "mlx_vlm" in sys.modules  # the load imported it, as the hook's registration needs
+engine = Engine({str(path)!r}, show_progress=False, {options}).start_sync()
 engine.complete_sync("go on", {{"max_tokens": 2}})
+{late_import}
+assert "mlx_vlm" in sys.modules  # its exit hook is registered
 ''')
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -13,6 +13,7 @@ import atexit
 import gc
 import logging
 import inspect
+import threading
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,8 @@ _exit_hooks: list[Callable[[], None]] = []
 
 
 def exit_hook(fn: Callable[[], None]) -> Callable[[], None]:
-    """Register ``fn`` to run at exit, before the hooks of libraries imported later (see
-    ``keep_exit_hooks_first``)."""
+    """Register ``fn`` to run at exit before the exit hooks of libraries imported after it
+    (see ``keep_exit_hooks_first``)."""
     _exit_hooks.append(fn)
     atexit.register(fn)
     return fn
@@ -30,13 +31,23 @@ def exit_hook(fn: Callable[[], None]) -> Callable[[], None]:
 
 def keep_exit_hooks_first() -> None:
     """Register our exit hooks again, so they run before any a library registered since
-    (exit runs them newest first). mlx-vlm 0.7.10 registers one when it is first imported,
-    during a model load, that calls ``mx.clear_streams()`` on the main thread: it ran while
-    the owner thread was still alive, before the hook that stops it (an audit). Pure
-    Python: any thread may call it."""
+    (exit runs them newest first). mlx-vlm 0.7.10 registers one when it is first imported
+    (by a model load, or by the user at any time) that calls ``mx.clear_streams()`` on the
+    main thread: it ran while the owner thread was still alive, before the hook that stops
+    it (an audit). Pure Python: any thread may call it."""
     for fn in _exit_hooks:
         atexit.unregister(fn)
         atexit.register(fn)
+
+
+# Last chance to reorder: threading's own exit hooks run when the main thread ends, before
+# any atexit hook, and before the non-daemon threads are joined (so they keep the engine).
+# A private hook of CPython >= 3.9 (concurrent.futures uses it); without it, the reordering
+# after each model load (core.py) still covers the libraries a load imports.
+try:
+    threading._register_atexit(keep_exit_hooks_first)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # another Python, or imported while shutting down
+    pass
 
 
 def clear_frames(exc: BaseException) -> None:

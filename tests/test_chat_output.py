@@ -395,6 +395,24 @@ def test_a_call_with_numbers_json_has_not_is_an_invalid_call(constant):
     assert [c.name for c in r.invalid_tool_calls] == ["add"]
 
 
+def test_with_call_start_by_token_a_marker_its_token_did_not_write_is_content():
+    """``call_start_by_token``: a call opens only at the offsets ``feed`` is given (where
+    the marker's special token wrote it); the same marker spelled otherwise is content,
+    for any split of the text."""
+    text = "Use the <tool_call> tag. " + call("add", {"a": 1, "b": 2}) + " done"
+    real = text.rindex("<tool_call>")
+    for pieces in splits(text):
+        p = ChatOutputParser(FMT, tools=TOOLS, parse_tool_calls=True, call_start_by_token=True)
+        r = Result()
+        for k, piece in enumerate(pieces):
+            r.add(p.feed(piece, call_starts=[real] if k == 0 else ()))
+        r.add(p.finish())
+        assert r.content == "Use the <tool_call> tag.done", pieces
+        assert [(c.name, c.arguments) for c in r.tool_calls] == [("add", {"a": 1, "b": 2})] and not r.invalid_tool_calls
+    # Without it, the mention opens a call, as text-based parsers read it.
+    assert not parse([text], parse_tool_calls=True).content.startswith("Use the <tool_call>")
+
+
 def test_only_a_call_open_at_max_tokens_is_marked_truncated():
     """``truncated``: the answer reached max_tokens inside the call, so its arguments are
     those written so far; the adapters never run such a call."""

@@ -162,6 +162,20 @@ def test_an_end_marker_inside_a_json_argument_is_call_text_to_the_matcher():
     assert _feed(StopStringMatcher(["}"], exempt=CALL), [text])[0] == text[: text.index("b}") + 1]
 
 
+def test_a_call_start_its_token_did_not_write_is_text_to_the_matcher():
+    """With ``call_start_id``, the matcher exempts a call only from where the start token
+    wrote its marker; a mention before it is text, a stop after the mention still matches."""
+    text = "Use <tool_call> tags} <tool_call>{\"a\": \"}\"}</tool_call> end} x"
+    real = text.rindex("<tool_call>")
+    by_token = dataclasses.replace(CALL, call_start_id=7)
+    for size in (len(text), 1, 4):
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        assert _feed(StopStringMatcher(["}"], by_token, call_starts=[real]), pieces) == ("Use <tool_call> tags", True)
+        # With the mention cut short by no stop, the real call is still exempt.
+        out = _feed(StopStringMatcher(["end}"], by_token, call_starts=[real]), pieces)
+        assert out == (text[: text.index("end}")], True), size
+
+
 THINKING = CallMarkers("<tool_call>", "</tool_call>", "<think>", "</think>")
 
 
@@ -315,6 +329,34 @@ async def test_a_call_spelling_its_end_marker_in_an_argument_is_one_call(qwen3_5
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("note", {"text": "a</tool_call>b}"})], out
     assert not out.invalid_tool_calls and out.finish_reason == "tool_calls"
     assert out.content == {"}": "okthen", "b": "okthen} more"}.get(stop[0] if stop else "", "okthen} more")
+
+
+@pytest.mark.parametrize("stop", [[], ["tag"]])
+async def test_a_call_marker_spelled_in_ordinary_tokens_is_text(qwen3_5_engine, stop):
+    """A call opens only where the marker's own special token wrote it, as the call grammars
+    write and open it. "<tool_call>" spelled in ordinary tokens (the answer mentions the tag)
+    opened a call in the parser and in the stop matcher: the rest of the sentence became an
+    invalid call, a real call after it was lost inside it, and a stop string after the
+    mention was taken for the call's text and never matched (an audit)."""
+    engine = qwen3_5_engine
+    m = engine._grammar.marker  # a grammar stands in for a model that mentions, then calls
+    assert m("<tool_call>").startswith("<[")  # one special token here
+    body = json.dumps('\n{"name": "note", "arguments": {"text": "hi"}}\n')
+    fmt = {"type": "lark", "grammar": f'start: "Use the <tool_call> tag. " {m("<tool_call>")} {body} '
+                                      f'{m("</tool_call>")} " done"'}
+    params = SamplingParams(max_tokens=80, stop=stop)
+    out = await engine.chat(USER, params, tools=[NOTE], response_format=fmt)
+    deltas = [d async for d in engine.stream_chat(USER, params, tools=[NOTE], response_format=fmt)]
+    if stop:  # the stop ends the text at the mention, which is no call
+        assert out.text == out.content == "Use the <tool_call> ", out
+        assert not out.tool_calls and not out.invalid_tool_calls and out.finish_reason == "stop"
+    else:
+        assert out.content == "Use the <tool_call> tag.done", out
+        assert [(c.name, c.arguments) for c in out.tool_calls] == [("note", {"text": "hi"})], out
+        assert not out.invalid_tool_calls and out.finish_reason == "tool_calls"
+    assert "".join(d.content or "" for d in deltas) == out.content
+    assert [(c.name, c.arguments) for d in deltas for c in d.tool_calls] == [(c.name, c.arguments) for c in out.tool_calls]
+    assert deltas[-1].finish_reason == out.finish_reason
 
 
 # ---------------------------------------------------------------------------- reasoning usage

@@ -79,8 +79,14 @@ class ChatOutputParser:
         forced_call: bool = False,
         max_tool_calls: Optional[int] = None,
         verbatim: bool = False,
+        call_start_by_token: bool = False,
     ):
         self._fmt = fmt
+        # The call-start marker is a special token: a call opens only where that token wrote
+        # it (``feed``'s ``call_starts``), as the call grammars open; spelled in ordinary
+        # tokens ("<tool" "_call>", mentioned in a sentence) it is text (detokenizer.CallMarkers).
+        self._by_token = call_start_by_token
+        self._call_starts: set[int] = set()
         self._verbatim = verbatim  # no markers: the text is the content, exactly
         self._max_calls = max_tool_calls
         #: The answer has made its last allowed call; everything after it is dropped.
@@ -142,10 +148,13 @@ class ChatOutputParser:
         return out
 
     # ------------------------------------------------------------------ feeding
-    def feed(self, text: str) -> ParsedDelta:
+    def feed(self, text: str, call_starts: Sequence[int] = ()) -> ParsedDelta:
+        """The next piece of the answer's text. ``call_starts``: offsets in the whole text
+        where the call-start token wrote its marker (with ``call_start_by_token``)."""
         out = ParsedDelta()
         if self.calls_exhausted:
             return out
+        self._call_starts.update(call_starts)
         self._buf += text
         self._fed += len(text)
         while True:
@@ -165,6 +174,12 @@ class ChatOutputParser:
                     self._end_at_first_call(out)
                 return out
             i, marker = min(hits)
+            if self._by_token and marker == self._fmt.tool_call_start and self._state == CONTENT \
+                    and self._fed - len(self._buf) + i not in self._call_starts:
+                # Spelled in ordinary tokens: text (see __init__).
+                self._take(self._buf[:i + len(marker)], out)
+                self._buf = self._buf[i + len(marker):]
+                continue
             if self._state == TOOL_CALL and self.json_body and self._strings.inside_after(self._buf[:i]):
                 self._take(self._buf[:i + len(marker)], out)
                 self._buf = self._buf[i + len(marker):]

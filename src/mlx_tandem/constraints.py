@@ -352,11 +352,15 @@ class GrammarCompiler:
 
         llguidance treats every added token as special; those only match by id.
         """
+        token = self.marker_id(text)
+        return f"<[{token}]>" if token is not None else json.dumps(text)
+
+    def marker_id(self, text: str) -> Optional[int]:
+        """The id of the special (added) token that is ``text``, if it is one: grammars write
+        such a marker by that id, never in ordinary tokens."""
         llt = self.tokenizer
         ids = llt.tokenize_str(text)
-        if len(ids) == 1 and llt.is_special_token(ids[0]):
-            return f"<[{ids[0]}]>"
-        return json.dumps(text)
+        return ids[0] if len(ids) == 1 and llt.is_special_token(ids[0]) else None
 
     def compile(self, constraint: Constraint):
         """A fresh LLMatcher for one request; ConstraintError if the grammar is invalid."""

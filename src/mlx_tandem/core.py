@@ -528,7 +528,7 @@ class EngineCore:
         if finish is None:
             if text or new_ids:
                 self._emit(req, StreamDelta(req.request_id, text, tuple(new_ids), text_ends=tuple(ends),
-                                            logprobs=logprobs))
+                                            logprobs=logprobs, call_starts=req.detokenizer.take_call_starts()))
             return
         text += req.detokenizer.finish()
         if req.detokenizer.stopped:  # a stop string completed by the last text held back
@@ -537,7 +537,7 @@ class EngineCore:
         self._emit(req, StreamDelta(
             req.request_id, text, tuple(new_ids), finish_reason=finish,
             usage=Usage(req.num_prompt_tokens, req.num_generated, req.cached_tokens), text_ends=tuple(ends),
-            logprobs=logprobs))
+            logprobs=logprobs, call_starts=req.detokenizer.take_call_starts()))
         self._retire(req)
         self._count(req, "finished")
 

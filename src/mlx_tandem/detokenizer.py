@@ -25,6 +25,10 @@ class CallMarkers:
     starts_in_reasoning: bool = False
     #: The call's body is JSON: ``call_end`` inside one of its strings is the argument's text.
     json_body: bool = False
+    #: The special token that is ``call_start``, where it is one: a call opens only where
+    #: that token wrote it (the call grammars write it so, and open by it); spelled in
+    #: ordinary tokens ("<tool" "_call>", a mention in a sentence) it is text.
+    call_start_id: Optional[int] = None
 
 
 class JsonStrings:
@@ -73,10 +77,15 @@ class StopStringMatcher:
     output parser follows it: ``<think>`` opens it only before any text or call.
     """
 
-    def __init__(self, stop: Sequence[str], exempt: Optional[CallMarkers] = None):
+    def __init__(self, stop: Sequence[str], exempt: Optional[CallMarkers] = None,
+                 call_starts: Sequence[int] = ()):
         self._stop = tuple(s for s in stop if s)
         # A format without an end marker (Mistral's) has its call run to the end.
         self._m = exempt if exempt and exempt.call_start else None
+        # Where in the text fed so far the call-start token wrote its marker (the
+        # detokenizer's list, which it extends as tokens come), and how much was fed.
+        self._call_starts = call_starts
+        self._fed = 0
         thinks = bool(self._m and self._m.think_start and self._m.think_end)
         self._thinks = thinks
         self._state = _REASONING if thinks and self._m.starts_in_reasoning else _TEXT
@@ -105,11 +114,12 @@ class StopStringMatcher:
         if not self._stop:
             return text, False
         self._buffer += text
+        self._fed += len(text)
         out = ""
         while True:
             buf, done = self._buffer, self._done
             markers = self._markers()
-            found = [(i, mk) for mk in markers if (i := buf.find(mk, done)) >= 0]
+            found = [(i, mk) for mk in markers if (i := self._find(buf, mk, done)) >= 0]
             # <think> counts only with nothing but whitespace before it (the parser's rule).
             found = [(i, mk) for i, mk in found if not (mk == self._m.think_start and self._state == _TEXT
                                                         and buf[done:i].strip())]
@@ -162,6 +172,17 @@ class StopStringMatcher:
                 continue
             held = markers if self._state == _CALL else self._stop + markers
             return out + self._hold(buf, len(buf) - partial_marker_length(buf, held)), False
+
+    def _find(self, buf: str, marker: str, start: int) -> int:
+        """Where ``marker`` first stands in ``buf`` from ``start``; a call's start only
+        where its token wrote it (``CallMarkers.call_start_id``)."""
+        i = buf.find(marker, start)
+        if marker != self._m.call_start or self._m.call_start_id is None:
+            return i
+        base = self._fed - len(buf)  # where the buffer begins in the text fed
+        while i >= 0 and base + i not in self._call_starts:
+            i = buf.find(marker, i + 1)
+        return i
 
     def _hold(self, buf: str, cut: int) -> str:
         """Emit ``buf[:cut]``; hold the rest back."""
@@ -236,7 +257,13 @@ class RequestDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._sent = 0  # characters already emitted past the prefix text, while the read offset waits
-        self._stop = StopStringMatcher(stop, exempt)
+        # Where the call-start token wrote its marker, in the answer's text (CallMarkers).
+        self._start_marker = (exempt.call_start, exempt.call_start_id) if exempt and exempt.call_start_id is not None \
+            else None
+        self.call_starts: list[int] = []
+        self._taken = 0
+        self._text_len = 0
+        self._stop = StopStringMatcher(stop, exempt, self.call_starts)
         self.stopped = False
 
     def _delta(self, final: bool) -> str:
@@ -262,8 +289,19 @@ class RequestDetokenizer:
     def add(self, token: int) -> str:
         """Add one generated token; returns the text that may be emitted now."""
         self._tokens.append(token)
-        out, self.stopped = self._stop.feed(self._delta(final=False))
+        text = self._delta(final=False)
+        self._text_len += len(text)
+        if self._start_marker is not None and token == self._start_marker[1]:
+            at = text.rfind(self._start_marker[0])
+            if at >= 0:
+                self.call_starts.append(self._text_len - len(text) + at)
+        out, self.stopped = self._stop.feed(text)
         return out
+
+    def take_call_starts(self) -> tuple[int, ...]:
+        """The call starts (offsets in the answer's text) found since the last take."""
+        new, self._taken = self.call_starts[self._taken:], len(self.call_starts)
+        return tuple(new)
 
     def finish(self) -> str:
         """The end of generation (length or EOS): flush everything held back."""

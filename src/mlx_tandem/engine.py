@@ -216,6 +216,13 @@ class Engine:
         return (start[0], end[0]) if len(start) == len(end) == 1 else None
 
     @functools.cached_property
+    def _call_start_id(self) -> Optional[int]:
+        """The special token that is the tool-call start marker, if it is one (see
+        ``CallMarkers.call_start_id``)."""
+        start = self._format.tool_call_start
+        return self._grammar.marker_id(start) if start else None
+
+    @functools.cached_property
     def _media_markers(self) -> tuple[str, ...]:
         return media_markers(self.loaded.processor)
 
@@ -313,10 +320,12 @@ class Engine:
             fmt = self._format
             starts_in_reasoning = fmt.opens_in_reasoning(text, renderer.continued_text(
                 messages, text, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns))
+            call_start_id = self._call_start_id if plan.parse_tool_calls else None
             parser = ChatOutputParser(
                 fmt, tools=plan.tools, parse_tool_calls=plan.parse_tool_calls,
                 forced_json_calls=plan.forced_json_calls, forced_call=plan.forced_call,
-                max_tool_calls=plan.max_tool_calls, starts_in_reasoning=starts_in_reasoning, verbatim=plan.verbatim)
+                max_tool_calls=plan.max_tool_calls, starts_in_reasoning=starts_in_reasoning, verbatim=plan.verbatim,
+                call_start_by_token=call_start_id is not None)
             if plan.banned_token_ids:
                 processors.append(TokenBan(plan.banned_token_ids))
             constraint = plan.constraint
@@ -335,7 +344,7 @@ class Engine:
                 thinks = fmt.has_thinking
                 stop_exempt = CallMarkers(fmt.tool_call_start, fmt.tool_call_end,
                                           fmt.think_start if thinks else "", fmt.think_end if thinks else "",
-                                          starts_in_reasoning, json_body=parser.json_body)
+                                          starts_in_reasoning, json_body=parser.json_body, call_start_id=call_start_id)
         else:
             prompt = spec.prompt
             constraint = open_call = None

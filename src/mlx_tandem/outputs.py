@@ -116,6 +116,9 @@ class StreamDelta:
     text_ends: tuple[int, ...] = field(default=(), repr=False)
     #: Per token of ``token_ids`` when the request asked for ``logprobs``, else empty.
     logprobs: tuple[TokenLogprob, ...] = ()
+    #: Where, in the answer's text so far, a tool call's start marker was written by its own
+    #: special token (the output parser opens calls only there; see ``CallMarkers``).
+    call_starts: tuple[int, ...] = field(default=(), repr=False)
 
 
 @dataclass

@@ -71,7 +71,7 @@ class _StreamBase:
         if self._parser is None:
             item = dataclasses.replace(item, content=item.text)
         else:
-            parsed = self._parser.feed(item.text)
+            parsed = self._parser.feed(item.text, call_starts=item.call_starts)
             if self._reasoning_left_at is None and self._parser.reasoned and not self._parser.in_reasoning:
                 self._reasoning_left_at = len(self.token_ids)
             if finish is not None:

@@ -385,16 +385,6 @@ def test_an_integer_python_cannot_read_is_an_invalid_call(body):
     assert r.tool_calls == [] and [c.name for c in r.invalid_tool_calls] == [None] and r.content == "ok"
 
 
-@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
-def test_a_call_with_numbers_json_has_not_is_an_invalid_call(constant):
-    """Python's JSON reader takes NaN and Infinity: such a call came back valid, and sending
-    the answer back as history then failed (JSON arguments are required there)."""
-    text = call("add", None, raw_args='{"a": ' + constant + ', "b": 1}') + call("add", {"a": 1, "b": 2})
-    r = parse([text], parse_tool_calls=True)
-    assert [(c.name, c.arguments) for c in r.tool_calls] == [("add", {"a": 1, "b": 2})]
-    assert [c.name for c in r.invalid_tool_calls] == ["add"]
-
-
 def test_with_call_start_by_token_a_marker_its_token_did_not_write_is_content():
     """``call_start_by_token``: a call opens only at the offsets ``feed`` is given (where
     the marker's special token wrote it); the same marker spelled otherwise is content,

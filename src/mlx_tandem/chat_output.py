@@ -386,9 +386,6 @@ class ChatOutputParser:
             raise ValueError("a tool call needs a string name and object arguments")
         if self._xml_values:
             args = read_arguments(args, self._parameters(name), body)
-        # Python's JSON reader takes NaN and Infinity, which JSON has not: such a call could
-        # not go back into the history (messages.py refuses it) nor reach a JSON tool.
-        json.dumps(args, allow_nan=False)
         return ToolCall(id=self._call_id(item.get("id")), name=name, arguments=args)
 
     @staticmethod

@@ -71,18 +71,20 @@ def _validate_tool_calls(calls: Any, where: str) -> None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise InvalidRequestError(
                 f"{where}[{j}] must be {{'function': {{'name': ..., 'arguments': ...}}}} or {{'name': ..., 'arguments': ...}}")
-        # The template prints them as JSON: a set went in as "<set>", a NaN as NaN.
+        # The template prints them as JSON: a set went in as "<set>".
         arguments_text(fn.get("arguments"), f"{where}[{j}]")
 
 
 def arguments_text(args: Any, where: str) -> str:
     """A call's arguments as the JSON text a template renders (a string is kept as given),
     for the adapters' histories; InvalidRequestError where they are not JSON (a date, a
-    set, a NaN)."""
+    set). NaN and infinities pass, as Python's JSON writes them: a call the engine read
+    holds an infinity where the model wrote a number past a double's range (valid JSON,
+    which the grammars take), and its answer must go back into the history as it came."""
     if isinstance(args, str):
         return args
     try:
-        return json.dumps(args, ensure_ascii=False, allow_nan=False)
+        return json.dumps(args, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(f"{where}: tool call arguments must be JSON-serializable ({exc})") from None
 

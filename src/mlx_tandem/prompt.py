@@ -66,19 +66,15 @@ def _template_ready(messages: list[Message], *, short_ids: bool = False) -> list
                 args = fn.get("arguments")
                 if isinstance(args, str):
                     try:
-                        fn["arguments"] = json.loads(args, parse_constant=_not_json) if args.strip() else {}
-                    except (ValueError, RecursionError):
-                        pass  # not JSON (NaN included): the raw string; the template prints it as is
+                        fn["arguments"] = json.loads(args) if args.strip() else {}
+                    except (json.JSONDecodeError, RecursionError):
+                        pass  # keep the raw string; the template prints it as is
                 if nested:
                     call["function"] = fn
                 calls.append(call)
             m["tool_calls"] = calls
         out.append(m)
     return out
-
-
-def _not_json(constant: str):
-    raise ValueError(f"{constant} is not JSON")
 
 
 # Two user messages that differ from their first character on.

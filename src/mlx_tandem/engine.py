@@ -41,16 +41,10 @@ from .params import SamplingParams
 from .prompt import PromptRenderer, raw_prompt_ids
 from .stats import EngineStats
 from .streams import AsyncStream, SyncStream
-from .teardown import exit_hook
+from .teardown import close_at_exit
 from .request import AsyncSink, Request, SyncSink, new_request_id
 
 logger = logging.getLogger(__name__)
-
-_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-# Cores outlive their Engine by a moment when it is dropped (its finalizer only asks the
-# owner thread to stop); at exit they are joined too.
-_live_cores: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
-
 
 def _model_key(model: Optional[str | Path]) -> str:
     if model is not None and not isinstance(model, (str, os.PathLike)):
@@ -91,7 +85,6 @@ class Engine:
         self._grammar: Optional[GrammarCompiler] = None
         self._lock = threading.Lock()
         self._closed = False
-        _live_engines.add(self)
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -119,7 +112,7 @@ class Engine:
                 core = EngineCore(self._model_arg, self.options)
                 core.start()
                 self._core = core
-                _live_cores.add(core)
+                close_at_exit(core)
                 # An engine nobody holds any more (not even a stream) is closed: its thread
                 # and weights would otherwise live until exit. No join here: the garbage
                 # collector may run this on any thread, the owner's included.
@@ -583,23 +576,3 @@ class Engine:
         only), so a bad image fails its call before anything is queued."""
         return load_images(messages, allow_remote=self.options.allow_remote_images,
                            max_pixels=self.options.max_image_pixels, turns=turns)
-
-
-# How long exit waits for a step in progress. Past it the interpreter finalizes under a
-# thread still running MLX, which aborts the process ("terminate called without an active
-# exception"); 5 s did for a step that long (a big prefill chunk on a CPU).
-_EXIT_WAIT_S = 120.0
-
-
-@exit_hook
-def _close_live_engines() -> None:
-    cores = {id(c): c for c in _live_cores}
-    cores.update({id(e._core): e._core for e in list(_live_engines) if e._core is not None})
-    for core in cores.values():
-        try:
-            core.shutdown(timeout=2.0)
-            if core.owner_thread.is_alive():
-                logger.warning("exit waits for the engine's step in progress to end (up to %.0f s)", _EXIT_WAIT_S)
-                core.shutdown(timeout=_EXIT_WAIT_S)
-        except Exception:  # noqa: BLE001
-            pass

@@ -14,6 +14,7 @@ import gc
 import logging
 import inspect
 import threading
+import weakref
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,32 @@ try:
     threading._register_atexit(keep_exit_hooks_first)  # type: ignore[attr-defined]
 except (AttributeError, RuntimeError):  # another Python, or imported while shutting down
     pass
+
+
+# Cores outlive their Engine by a moment when it is dropped (its finalizer only asks the
+# owner thread to stop); at exit every one still alive is stopped and joined.
+_live_cores: "weakref.WeakSet" = weakref.WeakSet()
+# How long exit waits for a step in progress. Past it the interpreter finalizes under a
+# thread still running MLX, which aborts the process ("terminate called without an active
+# exception"); 5 s did for a step that long (a big prefill chunk on a CPU).
+_EXIT_WAIT_S = 120.0
+
+
+def close_at_exit(core) -> None:
+    """Stop and join ``core``'s owner thread at exit if it is still alive then."""
+    _live_cores.add(core)
+
+
+@exit_hook
+def _close_live_cores() -> None:
+    for core in list(_live_cores):
+        try:
+            core.shutdown(timeout=2.0)
+            if core.owner_thread.is_alive():
+                logger.warning("exit waits for the engine's step in progress to end (up to %.0f s)", _EXIT_WAIT_S)
+                core.shutdown(timeout=_EXIT_WAIT_S)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def clear_frames(exc: BaseException) -> None:

@@ -399,6 +399,15 @@ def test_a_call_cut_by_max_tokens_keeps_its_arguments_and_is_never_run_from_a_st
         named += bad["name"] == "add"
         assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [
             ("", parse_partial_json(bad["args"]) if bad["args"] else {})]
+        # Sent back, the streamed message renders as invoke's does: no call the model never
+        # finished (the unnamed merged call rendered as one). Answered, both go back as one
+        # call that its result follows (invoke's keeps the name it knows).
+        history = [HumanMessage("add 3 and 4")]
+        assert llm.engine.apply_chat_template(to_engine_messages([*history, streamed])) == \
+            llm.engine.apply_chat_template(to_engine_messages([*history, invoked])), cut
+        for msg, call_id in ((invoked, bad["id"]), (streamed, streamed.tool_calls[0]["id"])):
+            sent = to_engine_messages([*history, msg, ToolMessage("error: cut off", tool_call_id=call_id)])
+            assert [c["id"] for c in sent[1]["tool_calls"]] == [sent[2]["tool_call_id"]] == [call_id]
     assert named >= 5
     # The engine marks the call it cut (and only at max_tokens).
     from langchain_core.utils.function_calling import convert_to_openai_tool

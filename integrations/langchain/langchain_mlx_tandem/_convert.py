@@ -139,9 +139,13 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
         elif isinstance(m, AIMessage):
             # Every block, as for the other roles: an image in an assistant turn is content.
             d = {"role": "assistant", "content": _content(m)}
+            # A call with no name is a streamed invalid call that LangChain merged into a
+            # valid one (``ChunkBuilder`` names no invalid call); like an invalid call, it
+            # goes back only where a result answers it (unanswered it re-rendered as a call
+            # the model never finished, where invoke's message rendered none).
             calls = [{"id": tc.get("id") or f"call_{i}", "type": "function",
                       "function": {"name": tc["name"], "arguments": arguments_text(tc["args"], f"call {tc['name']!r}")}}
-                     for i, tc in enumerate(m.tool_calls)]
+                     for i, tc in enumerate(m.tool_calls) if tc["name"] or tc.get("id") in answered]
             # An invalid call a later tool result answers goes back (langchain-openai sends
             # them all), or that result would follow no call. Its arguments only where they
             # are a JSON object: Qwen3.5's template iterates them (``|items``) and fails on

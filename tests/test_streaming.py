@@ -357,6 +357,13 @@ async def test_a_call_marker_spelled_in_ordinary_tokens_is_text(qwen3_5_engine, 
     assert "".join(d.content or "" for d in deltas) == out.content
     assert [(c.name, c.arguments) for d in deltas for c in d.tool_calls] == [(c.name, c.arguments) for c in out.tool_calls]
     assert deltas[-1].finish_reason == out.finish_reason
+    # An answer ended at its first call keeps no offset of a start past its end.
+    twice = {"type": "lark", "grammar": fmt["grammar"].replace('" done"', f"{m('<tool_call>')} {body} {m('</tool_call>')}")}
+    deltas = [d async for d in engine.stream_chat(USER, SamplingParams(max_tokens=80), tools=[NOTE],
+                                                  response_format=twice, parallel_tool_calls=False)]
+    text = "".join(d.text for d in deltas)
+    assert text.endswith("</tool_call>") and text.count("<tool_call>") == 2  # the mention and one call
+    assert [c for d in deltas for c in d.call_starts] == [text.rindex("<tool_call>")]
 
 
 # ---------------------------------------------------------------------------- reasoning usage

@@ -158,7 +158,8 @@ class _StreamBase:
         self.text_parts[-1] = text
         return dataclasses.replace(item, text=text, token_ids=tuple(item.token_ids[:keep]),
                                    text_ends=tuple(min(e, len(text)) for e in item.text_ends[:keep]),
-                                   logprobs=item.logprobs[:keep])
+                                   logprobs=item.logprobs[:keep],
+                                   call_starts=tuple(c for c in item.call_starts if c < cut))
 
     def _reasoning_tokens(self) -> int:
         """Completion tokens up to the end of the reasoning: through the first ``think_end``

@@ -409,6 +409,10 @@ def test_a_call_cut_by_max_tokens_keeps_its_arguments_and_is_never_run_from_a_st
             sent = to_engine_messages([*history, msg, ToolMessage("error: cut off", tool_call_id=call_id)])
             assert [c["id"] for c in sent[1]["tool_calls"]] == [sent[2]["tool_call_id"]] == [call_id]
     assert named >= 5
+    # One with no id either is answered by the id the history gives it.
+    no_id = AIMessage("", tool_calls=[{"name": "", "args": {}, "id": None}])
+    sent = to_engine_messages([HumanMessage("hi"), no_id, ToolMessage("error", tool_call_id="call_0")])
+    assert [c["id"] for c in sent[1]["tool_calls"]] == ["call_0"]
     # The engine marks the call it cut (and only at max_tokens).
     from langchain_core.utils.function_calling import convert_to_openai_tool
 

@@ -145,7 +145,7 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
             # the model never finished, where invoke's message rendered none).
             calls = [{"id": tc.get("id") or f"call_{i}", "type": "function",
                       "function": {"name": tc["name"], "arguments": arguments_text(tc["args"], f"call {tc['name']!r}")}}
-                     for i, tc in enumerate(m.tool_calls) if tc["name"] or tc.get("id") in answered]
+                     for i, tc in enumerate(m.tool_calls) if tc["name"] or (tc.get("id") or f"call_{i}") in answered]
             # An invalid call a later tool result answers goes back (langchain-openai sends
             # them all), or that result would follow no call. Its arguments only where they
             # are a JSON object: Qwen3.5's template iterates them (``|items``) and fails on

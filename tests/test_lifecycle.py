@@ -137,9 +137,40 @@ def test_a_load_that_fails_part_way_frees_what_it_loaded_on_its_thread(qwen3_5_m
     core._thread.join(20)
     assert not core._thread.is_alive()
     assert core.loaded is not None and dict(core.loaded.model.parameters()) == {}  # released
-    heads = [f.f_locals.get("mtp_head") for f in _frames(err.value.__traceback__)]
-    assert not any(h is not None for h in heads)  # no frame of the error keeps the head
+    for error in (err.value, core.ready.exception()):  # the caller's copy, and the one the core keeps
+        heads = [f.f_locals.get("mtp_head") for f in _frames(error.__traceback__)]
+        assert not any(h is not None for h in heads)  # no frame of the error keeps the head
     engine.close_sync()
+
+
+def test_an_engine_whose_load_failed_is_freed_once_dropped(tmp_path):
+    """Each caller gets its own copy of the load's error. Raised as the one object the core
+    keeps, it gathered the caller's frames (``start_sync``, holding the Engine), and the core,
+    held by the Engine's finalizer, kept that Engine alive after ``del`` (a review)."""
+    import gc
+    import weakref
+
+    from mlx_tandem import ModelLoadError
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
+    for wait in ("start_sync", "start", "loaded"):
+        engine = Engine(str(broken), show_progress=False)
+        with pytest.raises(ModelLoadError) as first:
+            if wait == "start":
+                asyncio.run(engine.start())
+            else:
+                getattr(engine, wait) if wait == "loaded" else engine.start_sync()
+        with pytest.raises(ModelLoadError) as second:
+            engine.start_sync()
+        assert first.value is not second.value and type(first.value) is type(second.value)
+        assert str(first.value) == str(second.value)
+        engine._core._thread.join(20)
+        gone = weakref.ref(engine)
+        del engine, first, second
+        gc.collect()
+        assert gone() is None, wait
 
 
 def test_a_failure_setting_up_after_the_load_reaches_start_not_a_hang(llama_path, monkeypatch):

@@ -30,7 +30,7 @@ from .fork_guard import inherited_engine_error
 from .default_model import DEFAULT_MODEL_NAME, default_model_path, names_default
 from .detokenizer import CallMarkers
 from .errors import (ConstraintError, ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError,
-                     UnsupportedContentError)
+                     UnsupportedContentError, own_copy)
 from .media import load_images, media_markers, refuse_media_markers
 from .messages import has_media, validate_messages
 from .model_info import ModelInfo, local_checkpoint, read_model_info
@@ -45,6 +45,17 @@ from .teardown import close_at_exit
 from .request import AsyncSink, Request, SyncSink, new_request_id
 
 logger = logging.getLogger(__name__)
+
+def _load_result(core: EngineCore) -> LoadedModel:
+    """The loaded model, once loaded. A failed load raises the caller's own copy of its
+    error: raised as the one object the core keeps, it gathered the caller's frames (an
+    Engine's ``start_sync``), and the core, which the Engine's finalizer holds, then kept
+    that Engine alive after the caller dropped it (a review)."""
+    error = core.ready.exception()
+    if error is not None:
+        raise own_copy(error)
+    return core.ready.result()
+
 
 def _model_key(model: Optional[str | Path]) -> str:
     if model is not None and not isinstance(model, (str, os.PathLike)):
@@ -135,12 +146,14 @@ class Engine:
     async def start(self) -> "Engine":
         """Load the model (on the engine thread) if it is not loaded yet."""
         core = self._ensure_core()
-        self._on_ready(await asyncio.wrap_future(core.ready))
+        ready = asyncio.wrap_future(core.ready)
+        await asyncio.wait([ready])
+        ready.exception()  # read here: _load_result raises the caller's own copy
+        self._on_ready(_load_result(core))
         return self
 
     def start_sync(self) -> "Engine":
-        core = self._ensure_core()
-        self._on_ready(core.ready.result())
+        self._on_ready(_load_result(self._ensure_core()))
         return self
 
     async def close(self) -> None:
@@ -179,8 +192,7 @@ class Engine:
     # ------------------------------------------------------------------ information
     @property
     def loaded(self) -> LoadedModel:
-        core = self._ensure_core()
-        loaded = core.ready.result()
+        loaded = _load_result(self._ensure_core())
         self._on_ready(loaded)
         return loaded
 

@@ -391,6 +391,18 @@ async def test_regex_and_lark_response_formats(qwen3_5_engine):
 
 
 
+@pytest.mark.parametrize("literal", ["cafe\u0301", "n\u0303o \u212b", "caf\u00e9"])
+async def test_a_grammar_writes_its_text_exactly_past_the_tokenizers_normalizer(qwen3_5_engine, literal):
+    """The tokenizer normalizes text to NFC; llguidance tokenized the text it forces through
+    it, so a Lark literal with a combining mark ("e" + U+0301) was forced as the tokens of
+    "\u00e9", which the grammar refused: the request failed (an audit). The grammar's bytes
+    now come out as written, normalized or not."""
+    fmt = {"type": "lark", "grammar": "start: " + json.dumps(literal, ensure_ascii=False)}
+    for params in (SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, temperature=1.0, seed=3)):
+        out = await qwen3_5_engine.chat(USER, params, response_format=fmt)
+        assert out.content == literal and out.finish_reason == "stop", ascii(out.content)
+
+
 # Text that spells an added token (``<think>`` is one token to the tokenizer): llguidance
 # 1.9.1 forced the special token, then refused it ("grammar rejected token"), mid-answer.
 SPELLED_MARKERS = [

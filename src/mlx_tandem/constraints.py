@@ -321,6 +321,17 @@ def _grammar_text(c: Constraint) -> str:
     raise ConstraintError(f"unknown constraint kind {c.kind!r}")
 
 
+def _without_normalizer(hf) -> None:
+    """Drop the text normalizer from llguidance's copy of the tokenizer. A grammar writes
+    bytes, and llguidance tokenizes the text it forces: through Qwen's NFC normalizer a
+    Lark literal "cafe\u0301" became the tokens of "caf\u00e9", which the grammar refused
+    (ConstraintError on every such request; an audit). Tokens decode to their bytes either
+    way, so without it the forced tokens write exactly the grammar's text."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is not None and backend.normalizer is not None:
+        backend.normalizer = None
+
+
 class GrammarCompiler:
     """Per-engine: the llguidance tokenizer (built once, lazily) and grammar compilation."""
 
@@ -343,6 +354,7 @@ class GrammarCompiler:
 
                     with self._lock:  # HF tokenizers are not safe to share across threads
                         hf = copy.deepcopy(self._hf)
+                    _without_normalizer(hf)
                     self._llt = llguidance.hf.from_tokenizer(
                         hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
         return self._llt

@@ -32,7 +32,7 @@ from .model_loader import LoadedModel, load_text_model, resolve_model_path
 from .options import EngineOptions
 from .outputs import StreamDelta, Usage
 from .owner_random import restore_key, seed_from_os
-from .teardown import clear_frames, drain_device, keep_exit_hooks_first, release_arrays
+from .teardown import clear_frames, drain_device, keep_exit_hook_first, release_arrays
 from .request import Request, RequestState, dispatch
 from .startup import build_lanes, make_ledger
 from .stats import EngineStats
@@ -207,7 +207,7 @@ class EngineCore:
         self.model_path = resolve_model_path(self.model)
         self.loaded = load_text_model(self.model_path, show_progress=self.options.show_progress)
         mtp_head = build_lanes(self.loaded, self.options, self._lanes)
-        keep_exit_hooks_first()  # loading may have imported mlx-vlm, which registers its own
+        keep_exit_hook_first()  # loading may have imported mlx-vlm, which registers its own
         self._memory = make_ledger(self.loaded, self.options, self._lanes, mtp_head)
         self._update_queue_stats()
         for lane in self._lanes.values():  # the configured budgets show before the first step

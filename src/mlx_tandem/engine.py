@@ -46,6 +46,7 @@ from .request import AsyncSink, Request, SyncSink, new_request_id
 
 logger = logging.getLogger(__name__)
 
+
 def _load_result(core: EngineCore) -> LoadedModel:
     """The loaded model, once loaded. A failed load raises the caller's own copy of its
     error: raised as the one object the core keeps, it gathered the caller's frames (an

@@ -4,7 +4,8 @@ Arrays or streams this thread made and another thread frees (the interpreter's f
 teardown, a caller holding an error) can abort the process at exit ("terminate called
 without an active exception", mlx 0.32.4 on CPU). So the owner thread, before it ends,
 waits for its work in flight, drops the weights and caches it made, and clears the frames
-of a load error it hands to callers.
+of a load error it hands to callers; and exit stops every owner thread still running
+before any library's exit hook touches MLX.
 """
 
 from __future__ import annotations
@@ -15,41 +16,9 @@ import logging
 import inspect
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
-
-_exit_hooks: list[Callable[[], None]] = []
-
-
-def exit_hook(fn: Callable[[], None]) -> Callable[[], None]:
-    """Register ``fn`` to run at exit before the exit hooks of libraries imported after it
-    (see ``keep_exit_hooks_first``)."""
-    _exit_hooks.append(fn)
-    atexit.register(fn)
-    return fn
-
-
-def keep_exit_hooks_first() -> None:
-    """Register our exit hooks again, so they run before any a library registered since
-    (exit runs them newest first). mlx-vlm 0.7.10 registers one when it is first imported
-    (by a model load, or by the user at any time) that calls ``mx.clear_streams()`` on the
-    main thread: it ran while the owner thread was still alive, before the hook that stops
-    it (an audit). Pure Python: any thread may call it."""
-    for fn in _exit_hooks:
-        atexit.unregister(fn)
-        atexit.register(fn)
-
-
-# Last chance to reorder: threading's own exit hooks run when the main thread ends, before
-# any atexit hook, and before the non-daemon threads are joined (so they keep the engine).
-# A private hook of CPython >= 3.9 (concurrent.futures uses it); without it, the reordering
-# after each model load (core.py) still covers the libraries a load imports.
-try:
-    threading._register_atexit(keep_exit_hooks_first)  # type: ignore[attr-defined]
-except (AttributeError, RuntimeError):  # another Python, or imported while shutting down
-    pass
-
 
 # Cores outlive their Engine by a moment when it is dropped (its finalizer only asks the
 # owner thread to stop); at exit every one still alive is stopped and joined.
@@ -65,7 +34,6 @@ def close_at_exit(core) -> None:
     _live_cores.add(core)
 
 
-@exit_hook
 def _close_live_cores() -> None:
     for core in list(_live_cores):
         try:
@@ -75,6 +43,27 @@ def _close_live_cores() -> None:
                 core.shutdown(timeout=_EXIT_WAIT_S)
         except Exception:  # noqa: BLE001
             pass
+
+
+def keep_exit_hook_first() -> None:
+    """Register the exit hook again, so it runs before any a library registered since (exit
+    runs them newest first). mlx-vlm 0.7.10 registers one when it is first imported (by a
+    model load, or by the user at any time) that calls ``mx.clear_streams()`` on the main
+    thread: it ran while the owner thread was still alive, before the hook that stops it
+    (an audit). Pure Python: any thread may call it."""
+    atexit.unregister(_close_live_cores)
+    atexit.register(_close_live_cores)
+
+
+atexit.register(_close_live_cores)
+# Last chance to reorder: threading's own exit hooks run when the main thread ends, before
+# any atexit hook, and before the non-daemon threads are joined (so they keep the engine).
+# A private hook of CPython >= 3.9 (concurrent.futures uses it); without it, the reordering
+# after each model load (core.py) still covers the libraries a load imports.
+try:
+    threading._register_atexit(keep_exit_hook_first)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # another Python, or imported while shutting down
+    pass
 
 
 def clear_frames(exc: BaseException) -> None:

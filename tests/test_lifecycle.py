@@ -494,6 +494,39 @@ time.sleep(1.0)
     assert "exit waits for the engine's step in progress" in proc.stderr
 
 
+def test_async_calls_work_in_a_thread_still_running_after_the_main_thread_ended(tmp_path, llama_path):
+    """Once the main thread has finished, the loop's default executor refuses new work
+    (CPython sets concurrent.futures' shutdown flag before joining the non-daemon threads),
+    so every async request from a worker thread still running failed with an untyped
+    RuntimeError, and ``await engine.close()`` left the engine open (an audit)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "async_after_main.py"
+    script.write_text(f'''
+import asyncio, concurrent.futures.thread as cft, threading, time
+from mlx_tandem import Engine
+
+engine = Engine({str(llama_path)!r}, show_progress=False).start_sync()
+ref = engine.complete_sync("go on", {{"max_tokens": 6}}).token_ids
+
+def worker():
+    t = time.time()
+    while not cft._shutdown:  # wait for the main thread's end (the flag exit sets)
+        assert time.time() - t < 60
+        time.sleep(0.01)
+    out = asyncio.run(engine.complete("go on", {{"max_tokens": 6}}))
+    print("equal:", out.token_ids == ref, flush=True)
+    asyncio.run(engine.close())
+    print("closed:", engine.closed, flush=True)
+
+threading.Thread(target=worker).start()
+''')
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["equal:", "True", "closed:", "True"], proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("case", ["imported_by_the_load", "imported_by_the_user_later"])
 def test_exit_stops_the_engine_before_library_exit_hooks_touch_mlx(tmp_path, case, request):
     """mlx-vlm 0.7.10, first imported while the MTP head loads (or by the user at any time),

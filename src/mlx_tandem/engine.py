@@ -35,6 +35,7 @@ from .media import load_images, media_markers, refuse_media_markers
 from .messages import has_media, validate_messages
 from .model_info import ModelInfo, local_checkpoint, read_model_info
 from .model_loader import LoadedModel, checkpoint_key
+from .off_loop import run_off_loop
 from .options import EngineOptions
 from .outputs import RequestOutput, StreamDelta
 from .params import SamplingParams
@@ -158,7 +159,7 @@ class Engine:
         return self
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.close_sync)
+        await run_off_loop(self.close_sync)
 
     def close_sync(self) -> None:
         with self._lock:
@@ -422,7 +423,7 @@ class Engine:
         # Off the event loop: templating a long prompt, compiling a grammar and decoding (or
         # fetching) images take milliseconds to seconds, and every other stream on this loop
         # would wait for them. No mlx here (the owner thread makes the arrays).
-        req, parser = await asyncio.to_thread(self._make_request, spec, sink)
+        req, parser = await run_off_loop(self._make_request, spec, sink)
         stream = self._bind_stream(AsyncStream(self._core, req, sink, parser))  # as in _sstream
         self._core.submit(req)
         return stream

@@ -43,6 +43,12 @@ class _Capabilities:
     def supports_json_mode(self) -> bool:
         return True
 
+    @property
+    def supports_anthropic_inputs(self) -> bool:
+        # _convert reads Anthropic's content blocks (text, tool_use, tool_result, thinking).
+        # With image inputs off, the standard test sends no image, so it runs offline.
+        return True
+
 
 class _Common(_Capabilities):
     @property
@@ -100,6 +106,10 @@ class TestChatMLXDemoModelIntegration(_Capabilities, ChatModelIntegrationTests):
     @property
     def chat_model_params(self) -> dict:
         return {"engine_options": {"show_progress": False}, "max_tokens": 100}
+
+    @property
+    def model_override_value(self) -> str:
+        return PATHS["llama"]
 
     @pytest.mark.xfail(reason="the demo model (12M parameters, trained on ASCII dialogues) does not copy "
                               "the user's Chinese text into the arguments; see docs/demo_model.md")

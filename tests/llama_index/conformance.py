@@ -248,8 +248,7 @@ class LLMConformanceTests:
         with pytest.raises(ValueError):
             llm.get_tool_calls_from_response(r)
 
-    @pytest.mark.xfail(reason="needs a model that follows instructions: the factory models have random weights",
-                       strict=False)
+    @pytest.mark.xfail(reason="needs a model that follows instructions: the factory models have random weights")
     def test_tool_calling_unforced(self):
         llm = self._tools_llm()
         r = llm.chat_with_tools([FunctionTool.from_defaults(fn=add)], user_msg="Use the add tool to add 2 and 3.")

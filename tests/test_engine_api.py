@@ -79,6 +79,19 @@ async def test_stats_count_what_happened(llama_path):
         assert all(o.time_to_first_token is not None and o.latency >= o.time_to_first_token for o in outs)
 
 
+async def test_read_only_mappings_are_taken_as_messages_and_params(llama_engine):
+    """The chat methods are typed for mappings (so a TypedDict history type-checks); a
+    read-only mapping must then work as the dict it reads as, not be refused."""
+    from types import MappingProxyType
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    params = {"max_tokens": 8, "stop": ["zz"]}
+    ref = await llama_engine.chat(messages, params)
+    out = await llama_engine.chat([MappingProxyType(m) for m in messages], MappingProxyType(params))
+    assert out.token_ids == ref.token_ids and out.text == ref.text
+    assert messages[0] == {"role": "system", "content": "Be brief."}  # the caller's dicts unchanged
+
+
 async def test_template_kwargs_reach_the_template(llama_engine):
     msgs = [{"role": "user", "content": "hi"}]
     on = llama_engine.apply_chat_template(msgs, template_kwargs={"enable_thinking": True})

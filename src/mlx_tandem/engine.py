@@ -15,7 +15,7 @@ import os
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+from typing import Any, AsyncIterator, Iterator, Literal, Mapping, Optional, Sequence, Union, overload
 
 from . import _platform
 from .call_spec import CallSpec, deadline_of
@@ -46,6 +46,11 @@ from .teardown import close_at_exit
 from .request import AsyncSink, Request, SyncSink, new_request_id
 
 logger = logging.getLogger(__name__)
+
+#: What the chat methods take: OpenAI-style message dicts (TypedDicts too), and sampling
+#: parameters as ``SamplingParams`` or a dict of its fields.
+ChatMessages = Sequence[Mapping[str, Any]]
+ParamsLike = Union[SamplingParams, Mapping[str, Any], None]
 
 
 def _load_result(core: EngineCore) -> LoadedModel:
@@ -236,6 +241,11 @@ class Engine:
     @property
     def owner_thread(self) -> threading.Thread:
         return self._ensure_core().owner_thread
+
+    @overload
+    def model_info(self, *, load: Literal[True] = ...) -> ModelInfo: ...
+    @overload
+    def model_info(self, *, load: bool) -> Optional[ModelInfo]: ...
 
     def model_info(self, *, load: bool = True) -> Optional[ModelInfo]:
         """Context window, default output budget, tool and reasoning support.
@@ -452,7 +462,7 @@ class Engine:
         return stream
 
     # ------------------------------------------------------------------ chat API
-    async def chat(self, messages: Sequence[dict], params: SamplingParams | dict | None = None,
+    async def chat(self, messages: ChatMessages, params: ParamsLike = None,
                    **options: Any) -> RequestOutput:
         """Answer a chat.
 
@@ -466,13 +476,13 @@ class Engine:
         stream = await self._astream(CallSpec.chat(messages, params, options))
         return await stream.collect()
 
-    async def stream_chat(self, messages: Sequence[dict], params: SamplingParams | dict | None = None,
+    async def stream_chat(self, messages: ChatMessages, params: ParamsLike = None,
                           **options: Any) -> AsyncIterator[StreamDelta]:
         """Stream a chat answer as StreamDeltas. Closing or cancelling it aborts the request."""
         async for delta in self._relay(CallSpec.chat(messages, params, options)):
             yield delta
 
-    async def open_chat_stream(self, messages: Sequence[dict], params: SamplingParams | dict | None = None, *,
+    async def open_chat_stream(self, messages: ChatMessages, params: ParamsLike = None, *,
                                timeout: Optional[float] = None, **options: Any) -> "AsyncStream":
         """Submit a chat now and return its stream handle (iterate it, ``collect()`` it or ``cancel()`` it).
 
@@ -484,7 +494,7 @@ class Engine:
         stream.deadline = deadline
         return stream
 
-    def open_chat_stream_sync(self, messages: Sequence[dict], params: SamplingParams | dict | None = None, *,
+    def open_chat_stream_sync(self, messages: ChatMessages, params: ParamsLike = None, *,
                               timeout: Optional[float] = None, **options: Any) -> "SyncStream":
         """Submit a chat now; return its blocking stream handle.
 
@@ -496,10 +506,12 @@ class Engine:
         stream.deadline = deadline
         return stream
 
-    def chat_sync(self, messages, params=None, **options) -> RequestOutput:
+    def chat_sync(self, messages: ChatMessages, params: ParamsLike = None,
+                  **options: Any) -> RequestOutput:
         return self._sstream(CallSpec.chat(messages, params, options)).collect()
 
-    def stream_chat_sync(self, messages, params=None, **options) -> Iterator[StreamDelta]:
+    def stream_chat_sync(self, messages: ChatMessages, params: ParamsLike = None,
+                         **options: Any) -> Iterator[StreamDelta]:
         stream = self._sstream(CallSpec.chat(messages, params, options))
         with stream:
             yield from stream
@@ -507,25 +519,26 @@ class Engine:
     # ------------------------------------------------------------------ raw prompt API
     # ``options``: response_format and request_id (checked by CallSpec.complete: an unknown
     # name is an InvalidRequestError, as for chats).
-    async def complete(self, prompt: str | Sequence[int], params=None, **options: Any) -> RequestOutput:
+    async def complete(self, prompt: str | Sequence[int], params: ParamsLike = None, **options: Any) -> RequestOutput:
         """Continue a raw prompt (text or token ids), no chat template."""
         stream = await self._astream(CallSpec.complete(prompt, params, options))
         return await stream.collect()
 
-    async def stream_complete(self, prompt: str | Sequence[int], params=None,
+    async def stream_complete(self, prompt: str | Sequence[int], params: ParamsLike = None,
                               **options: Any) -> AsyncIterator[StreamDelta]:
         async for delta in self._relay(CallSpec.complete(prompt, params, options)):
             yield delta
 
-    def complete_sync(self, prompt, params=None, **options: Any) -> RequestOutput:
+    def complete_sync(self, prompt: str | Sequence[int], params: ParamsLike = None, **options: Any) -> RequestOutput:
         return self._sstream(CallSpec.complete(prompt, params, options)).collect()
 
-    def stream_complete_sync(self, prompt, params=None, **options: Any) -> Iterator[StreamDelta]:
+    def stream_complete_sync(self, prompt: str | Sequence[int], params: ParamsLike = None,
+                             **options: Any) -> Iterator[StreamDelta]:
         stream = self._sstream(CallSpec.complete(prompt, params, options))
         with stream:
             yield from stream
 
-    async def open_complete_stream(self, prompt: str | Sequence[int], params=None, *,
+    async def open_complete_stream(self, prompt: str | Sequence[int], params: ParamsLike = None, *,
                                    timeout: Optional[float] = None, **options: Any) -> "AsyncStream":
         """Submit a raw prompt now and return its stream handle (``timeout`` as for chats)."""
         deadline = deadline_of(timeout)  # checked before the request is submitted
@@ -533,7 +546,7 @@ class Engine:
         stream.deadline = deadline
         return stream
 
-    def open_complete_stream_sync(self, prompt: str | Sequence[int], params=None, *,
+    def open_complete_stream_sync(self, prompt: str | Sequence[int], params: ParamsLike = None, *,
                                   timeout: Optional[float] = None, **options: Any) -> "SyncStream":
         """Submit a raw prompt now; return its blocking stream handle (``timeout`` as for chats)."""
         deadline = deadline_of(timeout)  # checked before the request is submitted
@@ -551,7 +564,7 @@ class Engine:
         self.start_sync()
         return self._renderer.encode(text)
 
-    def apply_chat_template(self, messages: Sequence[dict], *, tools=None, tool_choice=None,
+    def apply_chat_template(self, messages: ChatMessages, *, tools=None, tool_choice=None,
                             response_format=None, reasoning=None, template_kwargs=None, **unknown: Any) -> list[int]:
         """The prompt token ids the engine would use for this chat, each image expanded to the
         tokens it takes (the vision lane's processor, on the owner thread)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import InvalidRequestError, UnsupportedContentError
 
@@ -33,6 +33,8 @@ def validate_messages(messages: Any) -> list[Message]:
     if not messages:
         raise InvalidRequestError("messages must not be empty")
     for i, m in enumerate(messages):
+        if isinstance(m, Mapping) and not isinstance(m, dict):  # a read-only mapping: a copy
+            messages[i] = m = dict(m)
         if not isinstance(m, dict):
             raise InvalidRequestError(f"messages[{i}] must be a dict, got {type(m).__name__}")
         role = m.get("role")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from .errors import InvalidRequestError
 
@@ -99,11 +99,12 @@ class SamplingParams:
     #: ``repetition_context_size`` is the repetition penalty's window only (mlx-lm's).
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
-    stop: tuple[str, ...] = ()
+    #: A string or a sequence of them; kept as a tuple.
+    stop: Union[str, Sequence[str]] = ()
     seed: Optional[int] = None
     #: Speculative decoding for this request: "auto" | "on" | "off" (True/False accepted);
     #: None follows the engine's ``mtp`` option.
-    mtp: Optional[str] = None
+    mtp: Union[str, bool, None] = None
     #: SpecPrefill for this request: True forces it (the engine needs a draft), False turns
     #: it off, None applies it to prompts past the engine's threshold.
     specprefill: Optional[bool] = None
@@ -121,8 +122,8 @@ class SamplingParams:
     #: the other processors (-100 all but bans a token, 100 all but forces it). A dict (its
     #: keys may be strings of digits, as JSON spells them), kept as sorted (id, bias) pairs.
     #: Ids are checked against the model's vocabulary when the request is made.
-    logit_bias: Optional[tuple[tuple[int, float], ...]] = None
-    logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
+    logit_bias: Union[Mapping[Union[int, str], float], Sequence[tuple[int, float]], None] = None
+    logits_processors: Sequence[LogitsProcessor] = field(default=(), compare=False)  # kept as a tuple
 
     def __post_init__(self):
         for name in ("presence_penalty", "frequency_penalty"):  # None is "off", as OpenAI reads null
@@ -224,11 +225,11 @@ class SamplingParams:
         return replace(self, **{k: defaults.get(k, MODEL_DEFAULTS[k]) for k in unset})
 
     @classmethod
-    def coerce(cls, params: "SamplingParams | dict | None", **overrides) -> "SamplingParams":
+    def coerce(cls, params: "SamplingParams | Mapping[str, Any] | None", **overrides) -> "SamplingParams":
         """Accept SamplingParams, a dict of its fields, or None; apply keyword overrides."""
         if params is None:
             params = cls()
-        elif isinstance(params, dict):
+        elif isinstance(params, Mapping):
             unknown = set(params) - set(cls.__dataclass_fields__)
             if unknown:
                 raise InvalidRequestError(f"unknown sampling parameters: {sorted(unknown)}")

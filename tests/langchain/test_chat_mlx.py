@@ -318,6 +318,7 @@ def test_stop_sequences_from_constructor_and_call():
     assert make_llm(max_tokens=24, stop=[stop]).invoke("Hello").content == cut
     assert llm.invoke("Hello", stop=[stop]).content == cut
     assert make_llm(max_tokens=24, stop=stop).invoke("Hello").content == cut  # one string, as per call
+    assert make_llm(max_tokens=24, stop_sequences=[stop]).invoke("Hello").content == cut  # ChatOpenAI's alias
     # A lone string is one stop sequence (as OpenAI takes it), never a set of characters.
     assert resolve_call(llm, {"stop": "END"}, owner="ChatMLX", stop="STOP").params.stop == ("STOP", "END")
     assert llm.invoke("Hello", stop=stop).content == cut

@@ -8,7 +8,8 @@ forward step. Construction is cheap: the model loads on the first call.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, Union
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, TypeVar, Union, overload
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
@@ -21,8 +22,8 @@ from langchain_core.runnables.utils import AddableDict
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import (ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_validator,
-                      model_validator)
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr,
+                      field_validator, model_validator)
 
 from mlx_tandem import Engine
 from mlx_tandem.call_options import (merge_stops, model_name_alias, pin_checkpoint, pinned_checkpoint,
@@ -34,6 +35,8 @@ from ._choices import choice_params, fits_queue, result_of
 from ._convert import PROVIDER, ChunkBuilder, WrittenBlocks, to_ai_message, to_engine_messages
 from ._parsers import WholeJsonKeyToolsParser, WholeJsonParser, WholePydanticParser, WholePydanticToolsParser
 from ._schemas import whole_model_schema
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 
 class ChatMLX(BaseChatModel):
@@ -54,7 +57,7 @@ class ChatMLX(BaseChatModel):
     silently dropped runs the wrong model or budget.
     """
 
-    model: Optional[str] = None
+    model: Optional[Union[str, Path]] = None  # a path is kept as its text
     # None in a sampling field is the checkpoint's recommendation (its generation_config.json)
     # where it has one, else the engine's default (greedy, no filters), as ChatOpenAI leaves
     # an unset value to its server.
@@ -70,7 +73,10 @@ class ChatMLX(BaseChatModel):
     """OpenAI's presence penalty, in [-2, 2], over the whole answer so far (never the prompt)."""
     frequency_penalty: Optional[float] = None
     """OpenAI's frequency penalty, in [-2, 2], over the whole answer so far (never the prompt)."""
-    stop: Optional[list[str]] = Field(default=None, alias="stop_sequences")
+    # One string or a list (kept as a list). ``stop_sequences`` is accepted too; a
+    # validation alias keeps ``stop`` the constructor's name for type checkers.
+    stop: Optional[Union[list[str], str]] = Field(default=None,
+                                                  validation_alias=AliasChoices("stop", "stop_sequences"))
     seed: Optional[int] = None
     mtp: Optional[Union[StrictStr, StrictBool]] = None  # strict: 1 is not True (per call it is refused too)
     """Speculative decoding with the model's MTP head: "auto", "on", "off"; None = engine option."""
@@ -367,7 +373,7 @@ class ChatMLX(BaseChatModel):
         parallel_tool_calls: Optional[bool] = None,
         strict: Optional[bool] = None,
         **kwargs: Any,
-    ) -> Runnable[LanguageModelInput, BaseMessage]:
+    ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (OpenAI function schemas, Pydantic models, functions, BaseTools).
 
         ``tool_choice``: "auto" (default), "none", "any"/"required"/True (force a call of
@@ -380,6 +386,29 @@ class ChatMLX(BaseChatModel):
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls
         return super().bind(tools=formatted, **kwargs)
+
+    # For type checkers: a Pydantic class without include_raw gives instances of that class.
+    @overload
+    def with_structured_output(
+        self,
+        schema: type[_Model],
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: Literal[False] = False,
+        strict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, _Model]: ...
+
+    @overload
+    def with_structured_output(
+        self,
+        schema: Optional[Union[dict, type]] = None,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, Union[dict, Any]]: ...
 
     def with_structured_output(
         self,

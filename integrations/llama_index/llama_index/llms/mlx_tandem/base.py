@@ -8,6 +8,7 @@ the model loads on the first call.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, AsyncGenerator, Generator, Optional, Sequence, Type, Union
 
 from llama_index.core.base.llms.types import (
@@ -36,9 +37,9 @@ from llama_index.core.base.llms.generic_utils import messages_to_prompt as gener
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 from llama_index.core.llms.utils import parse_partial_json
 from llama_index.core.output_parsers.pydantic import PydanticOutputParser
-from llama_index.core.program.utils import create_flexible_model
+from llama_index.core.program.utils import FlexibleModel, create_flexible_model
 from llama_index.core.prompts import BasePromptTemplate
-from llama_index.core.types import PydanticProgramMode
+from llama_index.core.types import Model, PydanticProgramMode
 
 from mlx_tandem import Engine, SamplingParams
 from mlx_tandem.call_options import model_name_alias, pin_checkpoint, pinned_checkpoint, resolve_call
@@ -87,7 +88,8 @@ class MLXTandemLLM(FunctionCallingLLM):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: Optional[str] = Field(default=None, description="Checkpoint directory or hub repo id; None = default model.")
+    model: Optional[Union[str, Path]] = Field(  # a path is kept as its text
+        default=None, description="Checkpoint directory or hub repo id; None = default model.")
     # None in a sampling field: the checkpoint's generation_config.json value, else the
     # engine's default (greedy, no filters).
     temperature: Optional[float] = Field(
@@ -429,8 +431,8 @@ class MLXTandemLLM(FunctionCallingLLM):
         return self.pydantic_program_mode == PydanticProgramMode.DEFAULT
 
     @dispatcher.span
-    def structured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
-                           llm_kwargs: Optional[dict[str, Any]] = None, **prompt_args: Any) -> BaseModel:
+    def structured_predict(self, output_cls: Type[Model], prompt: BasePromptTemplate,
+                           llm_kwargs: Optional[dict[str, Any]] = None, **prompt_args: Any) -> Model:
         """Structured output by constrained decoding: the answer always validates."""
         if not self._constrained():
             return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
@@ -442,8 +444,8 @@ class MLXTandemLLM(FunctionCallingLLM):
         return result
 
     @dispatcher.span
-    async def astructured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
-                                  llm_kwargs: Optional[dict[str, Any]] = None, **prompt_args: Any) -> BaseModel:
+    async def astructured_predict(self, output_cls: Type[Model], prompt: BasePromptTemplate,
+                                  llm_kwargs: Optional[dict[str, Any]] = None, **prompt_args: Any) -> Model:
         if not self._constrained():
             return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
         dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
@@ -454,9 +456,9 @@ class MLXTandemLLM(FunctionCallingLLM):
         return result
 
     @dispatcher.span
-    def stream_structured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+    def stream_structured_predict(self, output_cls: Type[Model], prompt: BasePromptTemplate,
                                   llm_kwargs: Optional[dict[str, Any]] = None,
-                                  **prompt_args: Any) -> Generator[BaseModel, None, None]:
+                                  **prompt_args: Any) -> Generator[Union[Model, FlexibleModel], None, None]:
         """Partial objects as the JSON streams in (``Flexible<Model>`` while fields are missing),
         ending with a validated ``output_cls`` instance."""
         if not self._constrained():
@@ -479,9 +481,9 @@ class MLXTandemLLM(FunctionCallingLLM):
         dispatcher.event(LLMStructuredPredictEndEvent(output=final))
 
     @dispatcher.span
-    async def astream_structured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+    async def astream_structured_predict(self, output_cls: Type[Model], prompt: BasePromptTemplate,
                                          llm_kwargs: Optional[dict[str, Any]] = None,
-                                         **prompt_args: Any) -> AsyncGenerator[BaseModel, None]:
+                                         **prompt_args: Any) -> AsyncGenerator[Union[Model, FlexibleModel], None]:
         if not self._constrained():
             return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
         dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
@@ -489,7 +491,7 @@ class MLXTandemLLM(FunctionCallingLLM):
         messages, kwargs = self._structured_kwargs(output_cls, prompt, llm_kwargs, prompt_args)
         responses = await self.astream_chat(messages, **kwargs)
 
-        async def gen() -> AsyncGenerator[BaseModel, None]:
+        async def gen() -> AsyncGenerator[Union[Model, FlexibleModel], None]:
             partials = _Partials(output_cls)
             last = None
             async for response in responses:
@@ -507,7 +509,7 @@ class MLXTandemLLM(FunctionCallingLLM):
 
 
 # ---------------------------------------------------------------------- helpers
-def _parse(output_cls: Type[BaseModel], response: Optional[ChatResponse]) -> BaseModel:
+def _parse(output_cls: Type[Model], response: Optional[ChatResponse]) -> Model:
     if response is None:
         raise ValueError(f"the model produced no output for {output_cls.__name__}")
     text = response.message.content or ""

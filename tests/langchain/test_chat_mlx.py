@@ -886,6 +886,40 @@ def test_an_llm_cache_keeps_apart_models_that_answer_differently():
         set_llm_cache(None)
 
 
+def test_an_llm_cache_keys_on_the_checkpoint_and_the_output_version(tmp_path, monkeypatch):
+    """One relative path made in two directories is two models, at construction or per call;
+    the cache keyed on the text given and returned one's answer for the other. And a v1
+    model got a cached v0 message (an audit)."""
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import set_llm_cache
+
+    dirs = {name: tmp_path / name for name in ("qwen3_5", "llama")}
+    for name, d in dirs.items():
+        d.mkdir()
+        (d / "m").symlink_to(PATHS[name])
+
+    def made_in(name, **kw):
+        monkeypatch.chdir(dirs[name])
+        return ChatMLX(model="m", engine_options=OPTS, max_tokens=24, **kw)
+
+    def called_in(name):
+        monkeypatch.chdir(dirs[name])
+        return make_llm().invoke("Hello", model="m").content
+
+    uncached = {name: made_in(name).invoke("Hello").content for name in dirs}
+    assert uncached["qwen3_5"] != uncached["llama"]
+    v1 = made_in("qwen3_5", output_version="v1").invoke("Hello").content
+    assert v1 == [{"type": "text", "text": uncached["qwen3_5"]}]
+    set_llm_cache(InMemoryCache())
+    try:
+        for _ in range(2):  # the second round from the cache
+            assert {name: made_in(name).invoke("Hello").content for name in dirs} == uncached
+            assert {name: called_in(name) for name in dirs} == uncached
+            assert made_in("qwen3_5", output_version="v1").invoke("Hello").content == v1
+    finally:
+        set_llm_cache(None)
+
+
 # ---------------------------------------------------------------------- construction
 def test_model_name_is_an_alias_and_unknown_arguments_are_errors():
     from pydantic import ValidationError

@@ -8,6 +8,7 @@ forward step. Construction is cheap: the model loads on the first call.
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, TypeVar, Union, overload
 
@@ -30,6 +31,7 @@ from mlx_tandem.call_options import (merge_stops, model_name_alias, pin_checkpoi
                                      resolve_call)
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
 from mlx_tandem.errors import InvalidRequestError, TemplateError
+from mlx_tandem.model_loader import checkpoint_key
 
 from ._choices import choice_params, fits_queue, result_of
 from ._convert import PROVIDER, ChunkBuilder, WrittenBlocks, to_ai_message, to_engine_messages
@@ -165,7 +167,18 @@ class ChatMLX(BaseChatModel):
             "stop_sequences": self.stop,
             "chat_template_kwargs": self.chat_template_kwargs,
             "engine_options": self.engine_options,
+            # The checkpoint the engine runs: "model" is the text given, and one relative
+            # path made in two directories is two models (an audit: one's cached answers
+            # came back for the other). And v0 and v1 answers are different messages.
+            "checkpoint": pinned_checkpoint(self.model, self._pinned),
+            "output_version": self.output_version,
         }
+
+    def _get_llm_string(self, stop: Optional[list[str]] = None, **kwargs: Any) -> str:
+        # A per-call model keys on its checkpoint too (a relative path is read at the call).
+        if isinstance(kwargs.get("model"), (str, os.PathLike)):
+            kwargs = {**kwargs, "model": checkpoint_key(kwargs["model"])}
+        return super()._get_llm_string(stop=stop, **kwargs)
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(

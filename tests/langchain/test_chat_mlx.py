@@ -906,6 +906,11 @@ def test_an_llm_cache_keys_on_the_checkpoint_and_the_output_version(tmp_path, mo
         monkeypatch.chdir(dirs[name])
         return make_llm().invoke("Hello", model="m").content
 
+    def pinned_then_called(made, called):  # "m" names the model itself: its pinned checkpoint
+        llm = made_in(made)
+        monkeypatch.chdir(dirs[called])
+        return llm.invoke("Hello", model="m").content, llm.invoke("Hello", model=str(dirs[called] / "m")).content
+
     uncached = {name: made_in(name).invoke("Hello").content for name in dirs}
     assert uncached["qwen3_5"] != uncached["llama"]
     v1 = made_in("qwen3_5", output_version="v1").invoke("Hello").content
@@ -915,6 +920,7 @@ def test_an_llm_cache_keys_on_the_checkpoint_and_the_output_version(tmp_path, mo
         for _ in range(2):  # the second round from the cache
             assert {name: made_in(name).invoke("Hello").content for name in dirs} == uncached
             assert {name: called_in(name) for name in dirs} == uncached
+            assert pinned_then_called("qwen3_5", "llama") == (uncached["qwen3_5"], uncached["llama"])
             assert made_in("qwen3_5", output_version="v1").invoke("Hello").content == v1
     finally:
         set_llm_cache(None)

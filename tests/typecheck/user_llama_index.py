@@ -1,4 +1,7 @@
-"""Documented uses of MLXTandemLLM, for the type checker (never run: tests/test_typecheck.py)."""
+"""Documented uses of MLXTandemLLM, for the type checker (never run: tests/test_typecheck.py).
+
+LlamaIndex's ``dispatcher.span`` erases the signatures of the methods it wraps (core's too),
+so ``structured_predict`` reads as returning Any: those lines check the call, not the type."""
 
 from __future__ import annotations
 

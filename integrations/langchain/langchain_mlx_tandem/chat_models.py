@@ -175,9 +175,12 @@ class ChatMLX(BaseChatModel):
         }
 
     def _get_llm_string(self, stop: Optional[list[str]] = None, **kwargs: Any) -> str:
-        # A per-call model keys on its checkpoint too (a relative path is read at the call).
-        if isinstance(kwargs.get("model"), (str, os.PathLike)):
-            kwargs = {**kwargs, "model": checkpoint_key(kwargs["model"])}
+        # A per-call model keys on the checkpoint _engine_for runs: this model's pinned one
+        # when it names this model, else its own, its relative path read at the call.
+        model = kwargs.get("model")
+        if isinstance(model, (str, os.PathLike)):
+            key = pinned_checkpoint(self.model, self._pinned) if model == self.model else checkpoint_key(model)
+            kwargs = {**kwargs, "model": key}
         return super()._get_llm_string(stop=stop, **kwargs)
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:

@@ -527,6 +527,33 @@ threading.Thread(target=worker).start()
     assert proc.stdout.split() == ["equal:", "True", "closed:", "True"], proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("threads_start", [True, False])
+async def test_run_off_loop_when_the_executor_refuses_work(monkeypatch, threads_start):
+    """At interpreter shutdown the executor refuses work; CPython 3.12.0-3.12.2 also start
+    no thread then (the test above failed there): the call still runs, once, its result and
+    its error reaching the caller."""
+    from mlx_tandem import off_loop
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "run_in_executor", refuse)
+    if not threads_start:
+        monkeypatch.setattr(off_loop.threading.Thread, "start", refuse)
+    calls = []
+
+    def work(x):
+        calls.append(threading.current_thread() is threading.main_thread())
+        if x < 0:
+            raise ValueError("negative")
+        return x * 2
+
+    assert await off_loop.run_off_loop(work, 21) == 42
+    with pytest.raises(ValueError, match="negative"):
+        await off_loop.run_off_loop(work, -1)
+    assert calls == [not threads_start] * 2  # each ran once: on its own thread, else inline
+
+
 @pytest.mark.parametrize("case", ["imported_by_the_load", "imported_by_the_user_later"])
 def test_exit_stops_the_engine_before_library_exit_hooks_touch_mlx(tmp_path, case, request):
     """mlx-vlm 0.7.10, first imported while the MTP head loads (or by the user at any time),

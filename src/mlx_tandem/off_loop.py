@@ -28,7 +28,12 @@ async def run_off_loop(fn: Callable[..., T], *args: Any) -> T:
     try:
         fut = loop.run_in_executor(None, call)
     except RuntimeError:  # raised by the submit, never by fn (which has not run)
-        fut = asyncio.wrap_future(_on_own_thread(call), loop=loop)
+        try:
+            fut = asyncio.wrap_future(_on_own_thread(call), loop=loop)
+        except RuntimeError:
+            # CPython 3.12.0-3.12.2 start no thread at all once the main thread has ended
+            # (cpython#113964, fixed in 3.12.3): the call blocks this loop, briefly, instead.
+            return call()
     return await fut
 
 

@@ -339,6 +339,13 @@ async def test_bad_settings_are_typed_errors(llama_path, draft_path, tiny_models
             SamplingParams(keep_pct=bad)
         with pytest.raises(InvalidRequestError):
             Engine(llama_path, specprefill_keep_pct=bad)
+    # A lookahead runs as one step of the engine thread (20,000 held others for 30 s), and a
+    # chunk past int64 failed each request in numpy: refused where the engine is made.
+    for name, top in (("specprefill_lookahead", 64), ("specprefill_chunk_size", 65536)):
+        assert getattr(Engine(llama_path, **{name: top}).options, name) == top
+        for bad in (top + 1, 2**64):
+            with pytest.raises(InvalidRequestError, match=f"{name}={bad}: must be at most {top}"):
+                Engine(llama_path, **{name: bad})
     other_vocab = tiny_models.get("draft", vocab_size=1024)
     engine = Engine(llama_path, show_progress=False, specprefill_draft=str(other_vocab))
     with pytest.raises(ModelLoadError, match="tokenizer"):

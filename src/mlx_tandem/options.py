@@ -8,6 +8,9 @@ from typing import Optional
 
 from .errors import InvalidRequestError
 
+MAX_SPECPREFILL_CHUNK = 65536
+MAX_SPECPREFILL_LOOKAHEAD = 64
+
 
 def check_keep_pct(v, what: str) -> None:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
@@ -79,9 +82,10 @@ class EngineOptions:
     specprefill_threshold: int = 8192
     #: Share of the prompt's chunks the target prefills (first and last chunks always kept).
     specprefill_keep_pct: float = 0.2
-    #: Tokens per chunk that SpecPrefill keeps or drops as a whole.
+    #: Tokens per chunk that SpecPrefill keeps or drops as a whole (at most 65536).
     specprefill_chunk_size: int = 32
-    #: Draft decode steps whose attention scores the prompt.
+    #: Draft decode steps whose attention scores the prompt (at most 64: they run as one
+    #: step of the engine thread, and every other request waits for them).
     specprefill_lookahead: int = 8
 
     def __post_init__(self):
@@ -93,6 +97,13 @@ class EngineOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidRequestError(f"engine option {name}={v!r}: must be an integer >= 1")
+        # Past these a value only does harm (an audit): a lookahead of 20,000 steps held every
+        # other request for 30 s, and one past the memory budget turned SpecPrefill off
+        # unseen; a chunk past int64 failed each request deep in numpy.
+        for name, top in (("specprefill_chunk_size", MAX_SPECPREFILL_CHUNK),
+                          ("specprefill_lookahead", MAX_SPECPREFILL_LOOKAHEAD)):
+            if getattr(self, name) > top:
+                raise InvalidRequestError(f"engine option {name}={getattr(self, name)!r}: must be at most {top}")
         v = self.request_memory_bytes
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise InvalidRequestError(f"engine option request_memory_bytes={v!r}: must be None or an integer >= 1")

@@ -926,6 +926,11 @@ def test_an_llm_cache_keys_on_the_checkpoint_and_the_output_version(tmp_path, mo
             assert {name: made_in(name).invoke("Hello").content for name in dirs} == uncached
             assert {name: called_in(name) for name in dirs} == uncached
             assert pinned_then_called("qwen3_5", "llama") == (uncached["qwen3_5"], uncached["llama"])
+            reassigned = ChatMLX(model=str(dirs["qwen3_5"] / "m"), engine_options=OPTS, max_tokens=24)
+            reassigned.model = "m"  # not the pinned text: read where each call is made
+            for name in dirs:
+                monkeypatch.chdir(dirs[name])
+                assert reassigned.invoke("Hello").content == uncached[name]
             assert made_in("qwen3_5", output_version="v1").invoke("Hello").content == v1
     finally:
         set_llm_cache(None)

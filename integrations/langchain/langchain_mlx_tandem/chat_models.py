@@ -170,18 +170,22 @@ class ChatMLX(BaseChatModel):
             # The checkpoint the engine runs: "model" is the text given, and one relative
             # path made in two directories is two models (an audit: one's cached answers
             # came back for the other). And v0 and v1 answers are different messages.
-            "checkpoint": pinned_checkpoint(self.model, self._pinned),
+            "checkpoint": self._checkpoint(self.model),
             "output_version": self.output_version,
         }
 
     def _get_llm_string(self, stop: Optional[list[str]] = None, **kwargs: Any) -> str:
-        # A per-call model keys on the checkpoint _engine_for runs: this model's pinned one
-        # when it names this model, else its own, its relative path read at the call.
-        model = kwargs.get("model")
-        if isinstance(model, (str, os.PathLike)):
-            key = pinned_checkpoint(self.model, self._pinned) if model == self.model else checkpoint_key(model)
-            kwargs = {**kwargs, "model": key}
+        # A per-call model keys on its checkpoint too.
+        if isinstance(kwargs.get("model"), (str, os.PathLike)):
+            kwargs = {**kwargs, "model": self._checkpoint(kwargs["model"])}
         return super()._get_llm_string(stop=stop, **kwargs)
+
+    def _checkpoint(self, model: Any) -> Optional[str]:
+        """The checkpoint a call naming ``model`` runs, as ``_engine_for`` picks its engine:
+        this model's pinned one when it names this model, else its own (a relative path read
+        now, as ``Engine.shared`` reads it; so is a ``model`` reassigned since the pin)."""
+        run = pinned_checkpoint(self.model, self._pinned) if model == self.model else model
+        return None if run is None else checkpoint_key(run)
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(

@@ -25,3 +25,12 @@ def test_demo_on_a_fresh_cache(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mlx_tandem.demo", "--concurrency", "2", "--max-tokens", "4"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_model_that_does_not_load_is_one_line_not_a_traceback(tmp_path):
+    env = {**os.environ, "MLX_TANDEM_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "mlx_tandem.demo", "--model", str(tmp_path / "nowhere")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "error: " in proc.stderr and str(tmp_path / "nowhere") in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -385,6 +385,31 @@ def test_add_mtp_head_gives_a_quantized_checkpoint_its_head_back(qwen3_5_mtp_pat
     assert main([str(tmp_path / "nowhere"), str(converted)]) == 1
 
 
+def test_add_mtp_head_writes_nothing_it_should_not(qwen3_5_mtp_path, tmp_path, capsys):
+    """A destination whose own weights hold a head is left as it is (a duplicate shard was
+    written); one it cannot write into is a one-line error, with no shard left half-written
+    (a traceback before: an audit)."""
+    from mlx_tandem.spec.add_head import HEAD_FILE, add_mtp_head, main
+
+    has_head = _copy(qwen3_5_mtp_path, tmp_path / "has-head")
+    before = sorted(p.name for p in has_head.iterdir())
+    assert add_mtp_head(qwen3_5_mtp_path, has_head) is None
+    assert sorted(p.name for p in has_head.iterdir()) == before
+
+    blocked = _copy(qwen3_5_mtp_path, tmp_path / "blocked")
+    _rewrite(blocked, lambda w: {k: v for k, v in w.items() if not k.startswith("mtp.")})
+    (blocked / HEAD_FILE / "in-the-way").mkdir(parents=True)  # os.replace cannot put a file there
+    config = (blocked / "config.json").read_text()
+    assert main([str(qwen3_5_mtp_path), str(blocked)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the MTP head into") and "Traceback" not in err
+    assert sorted(p.name for p in blocked.iterdir()) == sorted(["config.json", HEAD_FILE, *[
+        p.name for p in qwen3_5_mtp_path.iterdir() if p.name != "config.json"]])
+    assert (blocked / HEAD_FILE).is_dir() and (blocked / "config.json").read_text() == config
+    assert main([str(tmp_path / "nowhere"), str(blocked)]) == 1
+    assert "nowhere is not a directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("checkpoint", ["qwen3_5_mtp_path", "qwen3_5_moe_mtp_path"])
 def test_head_matches_mlx_vlm_drafter(checkpoint, request):
     """Our MTPHead (mlx-lm layers) computes what mlx-vlm's Qwen3.5 MTP drafter computes from

@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 
-from . import Engine, SamplingParams
+from . import Engine, SamplingParams, TandemError
 from .default_model import IS_RANDOM
 
 
@@ -81,7 +81,7 @@ async def run(model: str | None, concurrency: int, max_tokens: int) -> None:
     await engine.close()
 
 
-def _positive(text: str) -> int:
+def positive(text: str) -> int:  # argparse names it in its errors ("invalid positive value")
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
@@ -91,11 +91,16 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
-    parser.add_argument("--concurrency", type=_positive, default=16)
-    parser.add_argument("--max-tokens", type=_positive, default=48)
+    parser.add_argument("--concurrency", type=positive, default=16,
+                        help="requests sent together in the batching part (default: 16)")
+    parser.add_argument("--max-tokens", type=positive, default=48, help="tokens per answer (default: 48)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(run(args.model, args.concurrency, args.max_tokens))
+    try:
+        asyncio.run(run(args.model, args.concurrency, args.max_tokens))
+    except TandemError as exc:  # a model that does not load, say: its message, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

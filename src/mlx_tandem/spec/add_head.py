@@ -20,8 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import tempfile
 from pathlib import Path
+from typing import Optional
 
 from ..errors import ModelLoadError
 from .mtp_head import MTP_PREFIXES, is_quantized
@@ -39,11 +42,21 @@ def _head_shards(source: Path) -> list[Path]:
     return sorted(source.glob("*.safetensors"))
 
 
-def add_mtp_head(source: str | Path, dest: str | Path) -> Path:
-    """Copy ``source``'s MTP head into ``dest`` (a converted copy of it); returns the file."""
+def _tensor_names(shard: Path) -> list[str]:
+    """A safetensors file's tensor names, from its header alone (no tensor is read)."""
+    with open(shard, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return [k for k in json.loads(f.read(size)) if k != "__metadata__"]
+
+
+def add_mtp_head(source: str | Path, dest: str | Path) -> Optional[Path]:
+    """Copy ``source``'s MTP head into ``dest`` (a converted copy of it); returns the file,
+    or None where ``dest``'s own weights already hold a head (nothing is written)."""
     import mlx.core as mx
 
     source, dest = Path(source), Path(dest)
+    if not source.is_dir():
+        raise ModelLoadError(f"{source} is not a directory")
     if not (dest / "config.json").exists():
         raise ModelLoadError(f"{dest} is not a checkpoint directory (no config.json)")
     head, formats = {}, set()
@@ -62,9 +75,22 @@ def add_mtp_head(source: str | Path, dest: str | Path) -> Path:
     if len(formats) > 1:
         raise ModelLoadError(f"{source}: the head's shards disagree on their format ({sorted(formats)})")
     fmt = formats.pop()
+    own = [f for f in dest.glob("*.safetensors") if f.name != HEAD_FILE]
+    if any(k.startswith(MTP_PREFIXES) for f in own for k in _tensor_names(f)):
+        logger.info("%s already holds its MTP head in its weights; nothing to add", dest)
+        return None
     out = dest / HEAD_FILE
-    mx.save_safetensors(str(out), head, metadata={"format": fmt} if fmt else None)
-    _declare_layers(source, dest, head)
+    # Written whole or not at all: a half-written shard would be loaded as weights. The
+    # temporary file is in a directory of its own (MLX appends ".safetensors" to any name,
+    # and the loaders read every *.safetensors beside config.json).
+    try:
+        with tempfile.TemporaryDirectory(dir=dest) as tmp:
+            part = Path(tmp) / HEAD_FILE
+            mx.save_safetensors(str(part), head, metadata={"format": fmt} if fmt else None)
+            os.replace(part, out)
+        _declare_layers(source, dest, head)
+    except (OSError, RuntimeError) as exc:  # MLX reports a file it cannot open as RuntimeError
+        raise ModelLoadError(f"cannot write the MTP head into {dest}: {exc}") from None
     logger.info("wrote %d MTP tensors to %s", len(head), out)
     return out
 
@@ -80,7 +106,9 @@ def _declare_layers(source: Path, dest: Path, head: dict) -> None:
     declared = (original.get("text_config") or original).get("mtp_num_hidden_layers")
     if declared:
         text["mtp_num_hidden_layers"] = declared
-        (dest / "config.json").write_text(json.dumps(config, indent=2))
+        part = dest / "config.json.partial"
+        part.write_text(json.dumps(config, indent=2))
+        os.replace(part, dest / "config.json")
 
 
 def main(argv: list[str] | None = None) -> int:

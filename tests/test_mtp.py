@@ -408,6 +408,12 @@ def test_add_mtp_head_writes_nothing_it_should_not(qwen3_5_mtp_path, tmp_path, c
     assert (blocked / HEAD_FILE).is_dir() and (blocked / "config.json").read_text() == config
     assert main([str(tmp_path / "nowhere"), str(blocked)]) == 1
     assert "nowhere is not a directory" in capsys.readouterr().err
+    # A shard that is not one (an LFS pointer never fetched, a truncated file): one line too.
+    for junk in (b"version https://git-lfs.github.com/spec/v1\n", b"\x10\x00\x00\x00\x00\x00\x00\x00{", b""):
+        (blocked / "extra.safetensors").write_bytes(junk)
+        assert main([str(qwen3_5_mtp_path), str(blocked)]) == 1
+        err = capsys.readouterr().err
+        assert "extra.safetensors is not a readable safetensors file" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("checkpoint", ["qwen3_5_mtp_path", "qwen3_5_moe_mtp_path"])

@@ -32,6 +32,7 @@ from .mtp_head import MTP_PREFIXES, is_quantized
 logger = logging.getLogger(__name__)
 
 HEAD_FILE = "model-mtp.safetensors"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 
 
 def _head_shards(source: Path) -> list[Path]:
@@ -44,9 +45,17 @@ def _head_shards(source: Path) -> list[Path]:
 
 def _tensor_names(shard: Path) -> list[str]:
     """A safetensors file's tensor names, from its header alone (no tensor is read)."""
-    with open(shard, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        return [k for k in json.loads(f.read(size)) if k != "__metadata__"]
+    try:
+        with open(shard, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= MAX_HEADER_BYTES:  # an LFS pointer or junk reads as any length
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        raise ModelLoadError(f"{shard} is not a readable safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{shard} is not a readable safetensors file")
+    return [k for k in header if k != "__metadata__"]
 
 
 def add_mtp_head(source: str | Path, dest: str | Path) -> Optional[Path]:

@@ -5,7 +5,7 @@ threading exit hook sets concurrent.futures' shutdown flag (3.9+) before it join
 non-daemon threads, and every ThreadPoolExecutor checks that flag. A worker thread still
 serving requests then failed every async call with "cannot schedule new futures after
 interpreter shutdown", where its sync calls worked (an audit). Such a call gets a thread of
-its own instead.
+its own instead, or runs inline where no thread can start.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ async def run_off_loop(fn: Callable[..., T], *args: Any) -> T:
         fut = loop.run_in_executor(None, call)
     except RuntimeError:  # raised by the submit, never by fn (which has not run)
         try:
-            fut = asyncio.wrap_future(_on_own_thread(call), loop=loop)
+            done = _on_own_thread(call)
         except RuntimeError:
             # CPython 3.12.0-3.12.2 start no thread at all once the main thread has ended
             # (cpython#113964, fixed in 3.12.3): the call blocks this loop, briefly, instead.
             return call()
+        fut = asyncio.wrap_future(done, loop=loop)
     return await fut
 
 

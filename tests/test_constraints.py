@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from mlx_tandem import SamplingParams
+from mlx_tandem import Engine, SamplingParams
 from mlx_tandem.chat_format import ChatFormat
 from mlx_tandem.closing import closing_path
 from mlx_tandem.constraints import Constraint, open_call_constraint, tool_call_constraint
@@ -426,6 +426,40 @@ async def test_formats_that_spell_an_added_token(qwen3_5_engine):
     for out, pattern in zip(outs, expected):
         assert out.finish_reason == "stop" and re.fullmatch(pattern, out.content), out.content
         assert not special & set(out.token_ids[:-1]), out.token_ids  # spelled in ordinary tokens
+
+
+# Text that spells an end token: llguidance forced the EOS id, which the matcher refuses
+# there. MTP off, the request failed ("grammar rejected token"); MTP on, the walk ended the
+# row at the allowed EOS and returned '{"tag": "' as a clean "stop" (an audit).
+END_SPELLINGS = [
+    (rf({"type": "object", "properties": {"tag": {"const": "<|im_end|>"}}, "required": ["tag"]}),
+     r'\{"tag": "<\|im_end\|>"\}'),
+    (rf({"type": "object", "properties": {"tag": {"type": "string", "pattern": "^a<\\|endoftext\\|>$"}},
+         "required": ["tag"]}), r'\{"tag": "a<\|endoftext\|>"\}'),
+    ({"type": "regex", "pattern": "Answer: <\\|im_end\\|>[a-z]{2}"}, r"Answer: <\|im_end\|>[a-z]{2}"),
+    ({"type": "lark", "grammar": 'start: "X <|endoftext|>"'}, r"X <\|endoftext\|>"),
+]
+MARKER_TOOL = {"type": "function", "function": {"name": "mark", "description": "Mark a turn.", "parameters": {
+    "type": "object", "properties": {"marker": {"enum": ["<|im_end|>"]}}, "required": ["marker"]}}}
+
+
+@pytest.mark.parametrize("mtp", ["off", "on"])
+async def test_formats_that_spell_an_end_token(qwen3_5_mtp_path, mtp):
+    engine = Engine(qwen3_5_mtp_path, show_progress=False, mtp=mtp)
+    await engine.start()
+    try:
+        eos = set(engine.tokenizer.eos_token_ids)
+        outs = await asyncio.gather(*[
+            engine.chat(USER, SamplingParams(max_tokens=40, **s), response_format=f)
+            for f, _ in END_SPELLINGS for s in SAMPLINGS])
+        expected = [pattern for _, pattern in END_SPELLINGS for _ in SAMPLINGS]
+        for out, pattern in zip(outs, expected):
+            assert out.finish_reason == "stop" and re.fullmatch(pattern, out.content), out.content
+            assert not eos & set(out.token_ids[:-1]), out.token_ids  # spelled in ordinary tokens
+        call = await engine.chat(USER, SamplingParams(max_tokens=40), tools=[MARKER_TOOL], tool_choice="required")
+        assert [c.arguments for c in call.tool_calls] == [{"marker": "<|im_end|>"}], call.text
+    finally:
+        await engine.close()
 
 
 async def test_closing_spells_an_added_token(qwen3_5_engine):

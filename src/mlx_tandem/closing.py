@@ -107,9 +107,12 @@ def token_classes(llt, vocab_size: int, eos_token_ids: Sequence[int]) -> TokenCl
     eos = list(eos_token_ids)
     tier[eos] = 0
     structural[eos] = True
+    # Respelled before EOS leaves ``special``: forced text that spells an end token
+    # (a JSON const "<|im_end|>") is tokenized as that token too (allowed_tokens).
+    respelled_ids = np.flatnonzero(special)
     special[eos] = False
     respelled = {}
-    for i in np.flatnonzero(special):
+    for i in respelled_ids:
         text = llt.decode_bytes([int(i)])
         first = next((ordinary[text[:n]] for n in range(len(text), 0, -1) if text[:n] in ordinary), None)
         if first is not None:
@@ -125,7 +128,9 @@ def allowed_tokens(matcher, vocab_size: int, respelled: Optional[dict[int, int]]
     the mask allows only the special token, and the matcher then refuses it (a grammar
     matches special tokens only by id), so the request failed mid-answer. The matcher takes
     the text spelled in ordinary tokens: ``respelled`` (``TokenClasses.respelled``) names the
-    ordinary token that starts it, allowed instead where the matcher takes it.
+    ordinary token that starts it, allowed instead where the matcher takes it. End tokens
+    are among them: allowed where the matcher refuses them, one would end the answer
+    mid-document (an MTP walk ends a row at an allowed EOS).
     """
     bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
     allowed = np.zeros(vocab_size, dtype=bool)

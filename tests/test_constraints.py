@@ -1369,13 +1369,32 @@ async def test_one_call_allowed_ends_the_row_as_finished(qwen3_5_engine):
                             response_format={"type": "lark", "grammar": grammar})
     assert out.finish_reason == "tool_calls" and out.content == ""
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", {"city": "Oslo"})]
-    for _ in range(100):  # the row leaves on the engine's next loop
-        if engine.stats()["running"] == 0:
-            break
-        await asyncio.sleep(0.01)
-    after = engine.stats()
+    after = engine.stats()  # counted by the time chat() returns (it waits for the engine's next loop)
     assert after["finished"] == before["finished"] + 1 and after["aborted"] == before["aborted"]
     assert after["running"] == 0
+
+
+@pytest.mark.parametrize("mtp", ["off", "on"])
+def test_stats_count_an_answer_cut_at_its_call_when_chat_returns(qwen3_5_mtp_path, mtp):
+    """The reader cuts the answer and tells the engine through its inbox; stats() read as
+    chat() returned still had the row running and the tokens decoded past the call (an
+    audit). Async and sync, MTP off and on: finished, and generation_tokens as usage counts."""
+    engine = Engine(qwen3_5_mtp_path, show_progress=False, mtp=mtp).start_sync()
+    try:
+        marker = engine._grammar.marker
+        body = json.dumps('\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n')
+        grammar = f'start: {marker("<tool_call>")} {body} {marker("</tool_call>")} " and then " /[a-z ]{{60,}}/'
+        kw = dict(tools=TOOLS, parallel_tool_calls=False, response_format={"type": "lark", "grammar": grammar})
+        for call in (lambda: engine.chat_sync(USER, SamplingParams(max_tokens=90), **kw),
+                     lambda: asyncio.run(engine.chat(USER, SamplingParams(max_tokens=90), **kw))):
+            before = engine.stats()
+            out = call()
+            after = engine.stats()
+            assert out.finish_reason == "tool_calls" and len(out.tool_calls) == 1
+            assert (after["running"], after["finished"] - before["finished"]) == (0, 1)
+            assert after["generation_tokens"] - before["generation_tokens"] == out.usage.completion_tokens
+    finally:
+        engine.close_sync()
 
 
 async def test_engine_keeps_serving_after_bad_constraints(qwen3_5_engine):

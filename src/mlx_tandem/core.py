@@ -298,16 +298,17 @@ class EngineCore:
             self._finish_aborted(request)
 
     def _finish_early(self, request: Request, kept_tokens: int) -> None:
-        if self._take_out(request):
-            request.finish_time = time.perf_counter()
-            self._retire(request)
-            self._count(request, "finished")
-        # The row decoded on until now (or ended by itself, past the call, in the same step):
-        # count what the answer kept, MTP's accepted drafts included.
-        self.stats.count("generation_tokens", -max(0, request.num_generated - kept_tokens))
-        if (lane := self._lanes.get(request.lane)) is not None:
-            lane.discard_tokens(sum(max(0, s + n - max(s, kept_tokens)) for s, n in request.draft_spans))
-            self._publish_lane_stats(lane)
+        with self.stats.held():  # finished, its tokens and MTP's counts move together
+            if self._take_out(request):
+                request.finish_time = time.perf_counter()
+                self._retire(request)
+                self._count(request, "finished")
+            # The row decoded on until now (or ended by itself, past the call, in the same
+            # step): count what the answer kept, MTP's accepted drafts included.
+            self.stats.count("generation_tokens", -max(0, request.num_generated - kept_tokens))
+            if (lane := self._lanes.get(request.lane)) is not None:
+                lane.discard_tokens(sum(max(0, s + n - max(s, kept_tokens)) for s, n in request.draft_spans))
+                self._publish_lane_stats(lane)
 
     def _time_out(self, request: Request) -> None:
         if self._take_out(request):
@@ -467,16 +468,17 @@ class EngineCore:
                 if req is not None:
                     self._fail(req, own_copy(error))
             return
-        self.stats.record_step(
-            batch_size=st.batch_size,
-            prompt_tokens=st.prompt_tokens,
-            prompt_time=st.prompt_time,
-            generation_tokens=st.generation_tokens,
-            decode_time=st.decode_time,
-        )
-        for ev in events:
-            self._process(lane, ev)
-        self._publish_lane_stats(lane)  # after the events: a stop string takes back drafts
+        with self.stats.held():  # no snapshot between the step's tokens and what takes them back
+            self.stats.record_step(
+                batch_size=st.batch_size,
+                prompt_tokens=st.prompt_tokens,
+                prompt_time=st.prompt_time,
+                generation_tokens=st.generation_tokens,
+                decode_time=st.decode_time,
+            )
+            for ev in events:
+                self._process(lane, ev)
+            self._publish_lane_stats(lane)  # after the events: a stop string takes back drafts
 
     def _publish_lane_stats(self, lane: Lane) -> None:
         mtp = getattr(lane, "mtp_stats", None)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from .prefix_cache import PrefixCache
 
@@ -28,7 +29,8 @@ _EMPTY_SPECPREFILL = {"requests": 0, "sparse_tokens": 0, "kept_tokens": 0, "keep
 
 class EngineStats:
     def __init__(self):
-        self._lock = threading.Lock()
+        # Reentrant: ``held`` wraps a step's updates, each of which locks too.
+        self._lock = threading.RLock()
         self.started_at = time.perf_counter()
         self.requests_submitted = 0
         self.requests_finished = 0
@@ -66,6 +68,14 @@ class EngineStats:
             self.prompt_time += prompt_time
             self.generation_tokens += generation_tokens
             self.decode_time += decode_time
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Updates that a snapshot sees together or not at all: one engine step's tokens,
+        what a stop string takes back of them, and MTP's counts. Apart, a snapshot between
+        them read generation_tokens falling (12, then 11) and MTP's accepted behind it."""
+        with self._lock:
+            yield
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:

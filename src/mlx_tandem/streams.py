@@ -7,6 +7,7 @@ detect the end, enforce an optional deadline, and abort the request when left ea
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import queue
 import threading
@@ -42,6 +43,7 @@ class _StreamBase:
         self._text_len = 0
         # len(token_ids) after the delta in which reasoning ended (the parser is text-based).
         self._reasoning_left_at: Optional[int] = None
+        self._cut_early = False  # the reader ended the answer at its call (finish_early)
 
     @property
     def request_id(self) -> str:
@@ -88,6 +90,7 @@ class _StreamBase:
                 # tokens were grouped into deltas (MTP on or off).
                 item = self._cut_after_call(item)
                 self._core.finish_early(self._req, len(self.token_ids))
+                self._cut_early = True
                 finish = "tool_calls"
                 usage = Usage(self._req.num_prompt_tokens, len(self.token_ids), self._req.cached_tokens)
             if finish == "stop" and (self.tool_calls or parsed.tool_calls):
@@ -187,6 +190,14 @@ class _StreamBase:
                 return j + 1
         return end
 
+    def _counted(self):
+        """A future done once the engine has counted an answer this reader cut at its call,
+        else None. ``finish_early`` goes through the engine's inbox, which the owner thread
+        reads between steps, so ``stats()`` read as ``chat()`` returned lagged it (running 1,
+        the tokens past the call still counted). A call queued after it runs after it; a
+        closed engine fails the future at once. At most one engine step's wait."""
+        return self._core.call(lambda: None) if self._cut_early else None
+
     def cancel(self) -> None:
         """Abort the request now: it leaves the batch within one engine step."""
         if not self._done:
@@ -255,6 +266,8 @@ class AsyncStream(_StreamBase):
         async with self:
             async for _ in self:
                 pass
+        if (counted := self._counted()) is not None:
+            await asyncio.wait([asyncio.wrap_future(counted)])  # its outcome does not matter
         return self._output()
 
     async def aclose(self) -> None:
@@ -293,6 +306,8 @@ class SyncStream(_StreamBase):
         with self:
             for _ in self:
                 pass
+        if (counted := self._counted()) is not None:
+            concurrent.futures.wait([counted])  # its outcome does not matter
         return self._output()
 
     def close(self) -> None:

@@ -127,6 +127,42 @@ def test_acceptance_counts_no_drafts_past_a_stop_string(qwen3_5_mtp_path):
     assert sum(o.usage.completion_tokens for o in outs) == mtp["draft_rows"] + mtp["accepted"] == generated, mtp
 
 
+def test_a_snapshot_sees_a_step_and_its_stop_strings_whole(qwen3_5_mtp_path):
+    """A stop string takes back the drafts accepted past it after the step's tokens are
+    counted: a snapshot taken between the two read generation_tokens fall (12, then 11; an
+    audit). Polled from another thread while rows stop, the counters never go back."""
+    import threading
+    import time
+
+    async def run():
+        async with Engine(qwen3_5_mtp_path, show_progress=False, mtp="on", mtp_depth=3) as engine:
+            free = await asyncio.gather(*(engine.complete(p, {"max_tokens": 16}) for p in TRAINED[:8]))
+            stops = [[engine.tokenizer.decode(o.token_ids[4:6]).strip() or o.text[-3:]] for o in free]
+            seen, done = [], threading.Event()
+
+            def poll():
+                while not done.is_set():
+                    snap = engine.stats()
+                    seen.append((snap["generation_tokens"], snap["mtp"]["accepted"]))
+
+            poller = threading.Thread(target=poll)
+            poller.start()
+            try:
+                for _ in range(4):
+                    outs = await asyncio.gather(*(engine.complete(p, {"max_tokens": 16, "stop": s})
+                                                  for p, s in zip(TRAINED[:8], stops)))
+                    assert sum(o.finish_reason == "stop" for o in outs) >= 4
+            finally:
+                done.set()
+                poller.join()
+            return seen
+
+    seen = asyncio.run(run())
+    assert len(seen) > 50
+    back = [(a, b) for a, b in zip(seen, seen[1:]) if b[0] < a[0] or b[1] < a[1]]
+    assert not back, back[:5]
+
+
 def test_rows_with_processors_and_seeded_rows_match_plain_decoding(qwen3_5_mtp_path):
     """Rows that cannot draft (logits processors; seeded sampling under "auto") share the
     speculative batch and still produce their plain-decoding output: exactly on the CPU,

@@ -24,6 +24,7 @@ TOOL = {"type": "function", "function": {"name": "add", "description": "Add two 
     dict(stop=5), dict(logits_processors=5), dict(seed=2**64), dict(stop={"a": 1}),
     dict(repetition_context_size=True), dict(temperature=1e308), dict(repetition_penalty=1e-308),
     dict(repetition_penalty=1e9),
+    dict(stop=["a", "\ud800"]),  # a lone surrogate never appears in decoded text: it could never match
     # Ints too large for a float: math.isfinite raised OverflowError, not a typed error.
     dict(temperature=10**400), dict(top_p=10**400), dict(min_p=10**400), dict(repetition_penalty=10**400),
 ])

@@ -31,6 +31,14 @@ MAX_TOP_LOGPROBS = 20
 MODEL_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _as_tuple(value: Any, name: str) -> tuple:
     if value is None:
         return ()
@@ -180,6 +188,8 @@ class SamplingParams:
             bad("repetition_context_size", "must be an integer >= 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if any(not _is_unicode(s) for s in self.stop):  # decoded text never holds one: it could never match
+            bad("stop", "must be valid Unicode (a lone surrogate such as '\\ud800' is not)")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2**64):
             bad("seed", "must be an integer in [0, 2**64) or None")  # mx.random.key takes a uint64

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import sys
 import threading
 import time
 import weakref
@@ -626,3 +627,18 @@ def test_a_child_forked_while_the_engine_loads_gets_a_typed_error(llama_path, mo
         assert engine.complete_sync("go on", {"max_tokens": 4}).finish_reason in ("length", "stop")
     finally:
         engine.close_sync()
+
+
+@pytest.mark.parametrize("env, show, drawn", [({}, True, True), ({"TQDM_DISABLE": "1"}, True, False),
+                                              ({}, False, False)])
+def test_the_load_bar_follows_show_progress_and_tqdms_own_switch(llama_path, env, show, drawn):
+    """TQDM_DISABLE=1 (CI, notebooks) hid no bar: the loader passed disable=False, which
+    overrides tqdm's environment defaults (an audit). Read once tqdm is imported: a fresh process."""
+    import subprocess
+
+    code = ("from mlx_tandem.model_loader import load_text_model; import pathlib; "
+            f"load_text_model(pathlib.Path({str(llama_path)!r}), show_progress={show})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+    assert proc.returncode == 0, proc.stderr
+    assert ("Loading llama" in proc.stderr) == drawn, proc.stderr

@@ -168,7 +168,10 @@ def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model, load_tokenizer
 
-    bar = tqdm(total=3, desc=f"Loading {path.name}", unit="step", disable=not show_progress, leave=False)
+    # ``disable`` only when told: passed at all, it would override tqdm's own switch, the
+    # TQDM_DISABLE environment variable that CI and notebooks set.
+    bar = tqdm(total=3, desc=f"Loading {path.name}", unit="step", leave=False,
+               **({} if show_progress else {"disable": True}))
     vlm = processor = None
     try:
         bar.set_postfix_str("weights")

@@ -111,7 +111,7 @@ def distill_mtp_head(path: str | Path, *, prompts: Optional[Sequence[str]] = Non
     rng = np.random.default_rng(seed)
     all_rows = mx.arange(len(seqs))
     first = float(loss_fn(all_rows))
-    for _ in tqdm(range(steps), desc="distilling MTP head", disable=not show_progress):
+    for _ in tqdm(range(steps), desc="distilling MTP head", **({} if show_progress else {"disable": True})):
         rows = mx.array(rng.choice(len(seqs), size=min(batch_size, len(seqs)), replace=False))
         loss, grads = grad_fn(rows)
         opt.update(head, grads)

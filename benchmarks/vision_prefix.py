@@ -14,8 +14,9 @@ Side by side in one run (the machines are noisy), on a hybrid qwen3_5_vl factory
      each, cache off vs on, alternating. From the second request the cache keeps the
      image's features and snapshots where the image ends, which the later ones restore.
 
-Both engines must answer alike (the cache is exact); the run fails otherwise. The vision
-encoder runs on every request either way: mlx-vlm embeds the whole prompt before it restores.
+Both engines must answer alike (the cache is exact); the run fails otherwise. mlx-vlm
+embeds the whole prompt before it restores, so the cached engine keeps the images' features
+too: an image it has seen skips the vision encoder (``encoder_skips`` in the JSON).
 
     python benchmarks/vision_prefix.py results/vision_prefix.json            # full (~5 min)
     python benchmarks/vision_prefix.py results/vision_prefix.json --quick    # under a minute

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -233,7 +234,7 @@ async def test_generation_stops_at_the_context_window(llama_path):
         assert n + len(out.token_ids) == 40
 
 
-async def test_a_failing_step_fails_its_requests_and_the_engine_recovers(llama_path, monkeypatch):
+async def test_a_failing_step_fails_its_requests_and_the_engine_recovers(llama_path, monkeypatch, caplog):
     async with Engine(llama_path, show_progress=False) as engine:
         model_cls = type(engine.loaded.model)
         real_call = model_cls.__call__
@@ -247,10 +248,15 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_recovers(llama_p
 
         monkeypatch.setattr(model_cls, "__call__", flaky)
         state["fail_at"] = state["calls"] + 6  # a few steps into decoding
-        victims = await asyncio.gather(*[engine.chat(p, SamplingParams(max_tokens=30)) for p in chat_prompts(4)],
-                                       return_exceptions=True)
+        ids = [f"victim-{i}" for i in range(4)]
+        with caplog.at_level(logging.ERROR, logger="mlx_tandem.core"):
+            victims = await asyncio.gather(*[engine.chat(p, SamplingParams(max_tokens=30), request_id=rid)
+                                             for p, rid in zip(chat_prompts(4), ids)], return_exceptions=True)
         assert all(isinstance(v, EngineStepError) for v in victims), victims
         assert engine.stats()["step_errors"] == 1
+        # One record, naming the requests it failed (a log reader matches them to callers).
+        [record] = [r for r in caplog.records if "step of lane" in r.getMessage()]
+        assert all(rid in record.getMessage() for rid in ids) and record.exc_info
         monkeypatch.setattr(model_cls, "__call__", real_call)
         prompts = chat_prompts(4)
         expected = [reference_greedy(llama_path, engine.apply_chat_template(p), 10) for p in prompts]

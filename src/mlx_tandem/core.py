@@ -455,7 +455,6 @@ class EngineCore:
             events, st = lane.step()
         except BaseException as exc:  # noqa: BLE001 - fail the step's requests, keep serving
             restore_key(rng_key)
-            logger.exception("step of lane %r failed; failing its requests and recovering", lane.name)
             self.stats.count("step_errors")
             error = EngineStepError(f"the forward step failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
@@ -463,6 +462,8 @@ class EngineCore:
             # row that finished earlier in the failed step has left the lane, and its
             # answer went with the step's events.
             ids = set(lane.reset()) | {rid for rid, r in self._running.items() if r.lane == lane.name}
+            logger.error("step of lane %r failed; failing its requests %s and recovering", lane.name,
+                         sorted(ids), exc_info=exc)
             for rid in ids:
                 req = self._running.get(rid)
                 if req is not None:

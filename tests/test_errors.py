@@ -172,6 +172,24 @@ def test_a_home_directory_that_does_not_exist_is_a_load_error():
     engine = Engine("~no-such-user-here/model", show_progress=False)
     with pytest.raises(ModelLoadError):
         engine.start_sync()
+    # Its facts read without loading (LlamaIndex's metadata): not on disk, where a
+    # RuntimeError was raised; read with a load, the load's typed error.
+    assert Engine("~no-such-user-here/model", show_progress=False).model_info(load=False) is None
+    with pytest.raises(ModelLoadError):
+        Engine("~no-such-user-here/model", show_progress=False).model_info()
+
+
+def test_a_checkpoint_without_its_tokenizer_file_is_a_load_error(qwen3_5_path, tmp_path):
+    """transformers 5 builds a tokenizer of the special tokens alone when tokenizer.json is
+    missing: the load went through and every prompt's text encoded to nothing."""
+    import shutil
+
+    from mlx_tandem import ModelLoadError
+
+    path = shutil.copytree(qwen3_5_path, tmp_path / "partial")
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="encodes text to no tokens"):
+        Engine(path, show_progress=False).start_sync()
 
 
 async def test_bad_requests_fail_alone_while_others_keep_going(llama_engine, llama_path):

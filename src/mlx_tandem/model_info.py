@@ -51,7 +51,10 @@ def local_checkpoint(model: Optional[str | Path]) -> Optional[Path]:
         from .default_model import default_model_path
 
         return default_model_path(build=False)
-    path = Path(model).expanduser()
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError:  # "~nosuchuser/...": no such home directory, so not on disk
+        return None
     if path.is_dir():
         return path.resolve()
     try:

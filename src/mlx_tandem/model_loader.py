@@ -162,6 +162,16 @@ def _load_vision(path: Path):
     return vlm, processor, model, config
 
 
+def _check_tokenizer(path: Path, tokenizer) -> None:
+    """Refuse a tokenizer that reads text as nothing. Without tokenizer.json (a partial
+    copy of a checkpoint), transformers 5 builds one of the special tokens alone, without
+    a word of warning: every prompt's text encoded to no tokens, and the model answered
+    the template's markers."""
+    if not tokenizer._tokenizer.encode("Hello, world.", add_special_tokens=False):
+        raise ModelLoadError(f"the tokenizer of {path} encodes text to no tokens: its vocabulary file "
+                             "(tokenizer.json, or vocab.json and merges.txt) is missing or broken")
+
+
 def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
     from tqdm.auto import tqdm
     import mlx.core as mx
@@ -182,6 +192,7 @@ def load_text_model(path: Path, *, show_progress: bool = True) -> LoadedModel:
         bar.update()
         bar.set_postfix_str("tokenizer")
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        _check_tokenizer(path, tokenizer)
         # The engine checks prompts against the context window itself (ContextLengthError);
         # transformers' own check only printed a warning of "indexing errors" that never come.
         tokenizer._tokenizer.model_max_length = sys.maxsize

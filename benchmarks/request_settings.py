@@ -3,7 +3,7 @@
 Side by side in one run (the machines are noisy), on the embedded demo model (hybrid
 qwen3_5 with its trained MTP head), the same eight greedy chats about Python's standard
 library, at most 1 and at most 8 at a time (``--quick``: 4). Each setting runs with MTP
-off and on, interleaved, best of ``--rounds``:
+off and on, interleaved, best of five rounds (``--quick``: two):
 
   none        no per-request setting
   logprobs    logprobs with top_logprobs=5 (drafts report the verify's distributions)
@@ -15,7 +15,7 @@ The ratios that matter: each setting's MTP speed-up (on / off) against the plain
 and what the setting costs without MTP (setting / none). MTP off and on must answer alike
 for each setting (greedy, the same tokens); the run fails otherwise.
 
-    python benchmarks/request_settings.py results/request_settings.json            # full (~6 min)
+    python benchmarks/request_settings.py results/request_settings.json            # full (~7 min)
     python benchmarks/request_settings.py results/request_settings.json --quick    # ~2 minutes
 """
 
@@ -73,7 +73,7 @@ async def run_batch(engines: dict, batch: int, tokens: int, rounds: int) -> dict
 
 
 async def bench(args) -> dict:
-    tokens, rounds, batches = (32, 2, (1, 4)) if args.quick else (64, 3, (1, 8))
+    tokens, rounds, batches = (32, 2, (1, 4)) if args.quick else (64, 5, (1, 8))
     engines = {mode: Engine(show_progress=False, mtp=mode) for mode in MODES}
     try:
         for engine in engines.values():

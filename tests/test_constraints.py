@@ -439,6 +439,22 @@ END_SPELLINGS = [
     ({"type": "regex", "pattern": "Answer: <\\|im_end\\|>[a-z]{2}"}, r"Answer: <\|im_end\|>[a-z]{2}"),
     ({"type": "lark", "grammar": 'start: "X <|endoftext|>"'}, r"X <\|endoftext\|>"),
 ]
+def test_a_finished_document_allows_its_end_tokens(qwen3_5_engine):
+    """A stopped matcher refuses even the EOS its mask allows: repaired as forced text,
+    the end of a document ending on a number had an empty mask, and the request failed
+    (the first version of the end-token repair; README's ``value: int`` example)."""
+    from mlx_tandem.closing import allowed_tokens
+
+    grammar = qwen3_5_engine._grammar  # white-box: the engine's own compiler and token classes
+    matcher = grammar.compile(Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer"}},
+                                                      "required": ["n"]}))
+    for tok in qwen3_5_engine.tokenizer.encode('{"n": 25}'):
+        assert matcher.consume_token(tok), matcher.get_error()
+    vocab = qwen3_5_engine.loaded.vocab_size
+    allowed = allowed_tokens(matcher, vocab, grammar.tiers().respelled)
+    assert set(np.flatnonzero(allowed)) == set(grammar.eos_token_ids)
+
+
 MARKER_TOOL = {"type": "function", "function": {"name": "mark", "description": "Mark a turn.", "parameters": {
     "type": "object", "properties": {"marker": {"enum": ["<|im_end|>"]}}, "required": ["marker"]}}}
 

@@ -136,7 +136,9 @@ def allowed_tokens(matcher, vocab_size: int, respelled: Optional[dict[int, int]]
     allowed = np.zeros(vocab_size, dtype=bool)
     n = min(vocab_size, bits.shape[0])
     allowed[:n] = bits[:n].astype(bool)
-    if respelled:
+    # Where the grammar may end, nothing is forced, and a stopped matcher refuses even the
+    # EOS it allows: the repair would empty the mask.
+    if respelled and not (matcher.is_stopped() or matcher.is_accepting()):
         for special, first in respelled.items():
             if special < vocab_size and allowed[special] and not matcher.validate_tokens([special]):
                 allowed[special] = False

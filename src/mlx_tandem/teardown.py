@@ -18,6 +18,8 @@ import threading
 import weakref
 from typing import Any
 
+from . import _platform
+
 logger = logging.getLogger(__name__)
 
 # Cores outlive their Engine by a moment when it is dropped (its finalizer only asks the
@@ -198,6 +200,7 @@ def release_arrays(lanes: dict, loaded: Any) -> None:
                 module.clear()  # nn.Module is a dict of its children and parameters
     gc.collect()
     mx.clear_cache()
+    _platform.trim_native_heap()  # the freed pages, back to the system (glibc keeps them per thread)
     # mlx >= 0.32 wants each thread that used MLX to destroy its streams before it ends
     # (ml-explore/mlx#3395, mlx-vlm#1945); otherwise exit may abort.
     if hasattr(mx, "clear_streams"):

@@ -310,6 +310,10 @@ def test_model_name_is_an_alias_and_unknown_constructor_arguments_are_errors():
         MLXTandemLLM(model=PATHS["qwen3_5"], max_tokns=5)
     llm = make_llm(temperature=0.3)  # serialization still round-trips
     assert MLXTandemLLM.from_dict(llm.to_dict()).temperature == 0.3
+    # As with core's LLMs, a dump builds the same LLM (it holds core's class_name).
+    assert MLXTandemLLM(**llm.model_dump()).model_dump() == llm.model_dump()
+    with pytest.raises(ValidationError, match="class_name"):
+        MLXTandemLLM(model=PATHS["qwen3_5"], class_name="OpenAI")  # another class's dump
 
 
 # ---------------------------------------------------------------------- reasoning

@@ -137,6 +137,10 @@ class MLXTandemLLM(FunctionCallingLLM):
     @model_validator(mode="before")
     @classmethod
     def _model_name_alias(cls, data: Any) -> Any:
+        # Core's model_dump() adds class_name, which from_dict() drops; dropped here too, so
+        # MLXTandemLLM(**llm.model_dump()) builds as core's LLMs (which ignore extras) do.
+        if isinstance(data, dict) and data.get("class_name") == cls.class_name():
+            data = {k: v for k, v in data.items() if k != "class_name"}
         return model_name_alias(data)
 
     @model_validator(mode="after")

@@ -1413,6 +1413,38 @@ def test_stats_count_an_answer_cut_at_its_call_when_chat_returns(qwen3_5_mtp_pat
         engine.close_sync()
 
 
+def test_an_answer_cut_at_its_call_as_the_engine_closes_logs_nothing(qwen3_5_path, caplog):
+    """chat() waits for a no-op the engine fails once closed: its exception was never read,
+    and asyncio logged "Future exception was never retrieved" (review h141)."""
+    import gc
+    import logging
+
+    async def run():
+        engine = Engine(qwen3_5_path, show_progress=False)
+        await engine.start()
+        marker = engine._grammar.marker
+        body = json.dumps('\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n')
+        grammar = f'start: {marker("<tool_call>")} {body} {marker("</tool_call>")} " and then " /[a-z ]{{60,}}/'
+        core = engine._core
+        cut = core.finish_early
+
+        def cut_then_closed(req, kept):  # a close from another thread lands right after the cut
+            cut(req, kept)
+            core._mark_closed()
+
+        core.finish_early = cut_then_closed
+        out = await engine.chat(USER, SamplingParams(max_tokens=90), tools=TOOLS, parallel_tool_calls=False,
+                                response_format={"type": "lark", "grammar": grammar})
+        await engine.close()
+        return out
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        out = asyncio.run(run())
+        gc.collect()
+    assert out.finish_reason == "tool_calls" and len(out.tool_calls) == 1
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+
 async def test_engine_keeps_serving_after_bad_constraints(qwen3_5_engine):
     engine = qwen3_5_engine
     bad = [engine.chat(USER, SamplingParams(max_tokens=8), **opts) for opts, _ in BAD_REQUESTS]

@@ -267,7 +267,11 @@ class AsyncStream(_StreamBase):
             async for _ in self:
                 pass
         if (counted := self._counted()) is not None:
-            await asyncio.wait([asyncio.wrap_future(counted)])  # its outcome does not matter
+            settled = asyncio.wrap_future(counted)
+            await asyncio.wait([settled])
+            # Its outcome does not matter (a closed engine fails it), but read it: an
+            # exception nobody retrieved is logged as an error when the future is freed.
+            settled.cancelled() or settled.exception()
         return self._output()
 
     async def aclose(self) -> None:

@@ -587,23 +587,36 @@ class Tree(BaseModel):
     kids: list["Tree"] = []
 
 
-def test_a_tool_taking_a_recursive_model_is_held_to_every_level():
+def _plant(tree: Tree, depth: int = 1) -> str:
+    """Plant a tree.
+
+    Args:
+        tree: the tree to plant
+        depth: how deep
+    """
+    return "planted"
+
+
+@pytest.mark.parametrize("kind", ["tool", "function"])
+def test_a_tool_taking_a_recursive_model_is_held_to_every_level(kind):
     """A tool's arguments are a Pydantic model too: one holding a recursive model lost its
-    nested levels to {} as well, and forced calls came back with kids that are no Tree."""
-    from langchain_core.tools import tool
+    nested levels to {} as well, and forced calls came back with kids that are no Tree. A
+    plain function (bind_tools takes one, as core does) lost them until an audit: only
+    core's conversion reached the engine, and its calls failed the function's own tool."""
+    from langchain_core.tools import StructuredTool, tool
 
-    @tool
-    def plant(tree: Tree) -> str:
-        """Plant a tree."""
-        return "planted"
-
+    plant = tool(_plant) if kind == "tool" else _plant
+    as_tool = plant if kind == "tool" else StructuredTool.from_function(_plant, parse_docstring=True)
     sent = make_llm().bind_tools([plant]).kwargs["tools"][0]["function"]["parameters"]
-    assert sent == plant.tool_call_schema.model_json_schema()
+    assert sent["$defs"]["Tree"]["properties"]["kids"]["items"] == {"$ref": "#/$defs/Tree"}
+    if kind == "function":  # the docstring's argument descriptions, as core reads them
+        assert sent["properties"]["depth"]["description"] == "how deep"
     for seed in range(8):
-        msg = make_llm(max_tokens=120, temperature=1.0, seed=seed).bind_tools([plant], tool_choice="plant").invoke(
+        msg = make_llm(max_tokens=120, temperature=1.0, seed=seed).bind_tools([plant], tool_choice="_plant").invoke(
             "plant a tree")
-        assert [c["name"] for c in msg.tool_calls] == ["plant"], msg
+        assert [c["name"] for c in msg.tool_calls] == ["_plant"], msg
         Tree.model_validate(msg.tool_calls[0]["args"]["tree"])
+        assert as_tool.invoke(msg.tool_calls[0]["args"]) == "planted"
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])

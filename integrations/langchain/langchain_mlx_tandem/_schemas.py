@@ -14,10 +14,25 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from langchain_core.tools import BaseTool, create_schema_from_function
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from mlx_tandem.pydantic_schema import json_schema
 
 _DEFS = "#/$defs/"
+
+
+def arguments_model(tool: Any) -> Any:
+    """The Pydantic model of a tool's arguments where it has one: a BaseTool's
+    ``tool_call_schema`` (injected arguments left out), a plain function's model as
+    ``convert_to_openai_tool`` builds it (docstring argument descriptions included), else
+    the tool itself. A plain function's recursive or tighter schema was lost: core's
+    conversion is all that reached the engine."""
+    if isinstance(tool, BaseTool):
+        return tool.tool_call_schema
+    if callable(tool) and not isinstance(tool, type) and hasattr(tool, "__name__"):
+        return create_schema_from_function(tool.__name__, tool, filter_args=(), parse_docstring=True,
+                                           error_on_invalid_docstring=False, include_injected=False)
+    return tool
 
 
 def whole_model_schema(schema: Any) -> Optional[dict]:

@@ -36,7 +36,7 @@ from mlx_tandem.model_loader import checkpoint_key
 from ._choices import choice_params, fits_queue, result_of
 from ._convert import PROVIDER, ChunkBuilder, WrittenBlocks, to_ai_message, to_engine_messages
 from ._parsers import WholeJsonKeyToolsParser, WholeJsonParser, WholePydanticParser, WholePydanticToolsParser
-from ._schemas import whole_model_schema
+from ._schemas import arguments_model, whole_model_schema
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -564,10 +564,10 @@ def _is_tool_dict(schema: dict) -> bool:
 
 def _openai_tool(tool: Any, strict: Optional[bool]) -> dict:
     formatted = convert_to_openai_tool(tool, strict=strict)
-    # A tool's arguments are a Pydantic model too (``tool_call_schema``: the args the model
-    # writes, injected ones left out); a recursive one lost its nested levels the same way,
-    # and a Decimal's string branch took any text.
-    full = whole_model_schema(tool.tool_call_schema if isinstance(tool, BaseTool) else tool)
+    # A tool's arguments are a Pydantic model too (a BaseTool's or a plain function's); a
+    # recursive one lost its nested levels the same way, and a Decimal's string branch took
+    # any text.
+    full = whole_model_schema(arguments_model(tool))
     if full is not None:
         formatted["function"]["parameters"] = full
     return formatted

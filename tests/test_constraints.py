@@ -416,16 +416,21 @@ SPELLED_MARKERS = [
 ]
 
 
-async def test_formats_that_spell_an_added_token(qwen3_5_engine):
-    engine = qwen3_5_engine
-    special = set(engine.tokenizer.get_added_vocab().values())
+async def _assert_spelled(engine, spellings, tokens: set, max_tokens: int) -> None:
+    """Each format, greedy and sampled: the answer matches its pattern, ``tokens`` spelled
+    in ordinary ones."""
     outs = await asyncio.gather(*[
-        engine.chat(USER, SamplingParams(max_tokens=30, **s), response_format=f)
-        for f, _ in SPELLED_MARKERS for s in SAMPLINGS])
-    expected = [pattern for _, pattern in SPELLED_MARKERS for _ in SAMPLINGS]
+        engine.chat(USER, SamplingParams(max_tokens=max_tokens, **s), response_format=f)
+        for f, _ in spellings for s in SAMPLINGS])
+    expected = [pattern for _, pattern in spellings for _ in SAMPLINGS]
     for out, pattern in zip(outs, expected):
         assert out.finish_reason == "stop" and re.fullmatch(pattern, out.content), out.content
-        assert not special & set(out.token_ids[:-1]), out.token_ids  # spelled in ordinary tokens
+        assert not tokens & set(out.token_ids[:-1]), out.token_ids
+
+
+async def test_formats_that_spell_an_added_token(qwen3_5_engine):
+    special = set(qwen3_5_engine.tokenizer.get_added_vocab().values())
+    await _assert_spelled(qwen3_5_engine, SPELLED_MARKERS, special, max_tokens=30)
 
 
 # Text that spells an end token: llguidance forced the EOS id, which the matcher refuses
@@ -439,6 +444,8 @@ END_SPELLINGS = [
     ({"type": "regex", "pattern": "Answer: <\\|im_end\\|>[a-z]{2}"}, r"Answer: <\|im_end\|>[a-z]{2}"),
     ({"type": "lark", "grammar": 'start: "X <|endoftext|>"'}, r"X <\|endoftext\|>"),
 ]
+
+
 def test_a_finished_document_allows_its_end_tokens(qwen3_5_engine):
     """A stopped matcher refuses even the EOS its mask allows: repaired as forced text,
     the end of a document ending on a number had an empty mask, and the request failed
@@ -464,14 +471,7 @@ async def test_formats_that_spell_an_end_token(qwen3_5_mtp_path, mtp):
     engine = Engine(qwen3_5_mtp_path, show_progress=False, mtp=mtp)
     await engine.start()
     try:
-        eos = set(engine.tokenizer.eos_token_ids)
-        outs = await asyncio.gather(*[
-            engine.chat(USER, SamplingParams(max_tokens=40, **s), response_format=f)
-            for f, _ in END_SPELLINGS for s in SAMPLINGS])
-        expected = [pattern for _, pattern in END_SPELLINGS for _ in SAMPLINGS]
-        for out, pattern in zip(outs, expected):
-            assert out.finish_reason == "stop" and re.fullmatch(pattern, out.content), out.content
-            assert not eos & set(out.token_ids[:-1]), out.token_ids  # spelled in ordinary tokens
+        await _assert_spelled(engine, END_SPELLINGS, set(engine.tokenizer.eos_token_ids), max_tokens=40)
         call = await engine.chat(USER, SamplingParams(max_tokens=40), tools=[MARKER_TOOL], tool_choice="required")
         assert [c.arguments for c in call.tool_calls] == [{"marker": "<|im_end|>"}], call.text
     finally:

@@ -132,7 +132,6 @@ def test_a_snapshot_sees_a_step_and_its_stop_strings_whole(qwen3_5_mtp_path):
     counted: a snapshot taken between the two read generation_tokens fall (12, then 11; an
     audit). Polled from another thread while rows stop, the counters never go back."""
     import threading
-    import time
 
     async def run():
         async with Engine(qwen3_5_mtp_path, show_progress=False, mtp="on", mtp_depth=3) as engine:

@@ -234,7 +234,12 @@ def test_generate_fills_llm_output_with_summed_usage():
         "model_name": PATHS["qwen3_5"],
         "token_usage": {"prompt_tokens": sum(r.usage.prompt_tokens for r in refs),
                         "completion_tokens": sum(r.usage.completion_tokens for r in refs),
-                        "total_tokens": sum(r.usage.total_tokens for r in refs)}}
+                        "total_tokens": sum(r.usage.total_tokens for r in refs),
+                        # OpenAI's details, summed key by key
+                        "prompt_tokens_details": {"cached_tokens": sum(
+                            g[0].message.usage_metadata.get("input_token_details", {}).get("cache_read", 0)
+                            for g in result.generations)},
+                        "completion_tokens_details": {"reasoning_tokens": 0}}}
     assert [g[0].message.usage_metadata["output_tokens"] for g in result.generations] == [
         r.usage.completion_tokens for r in refs]
     # Streamed, core assembles each result from chunks and gives no llm_output to sum.
@@ -1109,7 +1114,8 @@ def test_n_answers_decode_together_each_as_its_own_request():
     assert len({w.text for w in want}) > 1  # the seeds draw different answers
     result = llm.generate([[HumanMessage(prompt)]])
     assert [g.message.content for g in result.generations[0]] == [w.content for w in want]
-    assert result.llm_output["token_usage"] == {
+    usage = result.llm_output["token_usage"]
+    assert {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == {
         "prompt_tokens": want[0].usage.prompt_tokens, "completion_tokens": sum(w.usage.completion_tokens for w in want),
         "total_tokens": want[0].usage.prompt_tokens + sum(w.usage.completion_tokens for w in want)}
     assert llm.invoke(prompt).content == want[0].content

@@ -37,8 +37,12 @@ def result_of(*messages: AIMessage) -> ChatResult:
     usages = [m.usage_metadata for m in messages if m.usage_metadata]
     if usages:
         prompt, completion = usages[0]["input_tokens"], sum(u["output_tokens"] for u in usages)
+        cached = (usages[0].get("input_token_details") or {}).get("cache_read", 0)
+        reasoning = sum((u.get("output_token_details") or {}).get("reasoning", 0) for u in usages)
         llm_output["token_usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                                     "total_tokens": prompt + completion}
+                                     "total_tokens": prompt + completion,
+                                     "prompt_tokens_details": {"cached_tokens": cached},
+                                     "completion_tokens_details": {"reasoning_tokens": reasoning}}
     generations = []
     for message in messages:
         info: dict[str, Any] = {"finish_reason": message.response_metadata.get("finish_reason")}

@@ -253,10 +253,9 @@ class ChatMLX(BaseChatModel):
         """``generate()`` over several prompts: token usage summed, as ChatOpenAI does. Under
         ``streaming=True`` core builds each result from the chunks with no ``llm_output``; the
         usage is then on each message's ``usage_metadata`` only."""
-        totals: dict[str, int] = {}
+        totals: dict[str, Any] = {}
         for output in llm_outputs:
-            for key, value in ((output or {}).get("token_usage") or {}).items():
-                totals[key] = totals.get(key, 0) + value
+            _add_usage(totals, (output or {}).get("token_usage") or {})
         model_name = next((o["model_name"] for o in llm_outputs if o and o.get("model_name")),
                           self.model_name)
         combined: dict[str, Any] = {"model_name": model_name}
@@ -571,6 +570,15 @@ def _openai_tool(tool: Any, strict: Optional[bool]) -> dict:
     if full is not None:
         formatted["function"]["parameters"] = full
     return formatted
+
+
+def _add_usage(totals: dict, usage: dict) -> None:
+    """Add OpenAI-shaped token usage into ``totals``, details dicts key by key."""
+    for key, value in usage.items():
+        if isinstance(value, dict):
+            _add_usage(totals.setdefault(key, {}), value)
+        else:
+            totals[key] = totals.get(key, 0) + value
 
 
 def _stream_usage(per_call: Optional[bool], default: bool) -> bool:

@@ -268,10 +268,16 @@ class AsyncStream(_StreamBase):
                 pass
         if (counted := self._counted()) is not None:
             settled = asyncio.wrap_future(counted)
-            await asyncio.wait([settled])
-            # Its outcome does not matter (a closed engine fails it), but read it: an
-            # exception nobody retrieved is logged as an error when the future is freed.
-            settled.cancelled() or settled.exception()
+            try:
+                await asyncio.wait([settled])
+            finally:
+                # Its outcome does not matter (a closed engine fails it), but read it, or
+                # cancel it if the caller gave up first: an exception nobody retrieved is
+                # logged as an error when the future is freed.
+                if not settled.done():
+                    settled.cancel()
+                elif not settled.cancelled():
+                    settled.exception()
         return self._output()
 
     async def aclose(self) -> None:

@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_tandem import Engine, EngineClosedError, InvalidRequestError, SamplingParams
+from mlx_tandem.default_model import is_packaged
 
 from .reference import reference_greedy
 
@@ -645,6 +646,7 @@ def test_the_load_bar_follows_show_progress_and_tqdms_own_switch(llama_path, env
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's per-thread malloc arenas")
+@pytest.mark.skipif(not is_packaged(), reason="the demo model's weights are not in this tree")
 def test_engines_made_and_closed_in_turn_give_their_memory_back(tmp_path):
     """Each engine runs on an owner thread of its own, and glibc gives each thread its own
     malloc arena, whose freed pages it kept: a process that made and closed engines grew by
@@ -652,10 +654,6 @@ def test_engines_made_and_closed_in_turn_give_their_memory_back(tmp_path):
     though MLX's counters were back at zero. Closing trims the heap (malloc_trim)."""
     import subprocess
 
-    from mlx_tandem.default_model import is_packaged
-
-    if not is_packaged():
-        pytest.skip("the demo model's weights are not in this tree")
     script = tmp_path / "cycles.py"
     script.write_text(
         "import os\n"

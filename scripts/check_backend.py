@@ -69,14 +69,14 @@ def _sorted_inputs(tokens: int, experts: int, top_k: int, hidden: int, seed: int
     return x, mx.array(idx)
 
 
-def check_gather_mm(experts=4, top_k=2, hidden=128, inter=32) -> list[dict]:
+def check_gather_mm(experts=4, top_k=2, hidden=128, inter=32, token_counts=(8, 24, 31, 32, 40, 200, 800)) -> list[dict]:
     """SwitchGLU's up projection as mlx-lm 0.32 calls it, at the token counts of a decode
     step (8 rows), a verify step (8 rows x 3), a prompt alone and twenty prompts in a batch."""
     from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
     w = mx.random.normal((experts, inter, hidden), key=mx.random.key(1)) * 0.1
     out = []
-    for tokens in (8, 24, 31, 32, 40, 200, 800):
+    for tokens in token_counts:
         x, idx = _sorted_inputs(tokens, experts, top_k, hidden, tokens)
         for view in ("expand_dims", "contiguous"):
             def run():
@@ -135,6 +135,24 @@ def _routers(model) -> list[_Recorder]:
     return recs
 
 
+def router_flips(dev_gates, ref_gates, top_k: int) -> dict:
+    """How many routed tokens chose another set of ``top_k`` experts on the device than on
+    the CPU, and the CPU router's margin (k-th score minus the next) at those tokens."""
+    n, margins, routed = 0, [], 0
+    for d, r in zip(dev_gates, ref_gates):
+        d, r = d.reshape(-1, d.shape[-1]), r.reshape(-1, r.shape[-1])
+        routed += len(r)
+        top_d = np.sort(np.argsort(-d, axis=-1)[:, :top_k], axis=-1)
+        top_r = np.sort(np.argsort(-r, axis=-1)[:, :top_k], axis=-1)
+        bad = np.any(top_d != top_r, axis=-1)
+        n += int(bad.sum())
+        s = -np.sort(-r[bad], axis=-1)
+        margins += list(s[:, top_k - 1] - s[:, top_k])
+    return {"routed_tokens": routed, "flips": n,
+            "min_margin_at_flip": float(min(margins)) if margins else None,
+            "max_margin_at_flip": float(max(margins)) if margins else None}
+
+
 def check_moe_model(root: Path, batch: int = 20, length: int = 40) -> dict:
     from mlx_lm.utils import load
 
@@ -165,30 +183,17 @@ def check_moe_model(root: Path, batch: int = 20, length: int = 40) -> dict:
         ref_gates = [np.array(s) for r in recs for s in r.seen]
         return np.array(dev), np.array(ref), dev_gates, ref_gates
 
-    def flips(dev_gates, ref_gates) -> dict:
-        n, margins = 0, []
-        for d, r in zip(dev_gates, ref_gates):
-            d, r = d.reshape(-1, d.shape[-1]), r.reshape(-1, r.shape[-1])
-            top_d = np.sort(np.argsort(-d, axis=-1)[:, :top_k], axis=-1)
-            top_r = np.sort(np.argsort(-r, axis=-1)[:, :top_k], axis=-1)
-            bad = np.any(top_d != top_r, axis=-1)
-            n += int(bad.sum())
-            s = -np.sort(-r[bad], axis=-1)
-            margins += list(s[:, top_k - 1] - s[:, top_k])
-        return {"routed_tokens": sum(d.size // d.shape[-1] for d in dev_gates), "flips": n, "min_margin_at_flip": float(min(margins)) if margins else None,
-                "max_margin_at_flip": float(max(margins)) if margins else None}
-
     result = {"routers": len(recs)}
     lg_b, ref_b, gd, gr = routed(lambda: model(ids)[:, -1])
     result["batched"] = {"rel_vs_cpu": _rel([lg_b], [ref_b]),
-                         "argmax_differs": int((lg_b.argmax(-1) != ref_b.argmax(-1)).sum()), **flips(gd, gr)}
+                         "argmax_differs": int((lg_b.argmax(-1) != ref_b.argmax(-1)).sum()), **router_flips(gd, gr, top_k)}
     alone, alone_ref, ga, gra = [], [], [], []
     for i in range(batch):
         a, r, g1, g2 = routed(lambda: model(ids[i:i + 1])[:, -1])
         alone.append(a[0]); alone_ref.append(r[0]); ga += g1; gra += g2
     alone, alone_ref = np.stack(alone), np.stack(alone_ref)
     result["alone"] = {"rel_vs_cpu": _rel([alone], [alone_ref]),
-                       "argmax_differs": int((alone.argmax(-1) != alone_ref.argmax(-1)).sum()), **flips(ga, gra)}
+                       "argmax_differs": int((alone.argmax(-1) != alone_ref.argmax(-1)).sum()), **router_flips(ga, gra, top_k)}
     result["batched_vs_alone_on_device"] = {"rel": _rel([lg_b], [alone]),
                                             "argmax_differs": int((lg_b.argmax(-1) != alone.argmax(-1)).sum())}
 

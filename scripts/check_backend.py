@@ -10,7 +10,8 @@ value:
 - ``gather_mm``: the mixture-of-experts products (mlx-lm's ``SwitchGLU``), sorted and
   unsorted, at the sizes its prefill, decode and verify steps give them, with the
   activations as mlx-lm shapes them (``expand_dims``) and contiguous;
-- ``gather_mm_grad``: their gradients, which the MTP head's self-distillation trains with;
+- ``gather_mm_grad``: their gradients (against numpy's too), which the MTP head's
+  self-distillation trains with;
 - ``moe_model``: the factory MoE model's last-position logits for prompts alone and in a
   batch, how many greedy picks differ, and how many router top-k choices flip between the
   two backends, with the smallest router margin among the flips (a flip at a router
@@ -62,31 +63,36 @@ def check_matmul() -> dict:
     return {"rel": _rel(*_both(lambda: a @ b))}
 
 
-def _sorted_inputs(tokens: int, experts: int, top_k: int, hidden: int, seed: int):
+def _routed_inputs(tokens: int, experts: int, top_k: int, hidden: int, seed: int):
     rng = np.random.default_rng(seed)
     x = mx.array(rng.standard_normal((tokens, hidden)).astype(np.float32))
     idx = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.uint32)
     return x, mx.array(idx)
 
 
+def _switch_up(xe, w, idx):
+    """One expert projection as mlx-lm 0.32's ``SwitchGLU`` runs it: sorted by expert (the
+    grouped path) once 64 or more token-expert pairs are routed, unsorted below."""
+    from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
+
+    if idx.size < 64:
+        return mx.gather_mm(xe, w.swapaxes(-1, -2), rhs_indices=idx)
+    xs, ids, inv = _gather_sort(xe, idx)
+    y = mx.gather_mm(xs, w.swapaxes(-1, -2), rhs_indices=ids, sorted_indices=True)
+    return _scatter_unsort(y, inv, idx.shape)
+
+
 def check_gather_mm(experts=4, top_k=2, hidden=128, inter=32, token_counts=(8, 24, 31, 32, 40, 200, 800)) -> list[dict]:
     """SwitchGLU's up projection as mlx-lm 0.32 calls it, at the token counts of a decode
     step (8 rows), a verify step (8 rows x 3), a prompt alone and twenty prompts in a batch."""
-    from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
-
     w = mx.random.normal((experts, inter, hidden), key=mx.random.key(1)) * 0.1
     out = []
     for tokens in token_counts:
-        x, idx = _sorted_inputs(tokens, experts, top_k, hidden, tokens)
+        x, idx = _routed_inputs(tokens, experts, top_k, hidden, tokens)
         for view in ("expand_dims", "contiguous"):
             def run():
                 xe = mx.expand_dims(x, (-2, -3))
-                if view == "contiguous":
-                    xe = mx.contiguous(xe)
-                do_sort = idx.size >= 64
-                xs, ids, inv = (_gather_sort(xe, idx) if do_sort else (xe, idx, None))
-                y = mx.gather_mm(xs, w.swapaxes(-1, -2), rhs_indices=ids, sorted_indices=do_sort)
-                return _scatter_unsort(y, inv, idx.shape) if do_sort else y
+                return _switch_up(mx.contiguous(xe) if view == "contiguous" else xe, w, idx)
             dev, ref = _both(run)
             dense = np.stack([np.stack([np.array(x[t]) @ np.array(w[int(e)]).T for e in np.array(idx[t])])
                               for t in range(tokens)])
@@ -100,15 +106,23 @@ def check_gather_mm_grad(experts=4, top_k=2, hidden=128, inter=32) -> list[dict]
     out = []
     w0 = mx.random.normal((experts, inter, hidden), key=mx.random.key(2)) * 0.1
     for tokens in (8, 40, 200):
-        x0, idx = _sorted_inputs(tokens, experts, top_k, hidden, 100 + tokens)
+        x0, idx = _routed_inputs(tokens, experts, top_k, hidden, 100 + tokens)
         g = mx.random.normal((tokens, top_k, 1, inter), key=mx.random.key(3))
 
         def run():
             def loss(x, w):
-                y = mx.gather_mm(mx.expand_dims(x, (-2, -3)), w.swapaxes(-1, -2), rhs_indices=idx)
-                return (y * g).sum()
+                return (_switch_up(mx.expand_dims(x, (-2, -3)), w, idx) * g).sum()
             return list(mx.grad(loss, argnums=(0, 1))(x0, w0))
-        out.append({"tokens": tokens, "rel_vs_cpu": _rel(*_both(run))})
+        dev, ref = _both(run)
+        # y[t, k] = x[t] @ w[e].T, so dL/dx[t] = sum_k g[t, k] @ w[e] and dL/dw[e] = sum g[t, k].T x[t].
+        xs, ws, gs, ids = np.array(x0), np.array(w0), np.array(g)[:, :, 0], np.array(idx)
+        dx = np.stack([sum(gs[t, k] @ ws[ids[t, k]] for k in range(top_k)) for t in range(tokens)])
+        dw = np.zeros_like(ws)
+        for t in range(tokens):
+            for k in range(top_k):
+                dw[ids[t, k]] += np.outer(gs[t, k], xs[t])
+        out.append({"tokens": tokens, "sorted": bool(idx.size >= 64), "rel_vs_cpu": _rel(dev, ref),
+                    "rel_vs_dense": _rel(dev, [dx, dw])})
     return out
 
 

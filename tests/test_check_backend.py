@@ -44,3 +44,12 @@ def test_gather_mm_check_matches_a_dense_per_expert_product_on_both_paths():
     for r in rows:
         assert r["rel_vs_dense"] < 1e-5, r
         assert r["rel_vs_cpu"] == 0.0, r   # the CPU against itself
+
+
+def test_gather_mm_gradient_check_matches_numpy_on_both_paths():
+    cb = _load()
+    rows = cb.check_gather_mm_grad()
+    assert {r["sorted"] for r in rows} == {False, True}
+    for r in rows:
+        assert r["rel_vs_dense"] < 1e-5, r
+        assert r["rel_vs_cpu"] == 0.0, r

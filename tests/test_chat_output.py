@@ -385,6 +385,28 @@ def test_an_integer_python_cannot_read_is_an_invalid_call(body):
     assert r.tool_calls == [] and [c.name for c in r.invalid_tool_calls] == [None] and r.content == "ok"
 
 
+@pytest.mark.parametrize("fmt", [FMT, XML_CALLS], ids=["json", "xml"])
+@pytest.mark.parametrize("number", ["1e400", "-8e5647", "NaN", "Infinity"])
+def test_a_number_that_reads_as_infinity_or_nan_is_an_invalid_call(fmt, number):
+    """Python's json reads ``1e400`` as ``inf`` (and takes ``NaN``): the tool was called
+    with a value no JSON holds. The call is invalid, its neighbour in the answer kept."""
+    tools = TOOLS + [{"type": "function", "function": {"name": "scale", "parameters": {
+        "type": "object", "properties": {"by": {"type": "number"}, "xs": {"type": "array"}}}}}]
+    if fmt is XML_CALLS:
+        bad = f"<tool_call>\n<function=scale>\n<parameter=by>\n{number}\n</parameter>\n</function>\n</tool_call>"
+        good = "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
+    else:
+        bad = call("scale", None, raw_args=f'{{"by": 2, "xs": [1, {{"y": {number}}}]}}')
+        good = call("add", {"a": 1})
+    r = parse_every_split(good + bad, fmt, tools=tools, parse_tool_calls=True)
+    assert [(c.name, c.arguments) for c in r.tool_calls] == [("add", {"a": 1})]
+    assert [c.name for c in r.invalid_tool_calls] == ["scale"]
+    assert "JSON has no number" in r.invalid_tool_calls[0].error
+    # A large number that is finite stays a call.
+    r = parse([call("scale", None, raw_args='{"by": 1e300}')], FMT, tools=tools, parse_tool_calls=True)
+    assert [(c.name, c.arguments) for c in r.tool_calls] == [("scale", {"by": 1e300})]
+
+
 def test_with_call_start_by_token_a_marker_its_token_did_not_write_is_content():
     """``call_start_by_token``: a call opens only at the offsets ``feed`` is given (where
     the marker's special token wrote it); the same marker spelled otherwise is content,

@@ -477,6 +477,40 @@ def test_head_matches_mlx_vlm_drafter(checkpoint, request):
     assert mx.allclose(a, b, atol=1e-4).item()
 
 
+@pytest.mark.parametrize("checkpoint", ["qwen3_5_mtp_path", "qwen3_5_moe_mtp_path"])
+def test_mlx_vlm_drafter_beside_a_converted_model_is_its_head(checkpoint, request, tmp_path):
+    """``mlx_vlm.convert --mtp`` leaves ``mtp.*`` out of the model and has its splitter write
+    the head to ``<model>-mtp`` (its own names, norms shifted, experts as ``switch_mlp``).
+    The engine reads it there: the same parameters as the head in the original checkpoint,
+    the same greedy tokens and accepted drafts. Before, such a model decoded plainly."""
+    from mlx_lm.utils import load_model
+    from mlx_vlm.speculative.drafters.mtp_split import detect_mtp_splitter
+
+    from mlx_tandem.spec.mtp_head import load_mtp_head
+
+    original = request.getfixturevalue(checkpoint)
+    converted = _copy(original, tmp_path / "model")
+    _rewrite(converted, lambda w: {k: v for k, v in w.items() if not k.startswith("mtp.")})
+    detect_mtp_splitter(original).split(str(original), str(tmp_path / "model-mtp"))  # what convert runs
+
+    model, config = load_model(original)
+    lm = model.language_model
+    ours = dict(tree_flatten(load_mtp_head(converted, lm, config, dtype=mx.float32).parameters()))
+    theirs = dict(tree_flatten(load_mtp_head(original, lm, config, dtype=mx.float32).parameters()))
+    assert ours.keys() == theirs.keys()
+    assert all(mx.array_equal(ours[k], theirs[k]).item() for k in theirs)
+
+    got, stats = asyncio.run(_run(converted, TRAINED[:4], {"max_tokens": 12}, mtp="on"))
+    ref, ref_stats = asyncio.run(_run(original, TRAINED[:4], {"max_tokens": 12}, mtp="on"))
+    assert got == ref and stats["mtp"]["accepted"] == ref_stats["mtp"]["accepted"] > 0
+
+    # A quantized drafter (convert --mtp -q) is refused by name, as a quantized head is.
+    shutil.rmtree(tmp_path / "model-mtp")
+    detect_mtp_splitter(original).split(str(original), str(tmp_path / "model-mtp"), q_bits=8, q_group_size=32)
+    with pytest.raises(MTPHeadError, match="model-mtp: the MTP head is quantized"):
+        load_mtp_head(converted, lm, config)
+
+
 def test_a_head_with_one_tensor_per_expert_loads_as_the_fused_one(tiny_models, tmp_path):
     """Qwen3-Next stores its experts one tensor per expert and projection; the head loads
     the same parameters from that layout as from the fused one (12 experts: "10" sorts

@@ -16,6 +16,7 @@ weight conventions (which norms are zero-centred) follow mlx-vlm 0.7.10's MTP sa
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 from pathlib import Path
@@ -146,8 +147,31 @@ def _switch_layout(weights: dict) -> dict:
     return weights
 
 
+#: mlx-vlm's Qwen3.5 MTP drafter: the ``model_type`` its splitter writes (0.7.10).
+DRAFTER_MODEL_TYPE = "qwen3_5_mtp"
+
+
+def drafter_beside(path: Path) -> Optional[Path]:
+    """mlx-vlm's standalone MTP drafter for the converted model at ``path``, if beside it.
+
+    ``mlx_vlm.convert --mtp`` (0.7.10) leaves ``mtp.*`` out of the converted model, as every
+    converter does, and writes the head to ``<mlx-path>-mtp`` on its own: the tensors
+    without their ``mtp.`` prefix, the norms shifted, a mixture of experts' experts as
+    ``switch_mlp`` (its ``Qwen3_5MTPDraftModel.sanitize``), ``"format": "mlx"``, and a
+    config of ``model_type`` "qwen3_5_mtp". Its ``--mtp-output`` writes it elsewhere; the
+    engine looks only beside the model, where the converter puts it by default.
+    """
+    drafter = path.parent / f"{path.name}-mtp"
+    try:
+        config = json.loads((drafter / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return drafter if isinstance(config, dict) and config.get("model_type") == DRAFTER_MODEL_TYPE else None
+
+
 def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[MTPHead]:
-    """The MTP head of the checkpoint at ``path``, or None when it has none.
+    """The MTP head of the checkpoint at ``path`` (or of mlx-vlm's drafter beside it), or
+    None when it has none.
 
     Raises MTPHeadError when the config declares a head whose weights are missing or do not
     fit, and for quantized heads (upstream found quantized MTP heads accept ~0% of drafts;
@@ -167,20 +191,30 @@ def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[
                 holds_head = True
         if holds_head:
             head_files.append((arrays, fmt))
+    where = path
+    if not found and (drafter := drafter_beside(path)) is not None:
+        # Every tensor of a drafter's files is the head's, under the head's own names.
+        head_files = _checkpoint_files(drafter)
+        found = {key: value for arrays, _ in head_files for key, value in arrays.items()}
+        where = drafter
+        if found:
+            logger.info("MTP head read from mlx-vlm's drafter beside the model: %s", drafter)
     if not found:
         if declared:
             raise MTPHeadError(f"{path}: config declares mtp_num_hidden_layers={declared} but the "
                                "checkpoint has no mtp.* weights (converters such as mlx_lm.convert leave them "
                                "out; `mlx-tandem-add-mtp-head ORIGINAL_DIR CONVERTED_DIR` puts the "
-                               "original's head back)")
+                               "original's head back; mlx_vlm.convert --mtp writes it to "
+                               f"{path.name}-mtp beside the model, where it is read)")
         return None
     if is_quantized(found):
-        raise MTPHeadError(f"{path}: the MTP head is quantized; dequantize it (quantized heads "
-                           "accept almost no drafts)")
+        raise MTPHeadError(f"{where}: the MTP head is quantized; dequantize it (quantized heads "
+                           "accept almost no drafts), or put the original's head back with "
+                           "`mlx-tandem-add-mtp-head ORIGINAL_DIR CONVERTED_DIR`")
     layer_ids = {int(k.split(".")[1]) for k in found if k.startswith("layers.")}
     num_layers = declared or (max(layer_ids) + 1 if layer_ids else 0)
     if num_layers < 1 or layer_ids != set(range(num_layers)):
-        raise MTPHeadError(f"{path}: MTP layers {sorted(layer_ids)} do not match "
+        raise MTPHeadError(f"{where}: MTP layers {sorted(layer_ids)} do not match "
                            f"mtp_num_hidden_layers={declared}")
     zero_centred = _head_is_zero_centred(head_files)
     del files
@@ -191,7 +225,7 @@ def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[
         found = _switch_layout(found)
         head.load_weights(list(found.items()), strict=True)
     except ValueError as exc:
-        raise MTPHeadError(f"{path}: the MTP head does not fit this model: {exc}") from exc
+        raise MTPHeadError(f"{where}: the MTP head does not fit this model: {exc}") from exc
     if dtype is not None:
         head.set_dtype(dtype)
     mx.eval(head.parameters())

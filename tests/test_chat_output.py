@@ -401,10 +401,29 @@ def test_a_number_that_reads_as_infinity_or_nan_is_an_invalid_call(fmt, number):
     r = parse_every_split(good + bad, fmt, tools=tools, parse_tool_calls=True)
     assert [(c.name, c.arguments) for c in r.tool_calls] == [("add", {"a": 1})]
     assert [c.name for c in r.invalid_tool_calls] == ["scale"]
-    assert "JSON has no number" in r.invalid_tool_calls[0].error
+    assert "JSON has no form for" in r.invalid_tool_calls[0].error
     # A large number that is finite stays a call.
     r = parse([call("scale", None, raw_args='{"by": 1e300}')], FMT, tools=tools, parse_tool_calls=True)
     assert [(c.name, c.arguments) for c in r.tool_calls] == [("scale", {"by": 1e300})]
+
+
+@pytest.mark.parametrize("value,valid", [("(1e400,)", False), ("{1, 2}", False), ("b'x'", False), ("1j", False),
+                                         ("(1, 2)", True)])
+def test_a_python_literal_json_cannot_hold_is_an_invalid_call(value, valid):
+    """Qwen3-Coder's object values are read as Python literals where they are no JSON (as
+    its older template wrote dicts): a tuple holding ``1e400``, a set, bytes or a complex
+    number reached the tool, and ``arguments_json`` raised on the history. A tuple of
+    numbers is an array, as JSON writes it."""
+    tools = [{"type": "function", "function": {"name": "configure", "parameters": {
+        "type": "object", "properties": {"cfg": {"type": "object"}}}}}]
+    body = f"<tool_call>\n<function=configure>\n<parameter=cfg>\n{{'a': {value}}}\n</parameter>\n</function>\n</tool_call>"
+    r = parse([body], XML_CALLS, tools=tools, parse_tool_calls=True)
+    if valid:
+        assert [c.name for c in r.tool_calls] == ["configure"] and r.invalid_tool_calls == []
+        assert json.loads(r.tool_calls[0].arguments_json) == {"cfg": {"a": [1, 2]}}
+    else:
+        assert r.tool_calls == [] and [c.name for c in r.invalid_tool_calls] == ["configure"]
+        assert "JSON has no form for" in r.invalid_tool_calls[0].error
 
 
 def test_with_call_start_by_token_a_marker_its_token_did_not_write_is_content():

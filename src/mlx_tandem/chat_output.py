@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -387,7 +386,7 @@ class ChatOutputParser:
             raise ValueError("a tool call needs a string name and object arguments")
         if self._xml_values:
             args = read_arguments(args, self._parameters(name), body)
-        _check_finite(args)
+        _check_json(args)
         return ToolCall(id=self._call_id(item.get("id")), name=name, arguments=args)
 
     @staticmethod
@@ -417,20 +416,18 @@ def _arguments_of(item: dict) -> Any:
     return {}
 
 
-def _check_finite(value: Any) -> None:
-    """Refuse a number that reads as infinity or NaN. JSON has neither, but Python's json
-    reads ``1e400`` (which a schema's unbounded number lets a constrained model write) as
-    ``inf``, and ``NaN``/``Infinity`` as themselves; the tool got a value no JSON holds, and
-    the call's arguments could no longer be written back as JSON in the history. Such a call
-    is an invalid call, which an agent can show the model and retry."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"a number in the arguments reads as {value}, which JSON has no number for")
-    if isinstance(value, dict):
-        for item in value.values():
-            _check_finite(item)
-    elif isinstance(value, list):
-        for item in value:
-            _check_finite(item)
+def _check_json(arguments: dict) -> None:
+    """Refuse arguments that JSON cannot hold. Python's json reads ``1e400`` (which a
+    schema's unbounded number lets even a constrained model write) as ``inf``, and takes
+    ``NaN``; the parsers that read Python literals (mlx-lm's pythonic, GLM, Kimi and MiniMax
+    ones, and Qwen3-Coder's dict values here) give tuples, sets, bytes and complex numbers
+    too. The tool got a value no JSON holds, and the call could not be written back into
+    the history as JSON (``ToolCall.arguments_json`` raised). Such a call is an invalid
+    call, which an agent can show the model and retry. A tuple is JSON's array: kept."""
+    try:
+        json.dumps(arguments, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the arguments hold a value JSON has no form for ({exc})") from None
 
 
 def _item_text(item: Any) -> str:

@@ -479,7 +479,10 @@ import threading, time
 from mlx_tandem import Engine  # before mlx: it loads OpenBLAS under it
 import mlx.core as mx
 
+started = threading.Event()
+
 def heavy(tokens, logits):  # one step of about 7 s of MLX work
+    started.set()
     a, t = mx.random.normal((256, 256)), time.time()
     while time.time() - t < 7:
         a = (a @ a) / 256.0
@@ -489,7 +492,7 @@ def heavy(tokens, logits):  # one step of about 7 s of MLX work
 engine = Engine({str(llama_path)!r}, show_progress=False).start_sync()
 threading.Thread(target=lambda: engine.complete_sync("go on", {{"max_tokens": 4, "logits_processors": [heavy]}}),
                  daemon=True).start()
-time.sleep(1.0)
+assert started.wait(120)  # exit while the step runs (a fixed sleep could end before it began, on a busy machine)
 ''')
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]

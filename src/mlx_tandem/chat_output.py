@@ -417,15 +417,16 @@ def _arguments_of(item: dict) -> Any:
 
 
 def _check_json(arguments: dict) -> None:
-    """Refuse arguments that JSON cannot hold. Python's json reads ``1e400`` (which a
-    schema's unbounded number lets even a constrained model write) as ``inf``, and takes
-    ``NaN``; the parsers that read Python literals (mlx-lm's pythonic, GLM, Kimi and MiniMax
-    ones, and Qwen3-Coder's dict values here) give tuples, sets, bytes and complex numbers
-    too. The tool got a value no JSON holds, and the call could not be written back into
-    the history as JSON (``ToolCall.arguments_json`` raised). Such a call is an invalid
-    call, which an agent can show the model and retry. A tuple is JSON's array: kept."""
+    """Refuse arguments that JSON cannot hold. The parsers that read Python literals
+    (mlx-lm's pythonic, GLM, Kimi and MiniMax ones, and Qwen3-Coder's dict values here) give
+    sets, bytes and complex numbers too: such a value reached the tool, and
+    ``ToolCall.arguments_json`` raised when the call went back into the history. Such a call
+    is an invalid call, which an agent can show the model and retry. A tuple is JSON's
+    array, kept. A number past a float's range (``1e400``, which a schema's unbounded
+    ``number`` lets even a constrained model write) reads as ``inf``, as Python's json and
+    Pydantic read it, and is kept: the call is what its schema allows (see design.md)."""
     try:
-        json.dumps(arguments, allow_nan=False)
+        json.dumps(arguments)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"the arguments hold a value JSON has no form for ({exc})") from None
 

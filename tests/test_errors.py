@@ -151,6 +151,11 @@ def test_the_vocabulary_size_comes_from_the_model_where_the_config_has_none():
 def test_a_relative_model_path_is_fixed_when_the_engine_is_made(llama_path, qwen3_5_path, tmp_path, monkeypatch):
     """Resolved only at load, a relative path followed the working directory: the engine
     Engine.shared had keyed on one directory loaded and served another model."""
+    import shutil
+
+    # A copy of its own: a shared engine another test file made for llama_path (this
+    # process's, under pytest-xdist) would be found first, under the name it was given.
+    llama_path = shutil.copytree(llama_path, tmp_path / "llama")
     for where, target in (("a", llama_path), ("b", qwen3_5_path)):
         (tmp_path / where).mkdir()
         (tmp_path / where / "model").symlink_to(target, target_is_directory=True)

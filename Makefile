@@ -21,12 +21,14 @@ demo: $(VENV)/.installed
 	$(PY) -m mlx_tandem.demo
 
 # Test files run in parallel, each file whole on one worker (--dist loadfile: a file's
-# module-scoped models are built once); one BLAS thread a worker, so two workers use two
-# cores without OpenBLAS's threads spinning against each other. TEST_WORKERS=0: one process.
+# module-scoped models are built once), in collection order (tests/conftest.py puts the
+# files that take minutes first; xdist's default order is by test count). One BLAS thread a
+# worker, so two workers use two cores without OpenBLAS's threads spinning against each
+# other. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.installed
-	OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/batching.py benchmarks/results/batching.json

@@ -46,3 +46,18 @@ def engine(kind, request):
 @pytest.fixture
 def model_path(kind, request):
     return request.getfixturevalue(f"{kind}_path")
+
+
+# Under pytest-xdist (make test) each file runs whole on one worker, handed out in collection
+# order. These files take minutes (subprocess training runs; the notebooks, one of which runs
+# the quick benchmarks) and sort last by name, so a run used to end on one of them with the
+# other worker idle. They go first; every other file keeps its place and its tests' order.
+_LONG_FILES = ("tests/training/test_train_script.py", "tests/test_notebooks.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        path = item.nodeid.split("::", 1)[0]
+        return _LONG_FILES.index(path) if path in _LONG_FILES else len(_LONG_FILES)
+
+    items.sort(key=rank)  # stable

@@ -49,9 +49,11 @@ def model_path(kind, request):
 
 
 # Under pytest-xdist (make test) each file runs whole on one worker, handed out in collection
-# order. These files take minutes (subprocess training runs; the notebooks, one of which runs
-# the quick benchmarks) and sort last by name, so a run used to end on one of them with the
-# other worker idle. They go first; every other file keeps its place and its tests' order.
+# order (the Makefile's --no-loadscope-reorder turns off xdist's own reordering, which hands
+# out the files with the most tests first). These files take minutes (subprocess training
+# runs; the notebooks, one of which runs the quick benchmarks) but hold few tests, so they
+# were handed out last and a run ended on one of them with the other worker idle. They go
+# first; every other file keeps its place and its tests' order.
 _LONG_FILES = ("tests/training/test_train_script.py", "tests/test_notebooks.py")
 
 

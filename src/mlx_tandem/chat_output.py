@@ -386,8 +386,7 @@ class ChatOutputParser:
             raise ValueError("a tool call needs a string name and object arguments")
         if self._xml_values:
             args = read_arguments(args, self._parameters(name), body)
-        _check_json(args)
-        return ToolCall(id=self._call_id(item.get("id")), name=name, arguments=args)
+        return _json_holdable(ToolCall(id=self._call_id(item.get("id")), name=name, arguments=args))
 
     @staticmethod
     def _invalid(text: str, exc: BaseException) -> InvalidToolCall:
@@ -416,8 +415,9 @@ def _arguments_of(item: dict) -> Any:
     return {}
 
 
-def _check_json(arguments: dict) -> None:
-    """Refuse arguments that JSON cannot hold. The parsers that read Python literals
+def _json_holdable(call: ToolCall) -> ToolCall:
+    """The call, if its arguments have a JSON form (the one the history will carry).
+    The parsers that read Python literals
     (mlx-lm's pythonic, GLM, Kimi and MiniMax ones, and Qwen3-Coder's dict values here) give
     sets, bytes and complex numbers too: such a value reached the tool, and
     ``ToolCall.arguments_json`` raised when the call went back into the history. Such a call
@@ -426,9 +426,10 @@ def _check_json(arguments: dict) -> None:
     ``number`` lets even a constrained model write) reads as ``inf``, as Python's json and
     Pydantic read it, and is kept: the call is what its schema allows (see design.md)."""
     try:
-        json.dumps(arguments)
+        _ = call.arguments_json
     except (TypeError, ValueError) as exc:
         raise ValueError(f"the arguments hold a value JSON has no form for ({exc})") from None
+    return call
 
 
 def _item_text(item: Any) -> str:

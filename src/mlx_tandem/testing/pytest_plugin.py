@@ -63,7 +63,7 @@ def _distilled(tmp_path_factory, kind: str):
     copy: the first makes it under their common temporary root while the others wait on a
     lock, and the directory appears whole (made beside it, then renamed) or not at all.
     """
-    from filelock import FileLock  # huggingface_hub's dependency, so always installed
+    from filelock import FileLock  # dev extra; huggingface_hub depends on it too
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 
 from mlx_tandem import Engine, SamplingParams
 from mlx_tandem.errors import InvalidRequestError, ModelLoadError
+from mlx_tandem.options import EngineOptions
 from mlx_tandem.spec import batch as spec_batch
 from mlx_tandem.spec.acceptance import Drafter
 from mlx_tandem.spec.mtp_head import MTPHeadError
@@ -509,6 +510,33 @@ def test_mlx_vlm_drafter_beside_a_converted_model_is_its_head(checkpoint, reques
     detect_mtp_splitter(original).split(str(original), str(tmp_path / "model-mtp"), q_bits=8, q_group_size=32)
     with pytest.raises(MTPHeadError, match="model-mtp: the MTP head is quantized"):
         load_mtp_head(converted, lm, config)
+
+
+def test_a_drafter_elsewhere_is_read_where_mtp_drafter_names_it(qwen3_5_mtp_path, tmp_path):
+    """A drafter written elsewhere (``convert --mtp-output``, or a hub repo of its own) is
+    read where the engine option ``mtp_drafter`` names it: the same tokens and accepted
+    drafts as the original checkpoint's head. Without the option the model has no head; a
+    directory that is no drafter, or is not there, is a load error, as asked for by name."""
+    from mlx_vlm.speculative.drafters.mtp_split import detect_mtp_splitter
+
+    converted = _copy(qwen3_5_mtp_path, tmp_path / "model")
+    _rewrite(converted, lambda w: {k: v for k, v in w.items() if not k.startswith("mtp.")})
+    drafter = tmp_path / "drafters" / "qwen-mtp"
+    detect_mtp_splitter(qwen3_5_mtp_path).split(str(qwen3_5_mtp_path), str(drafter))
+
+    got, stats = asyncio.run(_run(converted, TRAINED[:4], {"max_tokens": 12}, mtp="on", mtp_drafter=str(drafter)))
+    ref, ref_stats = asyncio.run(_run(qwen3_5_mtp_path, TRAINED[:4], {"max_tokens": 12}, mtp="on"))
+    assert got == ref and stats["mtp"]["accepted"] == ref_stats["mtp"]["accepted"] > 0
+
+    with pytest.raises(MTPHeadError, match="no mtp.* weights"):
+        asyncio.run(_run(converted, TRAINED[:1], {"max_tokens": 2}, mtp="on"))
+    for wrong, reason in ((converted, "not an MTP drafter"), (tmp_path / "nowhere", "neither a local directory")):
+        with pytest.raises(ModelLoadError, match=reason):
+            asyncio.run(_run(converted, TRAINED[:1], {"max_tokens": 2}, mtp="auto", mtp_drafter=str(wrong)))
+    # The option is resolved like a model: two spellings of one directory are one engine option.
+    assert EngineOptions(mtp_drafter=str(drafter / ".." / "qwen-mtp")) == EngineOptions(mtp_drafter=str(drafter))
+    with pytest.raises(InvalidRequestError, match="mtp_drafter"):
+        EngineOptions(mtp_drafter="  ")
 
 
 def test_a_head_with_one_tensor_per_expert_loads_as_the_fused_one(tiny_models, tmp_path):

@@ -264,23 +264,34 @@ def _quantization_label(config: dict) -> str:
     return f", {q['bits']}-bit {q.get('mode', 'affine')}{mixed}, group {q.get('group_size', '?')}"
 
 
-def load_mtp_head(loaded: LoadedModel, mode: str):
+def load_mtp_head(loaded: LoadedModel, mode: str, drafter: Optional[str] = None):
     """The checkpoint's MTP head for speculative decoding, or None.
 
     mode "off" skips it. A head that is missing or unusable is an error under "on" and a
-    logged fallback to plain decoding under "auto"; never silent.
+    logged fallback to plain decoding under "auto"; never silent. ``drafter`` (the engine
+    option ``mtp_drafter``) names mlx-vlm's drafter to read the head from instead; one that
+    is not there, or is no drafter, is an error under either mode: it was asked for by name.
     """
     if mode == "off":
         return None
-    from .spec.mtp_head import MTPHeadError, load_mtp_head as _load
+    from .spec.mtp_head import MTPHeadError, is_drafter, load_mtp_head as _load
     from .spec.verify import supports_verify
 
+    drafter_path = None
+    if drafter is not None:
+        drafter_path = resolve_model_path(drafter)
+        if not is_drafter(drafter_path):
+            raise ModelLoadError(f"mtp_drafter {drafter_path}: not an MTP drafter (its config.json "
+                                 "needs model_type \"qwen3_5_mtp\", as mlx_vlm.convert --mtp writes it)")
     lm = getattr(loaded.model, "language_model", None)
     try:
         if lm is None or not hasattr(lm, "args"):
+            if drafter_path is not None:
+                raise MTPHeadError(f"{loaded.model_type}: an MTP drafter was given, but this model "
+                                   "has no text backbone a head can draft for")
             head = None
         else:
-            head = _load(loaded.path, lm, loaded.config, dtype=_platform.compute_dtype())
+            head = _load(loaded.path, lm, loaded.config, dtype=_platform.compute_dtype(), drafter=drafter_path)
         if head is not None and not supports_verify(lm):
             raise MTPHeadError(f"{loaded.model_type}: speculative verification is not supported "
                                "for this architecture")

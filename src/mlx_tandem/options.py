@@ -47,6 +47,10 @@ class EngineOptions:
     mtp: str = "auto"
     #: Draft tokens per speculative step (1-3).
     mtp_depth: int = 2
+    #: mlx-vlm's standalone MTP drafter for the model (what ``mlx_vlm.convert --mtp``
+    #: writes): a directory or hub id. None: the checkpoint's own head, else a drafter in
+    #: ``<model>-mtp`` beside a local model.
+    mtp_drafter: Optional[str] = None
     #: Let image parts be fetched from http(s) URLs (off: a prompt must not make the
     #: engine fetch arbitrary URLs; inline data, bytes and local paths always work).
     allow_remote_images: bool = False
@@ -112,7 +116,9 @@ class EngineOptions:
         if self.specprefill_draft is not None:
             # A local draft as its resolved path: Engine.shared keys on the options, and two
             # spellings of one directory made two engines.
-            object.__setattr__(self, "specprefill_draft", _draft_path(self.specprefill_draft))
+            object.__setattr__(self, "specprefill_draft", _draft_path(self.specprefill_draft, "specprefill_draft"))
+        if self.mtp_drafter is not None:
+            object.__setattr__(self, "mtp_drafter", _draft_path(self.mtp_drafter, "mtp_drafter"))
         for name in ("prefix_cache_bytes", "prefix_cache_min_tokens", "vision_prefix_cache_bytes"):
             v = getattr(self, name)
             if v is None and name == "vision_prefix_cache_bytes":
@@ -150,11 +156,11 @@ class EngineOptions:
         return cls(**kwargs)
 
 
-def _draft_path(model) -> str:
-    """The draft checkpoint as a string: a local directory as its resolved path, else as given."""
+def _draft_path(model, name: str) -> str:
+    """A draft checkpoint as a string: a local directory as its resolved path, else as given."""
     if not isinstance(model, (str, os.PathLike)) or (isinstance(model, str) and not model.strip()):
         # An empty string was the working directory (Path(""))
-        raise InvalidRequestError(f"engine option specprefill_draft={model!r}: must be a path or hub id")
+        raise InvalidRequestError(f"engine option {name}={model!r}: must be a path or hub id")
     from .model_loader import checkpoint_key
 
     return checkpoint_key(model)

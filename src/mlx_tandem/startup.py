@@ -28,7 +28,7 @@ def build_lanes(loaded: LoadedModel, opts: EngineOptions, lanes: dict[str, Lane]
         # Allowed (a model with RoPE scaling may hold more than its config says), not silent.
         logger.warning("max_model_len=%d is beyond the %d positions %s was configured for; answers past "
                        "them may degrade", opts.max_model_len, loaded.context_length, loaded.path.name)
-    mtp_head = load_mtp_head(loaded, opts.mtp)
+    mtp_head = load_mtp_head(loaded, opts.mtp, opts.mtp_drafter)
     lanes["text"] = TextLane(
         loaded.model,
         eos_token_ids=loaded.eos_token_ids,

@@ -151,27 +151,36 @@ def _switch_layout(weights: dict) -> dict:
 DRAFTER_MODEL_TYPE = "qwen3_5_mtp"
 
 
-def drafter_beside(path: Path) -> Optional[Path]:
-    """mlx-vlm's standalone MTP drafter for the converted model at ``path``, if beside it.
+def is_drafter(path: Path) -> bool:
+    """Whether ``path`` holds mlx-vlm's standalone Qwen3.5 MTP drafter.
 
     ``mlx_vlm.convert --mtp`` (0.7.10) leaves ``mtp.*`` out of the converted model, as every
-    converter does, and writes the head to ``<mlx-path>-mtp`` on its own: the tensors
-    without their ``mtp.`` prefix, the norms shifted, a mixture of experts' experts as
-    ``switch_mlp`` (its ``Qwen3_5MTPDraftModel.sanitize``), ``"format": "mlx"``, and a
-    config of ``model_type`` "qwen3_5_mtp". Its ``--mtp-output`` writes it elsewhere; the
-    engine looks only beside the model, where the converter puts it by default.
+    converter does, and writes the head on its own: the tensors without their ``mtp.``
+    prefix, the norms shifted, a mixture of experts' experts as ``switch_mlp`` (its
+    ``Qwen3_5MTPDraftModel.sanitize``), ``"format": "mlx"``, and a config of ``model_type``
+    "qwen3_5_mtp".
     """
-    drafter = path.parent / f"{path.name}-mtp"
     try:
-        config = json.loads((drafter / "config.json").read_text())
+        config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
-        return None
-    return drafter if isinstance(config, dict) and config.get("model_type") == DRAFTER_MODEL_TYPE else None
+        return False
+    return isinstance(config, dict) and config.get("model_type") == DRAFTER_MODEL_TYPE
 
 
-def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[MTPHead]:
-    """The MTP head of the checkpoint at ``path`` (or of mlx-vlm's drafter beside it), or
-    None when it has none.
+def drafter_beside(path: Path) -> Optional[Path]:
+    """mlx-vlm's drafter for the converted model at ``path``, if where ``convert --mtp``
+    puts it by default: ``<mlx-path>-mtp``. (Elsewhere, ``--mtp-output`` or a hub repo: the
+    engine option ``mtp_drafter`` names it.)"""
+    drafter = path.parent / f"{path.name}-mtp"
+    return drafter if is_drafter(drafter) else None
+
+
+def load_mtp_head(path: Path, text_model, config: dict, dtype=None,
+                  drafter: Optional[Path] = None) -> Optional[MTPHead]:
+    """The MTP head of the checkpoint at ``path``, or None when it has none.
+
+    The head is read from mlx-vlm's drafter ``drafter`` when given (the caller checked
+    ``is_drafter``), else from the checkpoint, else from a drafter beside it.
 
     Raises MTPHeadError when the config declares a head whose weights are missing or do not
     fit, and for quantized heads (upstream found quantized MTP heads accept ~0% of drafts;
@@ -179,7 +188,7 @@ def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[
     """
     text_config = config.get("text_config") or config
     declared = int(text_config.get("mtp_num_hidden_layers") or 0)
-    files = _checkpoint_files(path)
+    files = [] if drafter is not None else _checkpoint_files(path)
     found: dict[str, mx.array] = {}
     head_files = []
     for arrays, fmt in files:
@@ -192,20 +201,22 @@ def load_mtp_head(path: Path, text_model, config: dict, dtype=None) -> Optional[
         if holds_head:
             head_files.append((arrays, fmt))
     where = path
-    if not found and (drafter := drafter_beside(path)) is not None:
+    if not found and (drafter := drafter or drafter_beside(path)) is not None:
         # Every tensor of a drafter's files is the head's, under the head's own names.
         head_files = _checkpoint_files(drafter)
         found = {key: value for arrays, _ in head_files for key, value in arrays.items()}
         where = drafter
-        if found:
-            logger.info("MTP head read from mlx-vlm's drafter beside the model: %s", drafter)
+        if not found:
+            raise MTPHeadError(f"{drafter}: the MTP drafter holds no weights")
+        logger.info("MTP head read from mlx-vlm's drafter: %s", drafter)
     if not found:
         if declared:
             raise MTPHeadError(f"{path}: config declares mtp_num_hidden_layers={declared} but the "
                                "checkpoint has no mtp.* weights (converters such as mlx_lm.convert leave them "
                                "out; `mlx-tandem-add-mtp-head ORIGINAL_DIR CONVERTED_DIR` puts the "
-                               "original's head back; mlx_vlm.convert --mtp writes it to "
-                               f"{path.name}-mtp beside the model, where it is read)")
+                               "original's head back; the drafter mlx_vlm.convert --mtp writes is read "
+                               "from `<model>-mtp` beside a local model, or where the engine option "
+                               "mtp_drafter names it)")
         return None
     if is_quantized(found):
         raise MTPHeadError(f"{where}: the MTP head is quantized; dequantize it (quantized heads "

@@ -483,6 +483,20 @@ def test_tool_required_forces_a_valid_call_in_a_batch():
     assert llm.engine.stats()["constrained_requests"] - before == 6
 
 
+@pytest.mark.parametrize("name", ["math.add", "Box[int]"])
+def test_a_tool_whose_name_core_rewrites_is_called_by_its_own_name(name):
+    """Core writes a tool's name in OpenAI's alphabet for the model (``math_add``) but runs
+    the tool it finds by its own name: predict_and_call raised KeyError. The model is shown
+    the tool's own name, and the call runs the tool."""
+    llm = make_llm(max_tokens=80)
+    tool = FunctionTool.from_defaults(fn=add, name=name)
+    for out in (llm.predict_and_call([tool], user_msg="add 2 and 3", tool_required=True),
+                asyncio.run(llm.apredict_and_call([tool], user_msg="add 2 and 3", tool_required=True))):
+        (source,) = out.sources
+        assert source.tool_name == name and not source.is_error
+        assert source.raw_output == add(**source.raw_input["kwargs"])
+
+
 def test_structured_predict_in_function_mode_uses_a_forced_call():
     llm = make_llm(max_tokens=120, pydantic_program_mode=PydanticProgramMode.FUNCTION)
     before = llm.engine.stats()["constrained_requests"]

@@ -18,11 +18,16 @@ def openai_tool(tool: Any) -> dict:
     Pydantic (a ``Decimal``'s string branch held to a decimal's pattern, where Pydantic's
     takes any text) in the engine's words, keeping the keys core keeps. Anything but a
     LlamaIndex tool is an InvalidRequestError (an OpenAI-style dict, a name: core's own
-    LLMs fail on it with an AttributeError)."""
+    LLMs fail on it with an AttributeError). The name is the tool's own: core writes it in
+    OpenAI's alphabet (``math.add`` as ``math_add``), but finds the tool to run by its own
+    name (``call_tool_with_selection``, the agents), so a call to the name the model was
+    shown raised KeyError in ``predict_and_call`` (llama-index-core 0.14.25). The engine
+    takes any name a chat template can write."""
     if not isinstance(getattr(tool, "metadata", None), ToolMetadata):
         raise InvalidRequestError(f"tools: expected LlamaIndex tools (a BaseTool, e.g. FunctionTool), "
                                   f"got {type(tool).__name__}")
     spec = tool.metadata.to_openai_tool(skip_length_check=True)
+    spec["function"]["name"] = tool.metadata.name
     model = tool.metadata.fn_schema
     ours = narrowed_schema(model)
     if ours is None and "$ref" in pydantic_schema(model):

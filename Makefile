@@ -24,11 +24,12 @@ demo: $(VENV)/.installed
 # module-scoped models are built once), in collection order (tests/conftest.py puts the
 # files that take minutes first; xdist's default order is by test count). One BLAS thread a
 # worker, so two workers use two cores without OpenBLAS's threads spinning against each
-# other. TEST_WORKERS=0: one process.
+# other. TEST_WORKERS=0: one process. --durations: the slowest tests, in CI's log, for
+# whoever next trims the suite's time.
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.installed
-	OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/batching.py benchmarks/results/batching.json

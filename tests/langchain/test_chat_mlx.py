@@ -23,7 +23,7 @@ from langgraph.prebuilt import ToolNode
 
 from langchain_mlx_tandem import ChatMLX
 from langchain_mlx_tandem._convert import to_engine_messages
-from langchain_mlx_tandem.chat_models import _openai_tool
+from langchain_mlx_tandem._schemas import openai_tool
 from mlx_tandem import Engine
 from mlx_tandem.call_options import resolve_call
 from mlx_tandem.default_model import DEFAULT_MODEL_NAME
@@ -991,7 +991,7 @@ def test_token_counts_use_the_models_tokenizer_and_template():
     assert llm.get_num_tokens_from_messages(hist) == len(llm.engine.apply_chat_template(to_engine_messages(hist)))
     # The tool as bind_tools sends it (core's converter, its key order included: the
     # same schema with "type" first is another token count under some tokenizers).
-    sent_tool = _openai_tool(add, None)
+    sent_tool = openai_tool(add, None)
     assert sent_tool["function"]["parameters"]["required"] == ["a", "b"]
     with_tools = llm.engine.apply_chat_template(to_engine_messages(hist), tools=[sent_tool])
     assert llm.get_num_tokens_from_messages(hist, tools=tools) == len(with_tools)

@@ -21,7 +21,6 @@ from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableGenerator, RunnableMap
 from langchain_core.runnables.utils import AddableDict
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr,
                       field_validator, model_validator)
@@ -36,7 +35,7 @@ from mlx_tandem.model_loader import checkpoint_key
 from ._choices import choice_params, fits_queue, result_of
 from ._convert import PROVIDER, ChunkBuilder, WrittenBlocks, to_ai_message, to_engine_messages
 from ._parsers import WholeJsonKeyToolsParser, WholeJsonParser, WholePydanticParser, WholePydanticToolsParser
-from ._schemas import arguments_model, whole_model_schema
+from ._schemas import openai_tool, response_format_for, structured_tool
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -240,7 +239,7 @@ class ChatMLX(BaseChatModel):
         messages = convert_to_messages(messages)
         if not messages:
             return 0
-        formatted = [_openai_tool(t, None) for t in tools] if tools else None
+        formatted = [openai_tool(t, None) for t in tools] if tools else None
         try:
             return len(self.engine.apply_chat_template(
                 to_engine_messages(messages), tools=formatted, reasoning=self.reasoning,
@@ -399,7 +398,7 @@ class ChatMLX(BaseChatModel):
         some tool), or a tool name / ``{"type": "function", "function": {"name": ...}}``.
         Forced calls are grammar-constrained: valid JSON matching the tool's schema.
         """
-        formatted = [_openai_tool(t, strict) for t in tools]
+        formatted = [openai_tool(t, strict) for t in tools]
         if tool_choice is not None:
             kwargs["tool_choice"] = tool_choice
         if parallel_tool_calls is not None:
@@ -450,7 +449,7 @@ class ChatMLX(BaseChatModel):
         if method == "function_calling":
             if schema is None:
                 raise ValueError("method='function_calling' needs a schema")
-            tool = _structured_tool(schema, strict)
+            tool = structured_tool(schema, strict)
             name = tool["function"]["name"]
             llm = self.bind_tools([tool if isinstance(schema, dict) else schema], tool_choice=name,
                                   parallel_tool_calls=False, strict=strict,
@@ -465,7 +464,7 @@ class ChatMLX(BaseChatModel):
                 response_format: dict = {"type": "json_object"}
                 ls_schema = None
             else:
-                response_format = _response_format(schema, strict)
+                response_format = response_format_for(schema, strict)
                 ls_schema = response_format["json_schema"]["schema"]
             llm = self.bind(response_format=response_format,
                             ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
@@ -509,67 +508,6 @@ def _raw_then_parsed(parser: Runnable) -> Runnable:
         yield parsed(raw)
 
     return RunnableGenerator(transform, atransform, name="parse_structured_output")
-
-
-def _response_format(schema: Any, strict: Optional[bool]) -> dict:
-    """A ``json_schema`` response format for ``schema``, in the forms ChatOpenAI takes: the
-    OpenAI response-format dict (whole, or its ``{"name", "schema"}`` part), a Pydantic model,
-    a TypedDict, an OpenAI or Anthropic tool dict, or a JSON schema (one without a title
-    too: a name is OpenAI's API's need, not this engine's)."""
-    if isinstance(schema, dict) and schema.get("type") == "json_schema" and isinstance(schema.get("json_schema"), dict):
-        return schema
-    if isinstance(schema, dict) and "name" in schema and isinstance(schema.get("schema"), dict):
-        return {"type": "json_schema", "json_schema": schema}
-    if isinstance(schema, dict) and "title" not in schema and not _is_tool_dict(schema) and (
-            "type" in schema or "properties" in schema):
-        json_schema = schema
-    else:
-        json_schema = convert_to_json_schema(schema)
-        full = whole_model_schema(schema)
-        if full is not None:
-            json_schema = {**full, "title": json_schema.get("title"),
-                           "description": json_schema.get("description", "")}
-    return {"type": "json_schema", "json_schema": {
-        "name": json_schema.get("title", "response"), "schema": json_schema, "strict": strict}}
-
-
-def _structured_tool(schema: Any, strict: Optional[bool]) -> dict:
-    """The tool ``method="function_calling"`` forces: built from ``schema`` as
-    ``_response_format`` reads it where it is a response-format dict (whole, or its
-    ``{"name", "schema"}`` part) or an untitled JSON schema, which langchain-core's
-    ``convert_to_openai_tool`` turned into a tool without parameters (its call then held to
-    ``{}``) or refused; otherwise as ``bind_tools`` builds it."""
-    if isinstance(schema, dict) and not _is_tool_dict(schema) and (
-            schema.get("type") == "json_schema" or ("name" in schema and isinstance(schema.get("schema"), dict))
-            or ("title" not in schema and ("type" in schema or "properties" in schema))):
-        rf = _response_format(schema, strict)["json_schema"]
-        params = rf.get("schema") or {}
-        if not isinstance(params, dict):
-            raise ValueError("the response format's schema must be a JSON schema object")
-        function = {"name": rf.get("name") or "response", "description": rf.get("description") or params.get(
-            "description", ""), "parameters": params}
-        if strict is not None:
-            function["strict"] = strict
-        return {"type": "function", "function": function}
-    return _openai_tool(schema, strict)
-
-
-def _is_tool_dict(schema: dict) -> bool:
-    """An OpenAI tool or function dict, or an Anthropic tool (``input_schema``): not a JSON
-    schema itself, though OpenAI's carries a ``type``."""
-    return (schema.get("type") == "function" or "function" in schema or "parameters" in schema
-            or "input_schema" in schema)
-
-
-def _openai_tool(tool: Any, strict: Optional[bool]) -> dict:
-    formatted = convert_to_openai_tool(tool, strict=strict)
-    # A tool's arguments are a Pydantic model too (a BaseTool's or a plain function's); a
-    # recursive one lost its nested levels the same way, and a Decimal's string branch took
-    # any text.
-    full = whole_model_schema(arguments_model(tool))
-    if full is not None:
-        formatted["function"]["parameters"] = full
-    return formatted
 
 
 def _add_usage(totals: dict, usage: dict) -> None:

@@ -332,6 +332,67 @@ def test_values_are_read_by_their_schema():
     assert read_arguments({"short": None, "text": None}, lookup, body) == {"short": "NuLL", "text": None}
 
 
+def _spaced_tools() -> list[dict]:
+    def tool(name, **props):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {k: {"type": v} for k, v in props.items()}}}}
+    return [tool("get", city="string"), tool("get weather", city="string", days="integer"),
+            tool("a", x="string"), tool("a>b", x="integer"),
+            tool("search", **{"max results": "integer", "query": "string"})]
+
+
+@pytest.mark.parametrize("written, name, arguments", [
+    # mlx-lm's parser (0.32) ends a name at whitespace, "<" or ">": these came back as calls
+    # of ``get`` and ``a`` (listed too: the wrong tool ran), their values untyped.
+    ("get weather", "get weather", {"city": "Paris", "days": 3}),
+    ("a>b", "a>b", {"x": 3}),
+    # Names the parser reads whole are read as before.
+    ("get", "get", {"city": "Paris", "days": "3"}),
+    ("a", "a", {"x": "3"}),
+])
+def test_names_the_parser_cuts_short_are_read_as_the_listed_name_written(written, name, arguments):
+    """Under tool_choice="auto" the grammar cannot hold such names (``xml_expressible``), so
+    the model writes them in its own syntax; each header is read as the listed name it
+    spells, its values typed by that tool's schema."""
+    from mlx_tandem.chat_output import ChatOutputParser
+
+    fmt = ChatFormat(**CODER, think_start="<think>", think_end="</think>")
+    args = {"city": "Paris", "days": 3} if written.startswith("get") else {"x": 3}
+    parser = ChatOutputParser(fmt, tools=_spaced_tools(), parse_tool_calls=True)
+    out = parser.feed(render_call(written, args))
+    [call] = out.tool_calls + parser.finish().tool_calls
+    assert (call.name, call.arguments) == (name, arguments)
+
+
+def test_a_parameter_the_parser_cuts_short_is_read_whole_and_a_name_no_tool_spells_is_invalid():
+    from mlx_tandem.chat_output import ChatOutputParser
+
+    fmt = ChatFormat(**CODER, think_start="<think>", think_end="</think>")
+
+    def parse(text):
+        parser = ChatOutputParser(fmt, tools=_spaced_tools(), parse_tool_calls=True)
+        out = parser.feed(text)
+        end = parser.finish()
+        return out.tool_calls + end.tool_calls, out.invalid_tool_calls + end.invalid_tool_calls
+
+    # The parser read {"max": " results>\n5"}: the tool ran without its limit.
+    calls, _ = parse(render_call("search", {"max results": 5, "query": "null"}))
+    # (a string that takes no null keeps the text "null", as everywhere)
+    assert [(c.name, c.arguments) for c in calls] == [("search", {"max results": 5, "query": "null"})]
+    # A name or a parameter the tools do not have, cut short: invalid, not a call of "has" or
+    # of "get" without its argument.
+    for text, error in ((render_call("has space", {"city": "Paris"}), "header <function=has space> names no listed tool"),
+                        (render_call("get", {"the city": "Paris"}), "header <parameter=the city> names no parameter of 'get'")):
+        calls, invalid = parse(text)
+        assert not calls and len(invalid) == 1 and error in invalid[0].error, invalid
+    # A name the parser reads whole stays the call it was, listed or not (the agent answers
+    # an unknown tool), and so does a value written on the header's line.
+    calls, _ = parse("<tool_call>\n<function=elsewhere>\n<parameter=q>\nx\n</parameter>\n</function>\n</tool_call>")
+    assert [(c.name, c.arguments) for c in calls] == [("elsewhere", {"q": "x"})]
+    calls, _ = parse("<tool_call>\n<function=get><parameter=city>Paris</parameter></function>\n</tool_call>")
+    assert [(c.name, c.arguments) for c in calls] == [("get", {"city": "Paris"})]
+
+
 def test_raw_values_take_ascii_digits_and_a_date_time_its_offset(grammar):
     """A raw value's pattern was compiled with Rust's Unicode ``\\d``, so the model wrote
     Arabic-Indic and fullwidth digits into NaiveDatetime, timedelta and Decimal values that
@@ -585,6 +646,19 @@ def test_a_qwen35_style_template_is_read_as_xml_and_a_call_in_history_reads_back
             parser = ChatOutputParser(engine._format, tools=XML_TOOLS, parse_tool_calls=True)
             again = parser.feed(turn.removeprefix("<|im_start|>assistant\n")).tool_calls + parser.finish().tool_calls
             assert [(c.name, c.arguments) for c in again] == [(call.name, call.arguments)]
+        # Under "auto", a listed name the syntax cannot hold is shown as it is, and the call
+        # the model writes of it runs that tool, not the one whose name it begins with.
+        from .forcing import forcing_processor
+
+        tools = _spaced_tools()
+        prompt = engine.tokenizer.decode(engine.apply_chat_template(USER, tools=tools))
+        assert '"name": "get weather"' in prompt
+        text = render_call("get weather", {"city": "Paris", "days": 3})
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        out = engine.chat_sync(USER, SamplingParams(max_tokens=len(ids) + 4, logits_processors=[
+            forcing_processor(ids, engine.loaded.eos_token_ids[0])]), tools=tools)
+        assert out.text == text and not out.invalid_tool_calls
+        assert [(c.name, c.arguments) for c in out.tool_calls] == [("get weather", {"city": "Paris", "days": 3})]
     finally:
         engine.close_sync()
 

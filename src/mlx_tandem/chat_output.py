@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 from .chat_format import ChatFormat
 from .detokenizer import JsonStrings, partial_marker_length
 from .outputs import InvalidToolCall, ToolCall
-from .xml_calls import read_arguments
+from .xml_calls import read_arguments, reread_names
 
 CONTENT, REASONING, TOOL_CALL = "content", "reasoning", "tool_call"
 
@@ -316,7 +316,7 @@ class ChatOutputParser:
             elif self._xml_values:
                 # Given no tools, mlx-lm's parser hands back each value's text; read_arguments
                 # reads it by the schema as the grammar writes it (see its docstring for why).
-                parsed = self._fmt.tool_parser(body, None)
+                parsed = reread_names(body, self._fmt.tool_parser(body, None), self._tools)
             else:
                 parsed = self._as_written(body, self._fmt.tool_parser(body, self._tools or None))
         except Exception as exc:  # noqa: BLE001 - any parser failure is an invalid call

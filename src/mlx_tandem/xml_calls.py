@@ -250,6 +250,70 @@ def read_arguments(arguments: dict, parameters: Any, body: str = "") -> dict:
             for key, value in arguments.items()}
 
 
+# mlx-lm's (0.32) qwen3_coder parser reads a header's name as its first run of characters
+# other than whitespace, "<" and ">" (its ``_name_regex``), and a function's or parameter's
+# text up to its closing tag.
+_PARSER_NAME = re.compile(r"\s*([^\s<>]+)")
+_FUNCTION = re.compile(r"<function=(.*?)</function>$", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=(.*?)</parameter>", re.DOTALL)
+# Where a header's name ends: at its ">" (or, with none, a line break or the next tag).
+_NAME_END = re.compile(r"[ \t]*(?:>|(?=\n|<|$))")
+
+
+def reread_names(body: str, call: Any, tools: Optional[Sequence[dict]]) -> Any:
+    """``call`` (mlx-lm's reading of the XML call ``body``, given no tools) with the names
+    its headers spell. The parser ends a name at whitespace, "<" or ">", so a listed tool
+    ``get weather`` written ``<function=get weather>`` came back as a call of ``get``, and
+    another listed tool ran; a parameter ``max results`` came back as ``max``, its value the
+    header's rest. The grammar cannot hold such names (``xml_expressible``), so under
+    ``tool_choice="auto"`` the model writes them freely. Here a name the parser cut short
+    is read as the listed name its header spells (a parameter's value then as the parser
+    reads one: a line break off each end, ``null`` in any case None); a header that spells
+    no listed name is a ValueError, so the call comes back invalid, never as another call.
+    A call the parser read whole is returned as it is."""
+    match = _FUNCTION.search(body)
+    if not tools or not isinstance(call, dict) or match is None or not isinstance(call.get("name"), str):
+        return call
+    header = match.group(1)
+    names = [t["function"]["name"] for t in tools]
+    # The longest listed name the header spells: ``a>b`` over ``a`` where both are listed.
+    name = _spelled(header, [*names, call["name"]])
+    if name is None:
+        raise ValueError(f"the call's header <function={_first_line(header)} names no listed tool")
+    tool = next((t["function"] for t in tools if t["function"]["name"] == name), {})
+    props = (tool.get("parameters") or {}).get("properties") or {}
+    arguments, misread = {}, name != call["name"]
+    for block in _PARAMETER.finditer(header):
+        text = block.group(1)
+        parsed = _PARSER_NAME.match(text)
+        if parsed is None:
+            continue  # the parser skips a parameter without a name too
+        read = parsed.group(1)
+        ends = _NAME_END.match(text, parsed.end())
+        spelled = None if ends and read in props else _spelled(text, list(props))
+        if spelled is None and not ends:
+            raise ValueError(f"the call's header <parameter={_first_line(text)} names no parameter of {name!r}")
+        key = spelled or read
+        misread |= key != read
+        value = text[_NAME_END.match(text, len(text) - len(text.lstrip()) + len(key)).end():]
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        arguments[key] = None if value.lower() == "null" else value
+    return {**call, "name": name, "arguments": arguments} if misread else call
+
+
+def _spelled(header: str, names: Sequence[str]) -> Optional[str]:
+    """The longest of ``names`` that ``header`` (a tag's text after "=") spells whole."""
+    text = header.lstrip()
+    offset = len(header) - len(text)
+    return max((n for n in names if n and text.startswith(n) and _NAME_END.match(header, offset + len(n))),
+               key=len, default=None)
+
+
+def _first_line(text: str) -> str:
+    return text.lstrip().split("\n", 1)[0][:80]
+
+
 _UNREAD = object()
 # A parameter whose text is "null" in some case, as mlx-lm's parser cuts it (one newline
 # each side); its name as the parser reads it.

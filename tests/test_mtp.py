@@ -516,7 +516,8 @@ def test_a_drafter_elsewhere_is_read_where_mtp_drafter_names_it(qwen3_5_mtp_path
     """A drafter written elsewhere (``convert --mtp-output``, or a hub repo of its own) is
     read where the engine option ``mtp_drafter`` names it: the same tokens and accepted
     drafts as the original checkpoint's head. Without the option the model has no head; a
-    directory that is no drafter, or is not there, is a load error, as asked for by name."""
+    directory that is no drafter, is not there or does not fit is a load error under "auto"
+    too, as asked for by name."""
     from mlx_vlm.speculative.drafters.mtp_split import detect_mtp_splitter
 
     converted = _copy(qwen3_5_mtp_path, tmp_path / "model")
@@ -530,7 +531,14 @@ def test_a_drafter_elsewhere_is_read_where_mtp_drafter_names_it(qwen3_5_mtp_path
 
     with pytest.raises(MTPHeadError, match="no mtp.* weights"):
         asyncio.run(_run(converted, TRAINED[:1], {"max_tokens": 2}, mtp="on"))
-    for wrong, reason in ((converted, "not an MTP drafter"), (tmp_path / "nowhere", "neither a local directory")):
+    # A drafter that does not fit the model (here one missing a tensor) fails the load too.
+    broken = shutil.copytree(drafter, tmp_path / "broken")
+    for f in broken.glob("*.safetensors"):
+        weights, metadata = mx.load(str(f), return_metadata=True)
+        f.unlink()
+        mx.save_safetensors(str(f), {k: v for k, v in weights.items() if k != "fc.weight"}, metadata=metadata)
+    for wrong, reason in ((converted, "not an MTP drafter"), (tmp_path / "nowhere", "neither a local directory"),
+                          (broken, "does not fit this model")):
         with pytest.raises(ModelLoadError, match=reason):
             asyncio.run(_run(converted, TRAINED[:1], {"max_tokens": 2}, mtp="auto", mtp_drafter=str(wrong)))
     # The option is resolved like a model: two spellings of one directory are one engine option.

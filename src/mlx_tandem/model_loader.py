@@ -270,7 +270,8 @@ def load_mtp_head(loaded: LoadedModel, mode: str, drafter: Optional[str] = None)
     mode "off" skips it. A head that is missing or unusable is an error under "on" and a
     logged fallback to plain decoding under "auto"; never silent. ``drafter`` (the engine
     option ``mtp_drafter``) names mlx-vlm's drafter to read the head from instead; one that
-    is not there, or is no drafter, is an error under either mode: it was asked for by name.
+    is not there, is no drafter or does not fit the model is an error under either mode: it
+    was asked for by name.
     """
     if mode == "off":
         return None
@@ -296,6 +297,8 @@ def load_mtp_head(loaded: LoadedModel, mode: str, drafter: Optional[str] = None)
             raise MTPHeadError(f"{loaded.model_type}: speculative verification is not supported "
                                "for this architecture")
     except MTPHeadError as exc:
+        if drafter_path is not None:  # asked for by name: a drafter for another model is a mistake
+            raise MTPHeadError(f"{exc} (leave the engine option mtp_drafter out to decode without it)") from exc
         if mode == "on":
             raise MTPHeadError(f"{exc} (mtp='auto' decodes plainly instead)") from exc
         logger.warning("MTP disabled, decoding plainly: %s", exc)

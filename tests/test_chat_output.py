@@ -561,6 +561,51 @@ def test_a_mistral_list_keeps_its_calls_beside_one_that_is_none():
         assert _calls(parse_every_split(f"[TOOL_CALLS][{one}]", fmt, parse_tool_calls=True)) == read
 
 
+def _tool(name, *params):
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {p: {"type": "string"} for p in params}}}}
+
+
+def _module_format(module: str) -> ChatFormat:
+    import importlib
+
+    m = importlib.import_module(f"mlx_lm.tool_parsers.{module}")
+    return ChatFormat(tool_call_start=m.tool_call_start, tool_call_end=m.tool_call_end, tool_format=module,
+                      tool_parser=m.parse_tool_call, template_has_tools=True)
+
+
+# mlx-lm's (0.32) parsers read a name up to a character they do not expect (h149): each
+# misread, then a call whose name or argument is written on its own beside the longer one.
+@pytest.mark.parametrize("module, tools, misread, whole, read", [
+    ("mistral", [_tool("get.weather", "city"), _tool("weather", "city")],  # read: weather
+     '[TOOL_CALLS]get.weather[ARGS]{"city": "Paris"}',
+     '[TOOL_CALLS]weather[ARGS]{"city": "get.weather fans"}', ("weather", {"city": "get.weather fans"})),
+    ("glm47", [_tool("get", "city"), _tool("get weather")],  # read: get, {"raw": "weather"}
+     "<tool_call>get weather</tool_call>",
+     "<tool_call>get<arg_key>city</arg_key><arg_value>get weather</arg_value></tool_call>",
+     ("get", {"city": "get weather"})),
+    ("gemma4", [_tool("get", "city"), _tool("recall:get", "city")],  # read: get
+     '<|tool_call>call:recall:get{city:<|"|>Paris<|"|>}<tool_call|>',
+     '<|tool_call>call:get{city:<|"|>recall:get<|"|>}<tool_call|>', ("get", {"city": "recall:get"})),
+    ("pythonic", [_tool("greet", "name", "first-name")],  # read: {"name": "Ann"}
+     "<|tool_call_start|>[greet(first-name='Ann')]<|tool_call_end|>",
+     "<|tool_call_start|>[greet(name='first-name')]<|tool_call_end|>", ("greet", {"name": "first-name"})),
+    ("function_gemma", [_tool("f", "ns", "ns:key")],  # read: {"ns": "key:<escape>v<escape>"}
+     "<start_function_call>call:f{ns:key:<escape>v<escape>}<end_function_call>",
+     "<start_function_call>call:f{ns:<escape>ns:key<escape>}<end_function_call>", ("f", {"ns": "ns:key"})),
+])
+def test_a_name_the_parser_cuts_short_is_an_invalid_call_never_another_tools(module, tools, misread, whole, read):
+    """A call whose name (or argument) the text writes only inside a longer listed one is
+    invalid: the wrong tool ran, or the value went to another parameter. A name written on
+    its own is not doubted, though the longer one appears in a value."""
+    fmt = _module_format(module)
+    r = parse([misread], fmt, tools=tools, parse_tool_calls=True)
+    assert r.tool_calls == [] and len(r.invalid_tool_calls) == 1, _calls(r)
+    assert "cut the name short" in r.invalid_tool_calls[0].error
+    r = parse([whole], fmt, tools=tools, parse_tool_calls=True)
+    assert _calls(r) == [read] and r.invalid_tool_calls == []
+
+
 def test_think_after_any_call_is_content():
     """<think> opens reasoning only before any content or call, an invalid call included
     (the stop matcher reads it so, and a stop string in such "reasoning" was emitted)."""

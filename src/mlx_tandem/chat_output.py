@@ -368,7 +368,7 @@ class ChatOutputParser:
         text = block if block is not None and len(items) == 1 else ""  # the call's own text
         for item in items:
             try:
-                calls.append(self._call(item, text))
+                calls.append(self._call(item, text, block or ""))
             except Exception as exc:  # noqa: BLE001 - as above, for this call alone
                 calls.append(None)
                 errors.append(exc)
@@ -377,7 +377,7 @@ class ChatOutputParser:
         failed = iter(errors)
         return [call or self._invalid(_item_text(item), next(failed)) for call, item in zip(calls, items)]
 
-    def _call(self, item: Any, body: str = "") -> ToolCall:
+    def _call(self, item: Any, body: str = "", block: str = "") -> ToolCall:
         name = item["name"]
         args = _arguments_of(item)
         if isinstance(args, str):
@@ -386,7 +386,30 @@ class ChatOutputParser:
             raise ValueError("a tool call needs a string name and object arguments")
         if self._xml_values:
             args = read_arguments(args, self._parameters(name), body)
+        self._check_not_cut_short(name, args, block)
         return _json_holdable(ToolCall(id=self._call_id(item.get("id")), name=name, arguments=args))
+
+    def _check_not_cut_short(self, name: str, arguments: dict, block: str) -> None:
+        """Refuse a call whose name (or an argument's) its block writes only inside a longer
+        listed one. mlx-lm's (0.32) parsers read a name up to a character they do not
+        expect: Mistral's ``get.weather[ARGS]`` came back as a call of a listed
+        ``weather``, GLM's ``<tool_call>get weather</tool_call>`` as ``get``, Gemma 4's
+        ``call:recall:get{`` as ``get``, LFM2's ``first-name=`` as a listed parameter
+        ``name``, Qwen3.5's ``<function=get weather>`` as ``get`` (xml_calls.reread_names
+        reads those right). The wrong tool ran, or a value went to another parameter. Such
+        a call is invalid, for the agent to show the model; a name written anywhere on its
+        own (a call of ``get`` beside one of ``get weather``) is not doubted."""
+        if not block or not self._tools:
+            return
+        names = [t.get("function", {}).get("name") for t in self._tools]
+        if _only_inside(block, name, names):
+            raise ValueError(f"the call was read as one of {name!r}, which its text writes only as part of "
+                             "a longer tool name (the format's parser cut the name short)")
+        props = (self._parameters(name) or {}).get("properties") or {}
+        for key in arguments:
+            if _only_inside(block, key, props):
+                raise ValueError(f"the argument {key!r} is written only as part of a longer parameter name "
+                                 "(the format's parser cut the name short)")
 
     @staticmethod
     def _invalid(text: str, exc: BaseException) -> InvalidToolCall:
@@ -438,6 +461,18 @@ def _item_text(item: Any) -> str:
         return json.dumps(item, ensure_ascii=False)
     except (TypeError, ValueError):
         return str(item)
+
+
+def _only_inside(text: str, part: Any, wholes: Any) -> bool:
+    """Does ``text`` write ``part`` only inside one of the longer ``wholes`` that hold it?"""
+    if not isinstance(part, str) or not part:
+        return False
+    longer = [w for w in wholes if isinstance(w, str) and len(w) > len(part) and part in w]
+    if not longer:
+        return False
+    spans = [(m.start(), m.start() + len(w)) for w in longer for m in re.finditer(f"(?={re.escape(w)})", text)]
+    starts = [m.start() for m in re.finditer(f"(?={re.escape(part)})", text)]
+    return bool(starts) and all(any(a <= i and i + len(part) <= b for a, b in spans) for i in starts)
 
 
 def _readable_parts(body: str) -> tuple[Optional[str], str]:

@@ -606,6 +606,25 @@ def test_a_name_the_parser_cuts_short_is_an_invalid_call_never_another_tools(mod
     assert _calls(r) == [read] and r.invalid_tool_calls == []
 
 
+def test_json_bodies_are_not_doubted_and_a_cut_mistral_block_is_checked_too():
+    """A JSON parser reads names whole, and a name written with an escape (``g\\u0065t``) is
+    not found as written, so JSON calls are not checked (review h150: such a call came back
+    invalid). The calls of a Mistral block whose last call was cut off are checked too."""
+    tools = [_tool("get", "city"), _tool("get_weather", "city"), _tool("f", "año", "año_fiscal")]
+    for text, read in (('<tool_call>\n{"name": "g\\u0065t", "arguments": {"city": "get_weather"}}\n</tool_call>',
+                        ("get", {"city": "get_weather"})),
+                       ('<tool_call>\n{"name": "f", "arguments": {"a\\u00f1o": "año_fiscal"}}\n</tool_call>',
+                        ("f", {"año": "año_fiscal"}))):
+        r = parse_every_split(text, tools=tools, parse_tool_calls=True)
+        assert _calls(r) == [read] and r.invalid_tool_calls == []
+    mistral = _module_format("mistral")
+    tools = [_tool("get.weather", "city"), _tool("weather", "city"), {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    r = parse(['[TOOL_CALLS]get.weather[ARGS]{"city": "Paris"}add[ARGS]{"a":'], mistral, tools=tools,
+              parse_tool_calls=True)
+    assert r.tool_calls == [] and "cut the name short" in r.invalid_tool_calls[0].error
+
+
 def test_think_after_any_call_is_content():
     """<think> opens reasoning only before any content or call, an invalid call included
     (the stop matcher reads it so, and a stop string in such "reasoning" was emitted)."""

@@ -338,7 +338,7 @@ def _spaced_tools() -> list[dict]:
             "type": "object", "properties": {k: {"type": v} for k, v in props.items()}}}}
     return [tool("get", city="string"), tool("get weather", city="string", days="integer"),
             tool("a", x="string"), tool("a>b", x="integer"),
-            tool("search", **{"max results": "integer", "query": "string"})]
+            tool("search", **{"max results": "integer", "query": "string", "sort order": "string"})]
 
 
 @pytest.mark.parametrize("written, name, arguments", [
@@ -377,8 +377,11 @@ def test_a_parameter_the_parser_cuts_short_is_read_whole_and_a_name_no_tool_spel
 
     # The parser read {"max": " results>\n5"}: the tool ran without its limit.
     calls, _ = parse(render_call("search", {"max results": 5, "query": "null"}))
-    # (a string that takes no null keeps the text "null", as everywhere)
+    # (a string that takes no null keeps the text "null" as written, as everywhere: h150)
     assert [(c.name, c.arguments) for c in calls] == [("search", {"max results": 5, "query": "null"})]
+    calls, _ = parse("<tool_call>\n<function=search>\n<parameter=sort order>\nNull\n</parameter>\n"
+                     "<parameter=query>\nNuLL\n</parameter>\n</function>\n</tool_call>")
+    assert [(c.name, c.arguments) for c in calls] == [("search", {"sort order": "Null", "query": "NuLL"})]
     # A name or a parameter the tools do not have, cut short: invalid, not a call of "has" or
     # of "get" without its argument.
     for text, error in ((render_call("has space", {"city": "Paris"}), "header <function=has space> names no listed tool"),

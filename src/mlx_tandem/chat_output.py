@@ -328,8 +328,8 @@ class ChatOutputParser:
             whole, rest = cut
             if not whole and not rest:  # "[" alone: a block cut before its first call
                 return [self._invalid(body.strip(), exc)]
-            return self._judged(whole) + ([self._invalid(rest, exc)] if rest else [])
-        return self._judged(parsed if isinstance(parsed, list) else [parsed], block=body)
+            return self._judged(whole, written=body) + ([self._invalid(rest, exc)] if rest else [])
+        return self._judged(parsed if isinstance(parsed, list) else [parsed], block=body, written=body)
 
     @staticmethod
     def _as_written(body: str, parsed: Any) -> Any:
@@ -361,14 +361,18 @@ class ChatOutputParser:
             return None
         return (parsed if isinstance(parsed, list) else [parsed]), body[starts[-1]:].strip()
 
-    def _judged(self, items: list, block: Optional[str] = None) -> list:
+    def _judged(self, items: list, block: Optional[str] = None, written: str = "") -> list:
         """Each item as a call, or an invalid call where it is none; where none is, a whole
-        ``block`` is one invalid call, as written."""
+        ``block`` is one invalid call, as written. ``written``: the text the items were read
+        from, for ``_check_not_cut_short``; a JSON text is not checked (JSON parsers read
+        names whole, and a name written with an escape is not found as written)."""
         calls, errors = [], []
         text = block if block is not None and len(items) == 1 else ""  # the call's own text
+        if written and (self._json_text(written) or _list_items(written) is not None):
+            written = ""
         for item in items:
             try:
-                calls.append(self._call(item, text, block or ""))
+                calls.append(self._call(item, text, written))
             except Exception as exc:  # noqa: BLE001 - as above, for this call alone
                 calls.append(None)
                 errors.append(exc)
@@ -376,6 +380,15 @@ class ChatOutputParser:
             return [self._invalid(block.strip(), errors[0] if errors else ValueError("no call in the block"))]
         failed = iter(errors)
         return [call or self._invalid(_item_text(item), next(failed)) for call, item in zip(calls, items)]
+
+    def _json_text(self, text: str) -> bool:
+        if self.json_body:
+            return True
+        try:
+            json.loads(text)
+        except ValueError:
+            return False
+        return True
 
     def _call(self, item: Any, body: str = "", block: str = "") -> ToolCall:
         name = item["name"]
@@ -464,15 +477,23 @@ def _item_text(item: Any) -> str:
 
 
 def _only_inside(text: str, part: Any, wholes: Any) -> bool:
-    """Does ``text`` write ``part`` only inside one of the longer ``wholes`` that hold it?"""
+    """Does ``text`` write ``part`` only inside one of the longer ``wholes`` that hold it?
+    (Each place ``part`` is written is checked against the few places it sits in a longer
+    name: linear in the text, where matching every pair of places was quadratic, seconds on
+    an argument of 100K characters that repeats a longer key.)"""
     if not isinstance(part, str) or not part:
         return False
-    longer = [w for w in wholes if isinstance(w, str) and len(w) > len(part) and part in w]
-    if not longer:
+    inside = [(w, k) for w in wholes if isinstance(w, str) and len(w) > len(part)
+              for k in range(len(w) - len(part) + 1) if w.startswith(part, k)]
+    if not inside:
         return False
-    spans = [(m.start(), m.start() + len(w)) for w in longer for m in re.finditer(f"(?={re.escape(w)})", text)]
-    starts = [m.start() for m in re.finditer(f"(?={re.escape(part)})", text)]
-    return bool(starts) and all(any(a <= i and i + len(part) <= b for a, b in spans) for i in starts)
+    written = False
+    for m in re.finditer(f"(?={re.escape(part)})", text):
+        i = m.start()
+        if not any(i >= k and text.startswith(w, i - k) for w, k in inside):
+            return False
+        written = True
+    return written
 
 
 def _readable_parts(body: str) -> tuple[Optional[str], str]:

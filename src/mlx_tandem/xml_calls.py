@@ -316,8 +316,8 @@ def _first_line(text: str) -> str:
 
 _UNREAD = object()
 # A parameter whose text is "null" in some case, as mlx-lm's parser cuts it (one newline
-# each side); its name as the parser reads it.
-_NULL_PARAMETER = re.compile(r"<parameter=\s*([^\s<>]+)>?\n?((?i:null))\n?</parameter>")
+# each side); its name as written (whole where it holds a space: reread_names reads it so).
+_NULL_PARAMETER = re.compile(r"<parameter=\s*([^\n<>]*[^\s<>])[ \t]*>?\n?((?i:null))\n?</parameter>")
 
 
 def _null_spellings(body: str) -> dict:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .chat_format import ChatFormat
+from .cut_names import check_not_cut_short
 from .detokenizer import JsonStrings, partial_marker_length
 from .outputs import InvalidToolCall, ToolCall
 from .xml_calls import read_arguments, reread_names
@@ -364,7 +365,7 @@ class ChatOutputParser:
     def _judged(self, items: list, block: Optional[str] = None, written: str = "") -> list:
         """Each item as a call, or an invalid call where it is none; where none is, a whole
         ``block`` is one invalid call, as written. ``written``: the text the items were read
-        from, for ``_check_not_cut_short``; a JSON text is not checked (JSON parsers read
+        from, for ``cut_names.check_not_cut_short``; a JSON text is not checked (JSON parsers read
         names whole, and a name written with an escape is not found as written)."""
         calls, errors = [], []
         text = block if block is not None and len(items) == 1 else ""  # the call's own text
@@ -399,30 +400,8 @@ class ChatOutputParser:
             raise ValueError("a tool call needs a string name and object arguments")
         if self._xml_values:
             args = read_arguments(args, self._parameters(name), body)
-        self._check_not_cut_short(name, args, block)
+        check_not_cut_short(block, name, args, self._tools)
         return _json_holdable(ToolCall(id=self._call_id(item.get("id")), name=name, arguments=args))
-
-    def _check_not_cut_short(self, name: str, arguments: dict, block: str) -> None:
-        """Refuse a call whose name (or an argument's) its block writes only inside a longer
-        listed one. mlx-lm's (0.32) parsers read a name up to a character they do not
-        expect: Mistral's ``get.weather[ARGS]`` came back as a call of a listed
-        ``weather``, GLM's ``<tool_call>get weather</tool_call>`` as ``get``, Gemma 4's
-        ``call:recall:get{`` as ``get``, LFM2's ``first-name=`` as a listed parameter
-        ``name``, Qwen3.5's ``<function=get weather>`` as ``get`` (xml_calls.reread_names
-        reads those right). The wrong tool ran, or a value went to another parameter. Such
-        a call is invalid, for the agent to show the model; a name written anywhere on its
-        own (a call of ``get`` beside one of ``get weather``) is not doubted."""
-        if not block or not self._tools:
-            return
-        names = [t.get("function", {}).get("name") for t in self._tools]
-        if _only_inside(block, name, names):
-            raise ValueError(f"the call was read as one of {name!r}, which its text writes only as part of "
-                             "a longer tool name (the format's parser cut the name short)")
-        props = (self._parameters(name) or {}).get("properties") or {}
-        for key in arguments:
-            if _only_inside(block, key, props):
-                raise ValueError(f"the argument {key!r} is written only as part of a longer parameter name "
-                                 "(the format's parser cut the name short)")
 
     @staticmethod
     def _invalid(text: str, exc: BaseException) -> InvalidToolCall:
@@ -474,26 +453,6 @@ def _item_text(item: Any) -> str:
         return json.dumps(item, ensure_ascii=False)
     except (TypeError, ValueError):
         return str(item)
-
-
-def _only_inside(text: str, part: Any, wholes: Any) -> bool:
-    """Does ``text`` write ``part`` only inside one of the longer ``wholes`` that hold it?
-    (Each place ``part`` is written is checked against the few places it sits in a longer
-    name: linear in the text, where matching every pair of places was quadratic, seconds on
-    an argument of 100K characters that repeats a longer key.)"""
-    if not isinstance(part, str) or not part:
-        return False
-    inside = [(w, k) for w in wholes if isinstance(w, str) and len(w) > len(part)
-              for k in range(len(w) - len(part) + 1) if w.startswith(part, k)]
-    if not inside:
-        return False
-    written = False
-    for m in re.finditer(f"(?={re.escape(part)})", text):
-        i = m.start()
-        if not any(i >= k and text.startswith(w, i - k) for w, k in inside):
-            return False
-        written = True
-    return written
 
 
 def _readable_parts(body: str) -> tuple[Optional[str], str]:

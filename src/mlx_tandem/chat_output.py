@@ -25,7 +25,7 @@ from .chat_format import ChatFormat
 from .cut_names import check_not_cut_short
 from .detokenizer import JsonStrings, partial_marker_length
 from .outputs import InvalidToolCall, ToolCall
-from .xml_calls import read_arguments, reread_names
+from .xml_calls import function_header, read_arguments, reread_names
 
 CONTENT, REASONING, TOOL_CALL = "content", "reasoning", "tool_call"
 
@@ -477,7 +477,6 @@ def _readable_parts(body: str) -> tuple[Optional[str], str]:
     return name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*)", re.DOTALL)
 _ARGS_HEADER = re.compile(r"([\w-]+)\s*\[ARGS\]\s*")  # Mistral's name[ARGS]{...} (mlx-lm's parser's)
 _BLANK = re.compile(r"\s*")
 
@@ -488,9 +487,9 @@ def _cut_parts(body: str) -> Optional[tuple[Optional[str], str]]:
     key to where the text ends (no name, or no arguments, where none was written yet).
     None where the JSON is broken rather than cut: its arguments could not be told from the
     rest, and LangChain's stream would merge them into a call with fewer."""
-    xml = _XML_FUNCTION.match(body)
-    if xml:
-        return xml.group(1), xml.group(2)
+    xml = function_header(body)
+    if xml is not None:
+        return xml
     header = _ARGS_HEADER.match(body.strip())
     if header:
         rest = body.strip()[header.end():]

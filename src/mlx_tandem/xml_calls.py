@@ -281,7 +281,9 @@ def reread_names(body: str, call: Any, tools: Optional[Sequence[dict]]) -> Any:
     if name is None:
         raise ValueError(f"the call's header <function={_first_line(header)} names no listed tool")
     tool = next((t["function"] for t in tools if t["function"]["name"] == name), {})
-    props = (tool.get("parameters") or {}).get("properties") or {}
+    parameters = tool.get("parameters")
+    props = parameters.get("properties") if isinstance(parameters, dict) else None
+    props = props if isinstance(props, dict) else {}
     arguments, misread = {}, name != call["name"]
     for block in _PARAMETER.finditer(header):
         text = block.group(1)
@@ -300,6 +302,17 @@ def reread_names(body: str, call: Any, tools: Optional[Sequence[dict]]) -> Any:
         value = value[:-1] if value.endswith("\n") else value
         arguments[key] = None if value.lower() == "null" else value
     return {**call, "name": name, "arguments": arguments} if misread else call
+
+
+# A call's opening tag and what follows it, for an invalid call's report: the name up to
+# the tag's ">" (spaces kept, unlike the parser's reading), whether or not the call closed.
+_FUNCTION_HEADER = re.compile(r"\s*<function=([^>\n]+)>\n?(.*)", re.DOTALL)
+
+
+def function_header(body: str) -> Optional[tuple[str, str]]:
+    """(name, the text after its tag) of an XML call that begins ``<function=NAME>``, else None."""
+    match = _FUNCTION_HEADER.match(body)
+    return (match.group(1), match.group(2)) if match else None
 
 
 def _spelled(header: str, names: Sequence[str]) -> Optional[str]:

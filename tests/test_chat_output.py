@@ -681,3 +681,31 @@ def test_unicode_survives_any_split():
     assert r.reasoning == "思考中 🤔"
     assert r.content == "答え: 👍🏽 naïve 👨\u200d👩\u200d👧"
     assert _calls(r) == [("get_weather", {"city": "Zürich 🏔"})]
+
+
+def test_a_longcat_call_of_no_arguments_is_read():
+    """mlx-lm's (0.32) LongCat parser looks for a call's name before its first argument,
+    so a call of a tool without parameters came back invalid (AttributeError); prose in a
+    call block stays an invalid call."""
+    import importlib
+
+    from mlx_tandem.tool_parser_fixes import fixed
+
+    m = importlib.import_module("mlx_lm.tool_parsers.longcat")
+    fmt = ChatFormat(tool_call_start=m.tool_call_start, tool_call_end=m.tool_call_end, tool_format="longcat",
+                     tool_parser=fixed("longcat", m.parse_tool_call), template_has_tools=True)
+    tools = [_tool("now"), _tool("get weather"), _tool("add", "a")]
+    for text, read in (("<longcat_tool_call>now</longcat_tool_call>", [("now", {})]),
+                       ("<longcat_tool_call>\nget weather\n</longcat_tool_call>", [("get weather", {})]),
+                       ("<longcat_tool_call>add<longcat_arg_key>a</longcat_arg_key>"
+                        "<longcat_arg_value>x</longcat_arg_value></longcat_tool_call>", [("add", {"a": "x"})])):
+        r = parse_every_split(text, fmt, tools=tools, parse_tool_calls=True)
+        assert _calls(r) == read and r.invalid_tool_calls == []
+    r = parse(["<longcat_tool_call>I cannot call a tool</longcat_tool_call>"], fmt, tools=tools, parse_tool_calls=True)
+    assert r.tool_calls == [] and len(r.invalid_tool_calls) == 1
+    # The engine's format (read off mlx-lm's tokenizer wrapper) has the fixed parser.
+    from types import SimpleNamespace
+
+    loaded = ChatFormat.from_tokenizer(SimpleNamespace(tool_parser=m.parse_tool_call, tool_call_start=m.tool_call_start,
+                                                       tool_call_end=m.tool_call_end, chat_template="{{ tools }}"))
+    assert loaded.tool_format == "longcat" and loaded.tool_parser("now", None) == {"name": "now", "arguments": {}}

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from .tool_parser_fixes import fixed
+
 
 @dataclass(frozen=True)
 class ChatFormat:
@@ -63,7 +65,7 @@ class ChatFormat:
             tool_call_end=getattr(tokenizer, "tool_call_end", None),
             tool_call_end_ids=_ids(tokenizer, getattr(tokenizer, "tool_call_end", None)),
             tool_format=fmt,
-            tool_parser=parser,
+            tool_parser=fixed(fmt, parser),
             template_has_tools="tools" in template,
         )
 

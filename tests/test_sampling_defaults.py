@@ -101,3 +101,23 @@ def test_the_adapters_leave_unset_fields_to_the_checkpoint(recommending_path, ll
     assert ChatMLX(model=str(recommending_path), max_tokens=12, temperature=0).invoke(prompt).content == greedy
     llm = MLXTandemLLM(model=str(recommending_path), max_tokens=12, seed=3)
     assert llm.chat([ChatMessage(role="user", content=prompt)]).message.content == given
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_vl"])
+async def test_a_stop_id_listed_in_generation_config_only_stops_text_and_vision_checkpoints(kind, request,
+                                                                                            tmp_path):
+    """Qwen-VL checkpoints list ``<|endoftext|>`` among the stop ids of generation_config.json
+    only (mlx-lm and mlx-vlm merge that list into the config). The vision path read
+    config.json alone, so a VLM ran past such a token to max_tokens where the same
+    checkpoint served as text stopped (review h152)."""
+    path = shutil.copytree(request.getfixturevalue(f"{kind}_path"), tmp_path / kind)
+    config = json.loads((path / "generation_config.json").read_text())
+    extra = 7  # an ordinary token, listed as a stop id in generation_config.json alone
+    assert extra not in json.loads((path / "config.json").read_text()).get("eos_token_id", [])
+    (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [*config["eos_token_id"],
+                                                                                         extra]}))
+    async with Engine(path, show_progress=False) as engine:
+        assert extra in engine.loaded.eos_token_ids
+        out = await engine.chat([{"role": "user", "content": "hi"}],
+                                {"temperature": 0, "max_tokens": 8, "logit_bias": {extra: 100}})
+    assert (out.finish_reason, out.text, out.usage.completion_tokens) == ("stop", "", 1)

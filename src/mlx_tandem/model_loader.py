@@ -143,6 +143,7 @@ def _quantize_like(model, vlm, names: set[str]) -> None:
 
 def _load_vision(path: Path):
     import mlx.core as mx
+    from mlx_lm.utils import load_config
     from mlx_vlm import load as load_vlm
 
     vlm, processor = load_vlm(str(path))
@@ -150,7 +151,10 @@ def _load_vision(path: Path):
     if dtype is not None:
         vlm.set_dtype(dtype)
     mx.eval(vlm.parameters())
-    config = json.loads((path / "config.json").read_text())
+    # mlx-lm's reading, as the text path's load_model reads it: generation_config.json's
+    # eos_token_id list wins (Qwen-VL checkpoints list <|endoftext|> there only, and the
+    # VLM ran past it to max_tokens where the same checkpoint served as text stopped).
+    config = load_config(path)
     model = text_model_from_vlm(vlm, config)
     if getattr(vlm, "vision_tower", True) is None:
         # mlx-vlm 0.7.10 loads a checkpoint without its vision tower's weights with only a

@@ -143,6 +143,20 @@ async def test_a_token_holding_part_of_a_character_is_whole_in_its_bytes(qwen3_5
     assert all(lp.token == lp.bytes.decode("utf-8", "replace") for lp in out.logprobs)
 
 
+async def test_tokens_a_grammar_forbids_are_never_listed_as_likely(qwen3_5_engine):
+    """Where a grammar allows fewer tokens than ``top_logprobs`` asks for, the list holds
+    those: forbidden ones were listed at -inf (the lowest ids, in no order), which strict
+    JSON encoders refuse and pydantic writes as null (review h153)."""
+    out = await qwen3_5_engine.chat([{"role": "user", "content": "Pick."}],
+                                    {"max_tokens": 16, "logprobs": True, "top_logprobs": 20},
+                                    response_format={"type": "regex", "pattern": "(yes|no)"})
+    tops = [lp.top_logprobs for lp in out.logprobs]
+    assert out.content in ("yes", "no") and tops
+    assert all(top and all(np.isfinite(t.logprob) for t in top) for top in tops)
+    assert min(len(top) for top in tops) < 20  # the grammar did hold some position to fewer
+    assert all(lp.token_id == top[0].token_id for lp, top in zip(out.logprobs, tops))  # greedy: the likeliest
+
+
 @pytest.mark.parametrize("bad", [dict(top_logprobs=3), dict(logprobs=True, top_logprobs=21),
                                  dict(logprobs=True, top_logprobs=-1), dict(logprobs="yes"),
                                  dict(logprobs=True, top_logprobs=2.0)])

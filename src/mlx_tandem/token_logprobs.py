@@ -9,6 +9,7 @@ logprobs adds one small sync a step, not one a row.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import mlx.core as mx
@@ -46,6 +47,9 @@ def gather(logprobs: Sequence[mx.array], tokens: Sequence[int], top: Sequence[in
         ids = vals = [[] for _ in tokens]
     out = []
     for c, row_ids, row_vals, n in zip(chosen.tolist(), ids, vals, top):
-        best = sorted(zip(row_ids, row_vals), key=lambda p: (-p[1], p[0]))[:n]
+        # A token the row can never draw (a grammar's, a ban's: -inf) is no likely
+        # alternative, and -inf has no JSON form: the list holds fewer, as OpenAI's may.
+        best = sorted(((t, v) for t, v in zip(row_ids, row_vals) if v > -math.inf),
+                      key=lambda p: (-p[1], p[0]))[:n]
         out.append((min(c, 0.0), tuple((t, min(v, 0.0)) for t, v in best)))  # float error, never above 0
     return out

@@ -954,6 +954,29 @@ def test_an_llm_cache_keys_on_the_checkpoint_and_the_output_version(tmp_path, mo
         set_llm_cache(None)
 
 
+def test_a_model_langchain_rebuilds_from_its_fields_keeps_its_pinned_checkpoint(tmp_path, monkeypatch):
+    """``configurable_fields`` builds a new model from the fields of the first; the pin was
+    kept out of them, so a relative path was read again in the call's working directory:
+    another checkpoint loaded, beside the first (review h151)."""
+    from langchain_core.runnables import ConfigurableField
+
+    dirs = {name: tmp_path / name for name in ("qwen3_5", "llama")}
+    for name, d in dirs.items():
+        d.mkdir()
+        (d / "m").symlink_to(PATHS[name])
+    monkeypatch.chdir(dirs["qwen3_5"])
+    llm = ChatMLX(model="m", engine_options=OPTS, max_tokens=12)
+    configurable = llm.configurable_fields(max_tokens=ConfigurableField(id="max_tokens"))
+    monkeypatch.chdir(dirs["llama"])
+    plain = llm.invoke("Hello").content
+    assert configurable.invoke("Hello", config={"configurable": {"max_tokens": 12}}).content == plain
+    assert configurable.invoke("Hello").content == plain
+    assert "checkpoint_pin" not in llm.model_dump() and "checkpoint_pin" not in repr(llm)
+    # A pin given for another model is not taken: the model's own text is read.
+    assert ChatMLX(model=str(PATHS["llama"]), checkpoint_pin=("m", str(PATHS["qwen3_5"])))._pinned == \
+        ChatMLX(model=str(PATHS["llama"]))._pinned
+
+
 # ---------------------------------------------------------------------- construction
 def test_model_name_is_an_alias_and_unknown_arguments_are_errors():
     from pydantic import ValidationError

@@ -22,7 +22,7 @@ from langchain_core.runnables import Runnable, RunnableGenerator, RunnableMap
 from langchain_core.runnables.utils import AddableDict
 from langchain_core.tools import BaseTool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr,
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
                       field_validator, model_validator)
 
 from mlx_tandem import Engine
@@ -113,7 +113,11 @@ class ChatMLX(BaseChatModel):
 
     model_config = ConfigDict(populate_by_name=True, extra="forbid")
 
-    _pinned: tuple = PrivateAttr(default=(None, None))
+    checkpoint_pin: Optional[tuple[Optional[str], Optional[str]]] = Field(default=None, exclude=True, repr=False)
+    """Set by the model itself: ``(model, the checkpoint it named when made)``. A relative
+    path is fixed when the model is made; LangChain rebuilds a model from its fields
+    (``configurable_fields``), and a pin kept out of them was read again in the working
+    directory of the call, another model (review h151). Not to be given."""
 
     @model_validator(mode="before")
     @classmethod
@@ -122,8 +126,14 @@ class ChatMLX(BaseChatModel):
 
     @model_validator(mode="after")
     def _pin_checkpoint(self) -> "ChatMLX":
-        self._pinned = pin_checkpoint(self.model)
+        pin = self.checkpoint_pin
+        if not (isinstance(pin, tuple) and pin[0] is not None and pin[0] == self.model):
+            self.checkpoint_pin = pin_checkpoint(self.model)  # a rebuilt copy keeps its original's
         return self
+
+    @property
+    def _pinned(self) -> tuple:
+        return self.checkpoint_pin or (None, None)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +66,38 @@ def test_construction_is_cheap(llama_path):
     engine = Engine(llama_path)
     assert engine.stats()["loaded"] is False and engine._core is None
     engine.close_sync()
+
+
+def test_stats_name_the_model_say_when_it_is_loaded_and_are_the_readers_own(llama_path):
+    """Review h156: the default model read "None" until it loaded; a closed engine read
+    loaded; and a snapshot shared its memory rows with the engine (and, before load, with
+    every other engine), so a reader that edited its copy changed the next one."""
+    from mlx_tandem.default_model import DEFAULT_MODEL_NAME
+
+    default, engine = Engine(), Engine(llama_path, show_progress=False)
+    try:
+        assert default.stats()["model"] == DEFAULT_MODEL_NAME and not default.stats()["loaded"]
+        before = engine.stats()
+        before["memory"]["rows"]["text"] = {"kv_bytes_per_token": -1}
+        assert default.stats()["memory"]["rows"] == {} and engine.stats()["memory"]["rows"] == {}
+        engine.start_sync()
+        engine.chat_sync([{"role": "user", "content": "Hi"}], {"max_tokens": 3})
+        snapshot = engine.stats()
+        assert snapshot["loaded"] and snapshot["model"] == str(Path(llama_path).resolve())
+        want = copy.deepcopy(snapshot)
+        for section in ("memory", "prefix_cache", "specprefill", "mtp"):
+            for value in snapshot[section].values():
+                if isinstance(value, dict):
+                    value.clear()
+            snapshot[section].clear()
+        fresh = engine.stats()
+        assert {k: fresh[k] for k in ("memory", "prefix_cache", "specprefill", "mtp")} == \
+            {k: want[k] for k in ("memory", "prefix_cache", "specprefill", "mtp")}
+        engine.close_sync()
+        assert engine.stats()["loaded"] is False
+    finally:
+        default.close_sync()
+        engine.close_sync()
 
 
 async def test_stats_count_what_happened(llama_path):

@@ -277,8 +277,9 @@ class Engine:
         # Same keys before the first request (all zero) as after.
         out = (core.stats if core is not None else EngineStats()).snapshot()
         out.update(
-            model=str(core.model_path or self._model_arg) if core is not None else str(self._model_arg),
-            loaded=bool(core is not None and core.ready.done() and not core.ready.exception()),
+            # The default model's name until it loads ("None" was the text of no argument).
+            model=str(core.model_path or self._model_name) if core is not None else self._model_name,
+            loaded=bool(core is not None and core.ready.done() and not core.ready.exception() and not self.closed),
             blas=_platform.active_blas(),
             max_batch_size_option=self.options.max_batch_size,
         )

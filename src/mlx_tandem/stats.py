@@ -113,7 +113,7 @@ class EngineStats:
                  for k in ("spec_steps", "plain_steps", "drafted", "accepted", "draft_rows")}
         total["acceptance_rate"] = total["accepted"] / total["drafted"] if total["drafted"] else 0.0
         total["mean_accepted_per_step"] = total["accepted"] / total["draft_rows"] if total["draft_rows"] else 0.0
-        total["lanes"] = {name: dict(l) for name, l in self.mtp_lanes.items()}
+        total["lanes"] = copy.deepcopy(self.mtp_lanes)
         return total
 
     def record_ttft(self, seconds: float) -> None:
@@ -145,7 +145,10 @@ class EngineStats:
                 "mtp": self._mtp(),
                 "lane_requests": dict(self.lane_requests),
                 "prefix_cache": {**copy.deepcopy(self.sections.get("prefix_cache") or _EMPTY_PREFIX_CACHE),
-                                 "vision": dict(self.sections.get("vision_prefix_cache") or _EMPTY_VISION_PREFIX_CACHE)},
-                "specprefill": dict(self.sections.get("specprefill") or _EMPTY_SPECPREFILL),
-                "memory": {**(self.sections.get("memory") or _EMPTY_MEMORY), "waits": self.memory_waits},
+                                 "vision": copy.deepcopy(self.sections.get("vision_prefix_cache")
+                                                         or _EMPTY_VISION_PREFIX_CACHE)},
+                "specprefill": copy.deepcopy(self.sections.get("specprefill") or _EMPTY_SPECPREFILL),
+                # Deep: a reader that edits its snapshot (annotates, pops keys) changed the
+                # engine's rows, and before load the module's empty section (review h156).
+                "memory": {**copy.deepcopy(self.sections.get("memory") or _EMPTY_MEMORY), "waits": self.memory_waits},
             }

@@ -289,6 +289,21 @@ def test_an_image_too_long_for_the_context_is_refused_before_the_encoder_runs(qw
         engine.close_sync()
     assert err.value.prompt_tokens == large_tokens
     assert encoded == [fits] and out.usage.prompt_tokens == fits
+    assert "before its images" not in str(err.value)  # the lane's count is exact
+
+    # Text alone past the window: refused before the lane expands the image, with the count
+    # of the text and one placeholder, which the message calls a floor (review h155: it
+    # read as the prompt's size, and a client trimming by it trimmed too little).
+    long_text = [_user(_img_part(_data_uri(_image(7, 256))), _text("?" * (4 * fits)))]
+    engine = Engine(qwen3_5_vl_path, show_progress=False, max_model_len=fits + 4)
+    try:
+        with pytest.raises(ContextLengthError) as err:
+            engine.chat_sync(long_text, {"max_tokens": 2})
+        expanded = len(engine.apply_chat_template(long_text))
+    finally:
+        engine.close_sync()
+    assert "tokens before its images are expanded" in str(err.value) and encoded == [fits]
+    assert fits + 4 <= err.value.prompt_tokens < expanded
 
 
 def test_bad_images_fail_their_own_request_only(qwen3_5_vl_path, tmp_path):

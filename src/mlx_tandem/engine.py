@@ -381,8 +381,11 @@ class Engine:
                 raise InvalidRequestError("SpecPrefill applies to text requests; this one carries images")
         ctx = self.context_length
         if len(prompt_ids) >= ctx:
+            # An image request is refused before the vision lane expands its images (one
+            # placeholder each here): it can only grow, and the count says it is a floor.
+            counted = "tokens before its images are expanded" if media is not None else "tokens"
             raise ContextLengthError(
-                f"the prompt has {len(prompt_ids)} tokens; the context window is {ctx} "
+                f"the prompt has {len(prompt_ids)} {counted}; the context window is {ctx} "
                 "(leave room for at least one generated token)",
                 prompt_tokens=len(prompt_ids), max_context=ctx)
         req = Request(

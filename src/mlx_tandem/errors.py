@@ -18,7 +18,9 @@ class TemplateError(InvalidRequestError):
 
 
 class ContextLengthError(InvalidRequestError):
-    """The prompt does not fit in the model's context window."""
+    """The prompt does not fit in the model's context window. ``prompt_tokens``: its
+    tokens; for a request with images refused before they were expanded (its text alone
+    already too long), the tokens without the images' own, a floor (the message says so)."""
 
     def __init__(self, message: str, *, prompt_tokens: int, max_context: int):
         super().__init__(message)

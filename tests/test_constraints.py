@@ -1612,3 +1612,38 @@ async def test_a_match_completed_at_the_last_token_leaves_room_for_its_eos(qwen3
                                 response_format={"type": "regex", "pattern": p}) for p, n, sampling in runs])
     for (p, n, sampling), out in zip(runs, outs):
         assert out.finish_reason == "stop" and re.fullmatch(p, out.text), (p, n, sampling, out.text)
+
+
+def test_a_long_smallest_answer_is_searched_within_the_cap_and_still_closes(qwen3_5_engine, monkeypatch):
+    """A schema whose smallest answer is hundreds of tokens, at a budget that only just holds
+    it: every closing search walked up to the whole budget on the engine thread, the other
+    rows waiting (1.8 s at the first token for 400 required rows, review h157). A search now
+    walks at most ``_SEARCH_CAP`` tokens; a longer completion is looked for again as the
+    row's own tokens shorten it, and closing still forces a valid end once it is in reach:
+    here the "model" writes the smallest values, then digits for ever."""
+    import mlx.core as mx
+
+    from mlx_tandem import closing
+
+    grammar = qwen3_5_engine._grammar
+    fields = [f"field_{i}" for i in range(90)]
+    schema = {"type": "object", "properties": {f: {"type": "integer"} for f in fields}, "required": fields}
+    constraint = Constraint.json_schema(schema)
+    n0 = _closing_length(qwen3_5_engine, schema)
+    assert n0 > 2 * closing._SEARCH_CAP
+    limits = []
+    real = closing.closing_path
+    monkeypatch.setattr(closing, "closing_path", lambda *a, **kw: limits.append(kw["limit"]) or real(*a, **kw))
+    tiers, eos = grammar.tiers(), set(grammar.eos_token_ids)
+    smallest, digits = -tiers.tier.astype(np.float32), np.where(tiers.tier == 3, 5.0, 0.0).astype(np.float32)
+    budget = n0 + 16
+    proc = closing.GrammarProcessor(grammar.compile(constraint), tiers=tiers, eos_token_ids=grammar.eos_token_ids,
+                                    max_tokens=budget, vocab_size=grammar.vocab_size,
+                                    hints=grammar.hint_ids(constraint))
+    out: list[int] = []
+    while len(out) < budget and not (out and out[-1] in eos):
+        prefer = smallest if len(out) < n0 - closing._SEARCH_CAP // 2 else digits
+        out.append(int(np.argmax(np.array(proc(mx.array(out or [0]), mx.array(prefer))))))
+    assert limits and max(limits) <= closing._SEARCH_CAP
+    assert out[-1] in eos  # the digit lover would write digits for ever: closing ended it, in budget
+    assert set(json.loads(grammar.tokenizer.decode_str([t for t in out if t not in eos]))) == set(fields)

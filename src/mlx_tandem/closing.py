@@ -45,6 +45,13 @@ _STUCK_TRIES = 8
 _AWKWARD_AFTER = 16
 # Searches that may find no completion in one request before closing mode gives up on it.
 _MAX_FAILED_SEARCHES = 3
+# The longest completion a search walks (each token a consume and a mask, on the engine
+# thread, while every other row waits). A search walked up to the whole budget: a schema
+# whose smallest answer is thousands of tokens (400 required rows) held every stream for
+# seconds at its first token, in proportion to max_tokens (review h157). A completion
+# longer than this is far from any end a search could steer to; the row is looked at
+# again as its own tokens shorten it.
+_SEARCH_CAP = 256
 # A choice of at most this many tokens, one of them markup (a special token such as
 # <tool_call>), is judged branch by branch near the end of the budget (GrammarProcessor).
 _BRANCH_CHOICES = 4
@@ -463,6 +470,8 @@ class GrammarProcessor:
         if not judged:
             return allowed, path, known and path is not None and len(choices) == 1 and int(choices[0]) == path[0]
         fits: dict[int, list[int]] = {}
+        limit = min(remaining - 1, _SEARCH_CAP)
+        unknown = False  # a choice whose completion is longer than a search walks: kept
         for tok in (int(t) for t in choices):
             if tok in self._eos:
                 fits[tok] = [tok]
@@ -470,19 +479,29 @@ class GrammarProcessor:
             probe = self.matcher.deep_copy()
             if not probe.consume_token(tok):
                 continue
-            rest = [min(self._eos)] if probe.is_stopped() else self._search(probe, remaining - 1)
-            if rest is not None and 1 + len(rest) <= remaining:  # a match's EOS needs room too
+            rest = [min(self._eos)] if probe.is_stopped() else self._search(probe, limit)
+            if rest is None and limit < remaining - 1:
+                unknown = True
+                fits[tok] = []
+            elif rest is not None and 1 + len(rest) <= remaining:  # a match's EOS needs room too
                 fits[tok] = [tok, *rest]
+        if unknown:  # far from the end: a choice is not taken away on a completion not found
+            return allowed if len(fits) == len(choices) else self._keep(allowed, fits), path, False
         if not fits:
             return allowed, path, False
         if len(fits) == len(choices):
             return allowed, path, known and path is not None
-        kept = np.zeros_like(allowed)
-        kept[list(fits)] = True
+        kept = self._keep(allowed, fits)
         if path is None or path[0] not in fits:
             path = min(fits.values(), key=len)
             self._path, self._path_stale, self._path_set = path, False, allowed.tobytes()
         return kept, path, True
+
+    @staticmethod
+    def _keep(allowed: np.ndarray, tokens) -> np.ndarray:
+        kept = np.zeros_like(allowed)
+        kept[list(tokens)] = True
+        return kept
 
     def mask(self, logits):
         """The logits for the next token, masked to the grammar (one call per token)."""
@@ -543,9 +562,17 @@ class GrammarProcessor:
         if not self._forced and self._calls >= self._retry_at and (
                 self._calls >= self._next_check or remaining <= 2 * self._estimate + _STRUCTURE_SLACK):
             current = allowed_tokens(self.matcher, vocab, self._tiers.respelled)
-            path = self._completion(current, remaining)
-            current, path, all_fit = self._fitting_branches(current, remaining, path)
-            if path is None:
+            limit = min(remaining, _SEARCH_CAP)
+            path = self._completion(current, limit)
+            capped = path is None and limit < remaining
+            if not capped:
+                current, path, all_fit = self._fitting_branches(current, remaining, path)
+            if capped:
+                # Longer than a search walks: not a failure, and far from the end. Look
+                # again later, less often, as after a failed search, but never give up,
+                # and never past the point where a completion the cap holds could be tight.
+                self._retry_at = self._calls + max(4, min(remaining // 4, remaining - _SEARCH_CAP - _STRUCTURE_SLACK))
+            elif path is None:
                 # None fits now (or the search found none): look again later, less often,
                 # since the model may reach a state it can close from; a failed search
                 # walks the whole budget, so after _MAX_FAILED_SEARCHES stop looking.

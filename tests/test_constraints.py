@@ -1322,6 +1322,50 @@ async def test_calls_or_a_document_close_at_every_budget_the_document_fits(qwen3
             assert_valid_structured(out, schema, pytype, n)
 
 
+async def test_a_call_longer_than_a_search_walks_is_not_opened_where_it_cannot_fit(qwen3_5_engine, monkeypatch):
+    """A tool whose smallest call is longer than the budget, beside a one-key document: the
+    call's branch is judged by a search, and that search was capped at ``_SEARCH_CAP``
+    tokens, which cannot tell a call that does not fit from a long one: the branch was
+    kept, a model fond of calling opened it, and the answer ended with "length" (review
+    h160). The branch is taken away where the call cannot fit, and kept where it can."""
+    import mlx.core as mx
+
+    from mlx_tandem import closing
+
+    engine = qwen3_5_engine
+    grammar = engine._grammar  # white-box: the smallest call, as closing finds it
+    params = {f"p{i}": {"type": "integer"} for i in range(40)}
+    tools = [{"type": "function", "function": {"name": "wide", "description": "Takes many numbers.",
+                                               "parameters": {"type": "object", "properties": params,
+                                                              "required": list(params)}}}]
+    forced = tool_call_constraint(engine.chat_format, tools, ["wide"], parallel=False, marker=grammar.marker)
+    smallest = closing_path(grammar.compile(forced), grammar.tiers(), frozenset(grammar.eos_token_ids),
+                            limit=10_000, hints=grammar.hint_ids(forced))
+    # A search cap below the call's length: the cap holds the row's own search, never the
+    # judging of a branch. (With the real cap the call is short enough to be closed.)
+    assert smallest is not None and 200 < len(smallest) < closing._SEARCH_CAP - 60
+    cap = len(smallest) - 100
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    (opener,) = engine.tokenizer.encode("<tool_call>", add_special_tokens=False)
+
+    def fond_of_calling(tokens, logits):
+        return logits + mx.where(mx.arange(logits.shape[-1]) == opener, 50.0, 0.0).astype(logits.dtype)
+
+    def run(n):
+        return engine.chat(USER, SamplingParams(max_tokens=n, logits_processors=[fond_of_calling]),
+                           tools=tools, response_format=rf(schema))
+
+    budgets = (cap + 24, len(smallest) - 10)
+    monkeypatch.setattr(closing, "_SEARCH_CAP", cap)
+    outs = await asyncio.gather(*[run(n) for n in budgets])
+    for n, out in zip(budgets, outs):
+        assert_valid_structured(out, schema, dict, n)
+    monkeypatch.undo()
+    roomy = await run(len(smallest) + 60)
+    assert roomy.finish_reason == "tool_calls" and [c.name for c in roomy.tool_calls] == ["wide"]
+    assert set(roomy.tool_calls[0].arguments) == set(params)
+
+
 # ---------------------------------------------------------------------------- errors
 BAD_REQUESTS = [
     (dict(tools=TOOLS, tool_choice="no_such_tool"), ConstraintError),
@@ -1618,13 +1662,14 @@ def test_a_long_smallest_answer_is_searched_within_the_cap_and_still_closes(qwen
     """A schema whose smallest answer is hundreds of tokens, at a budget that only just holds
     it: every closing search walked up to the whole budget on the engine thread, the other
     rows waiting (1.8 s at the first token for 400 required rows, review h157). A search now
-    walks at most ``_SEARCH_CAP`` tokens; a longer completion is looked for again as the
+    walks at most ``_SEARCH_CAP`` tokens (a choice judged near the end, the budget left); a longer completion is looked for again as the
     row's own tokens shorten it, and closing still forces a valid end once it is in reach:
     here the "model" writes the smallest values, then digits for ever."""
     import mlx.core as mx
 
     from mlx_tandem import closing
 
+    monkeypatch.setattr(closing, "_SEARCH_CAP", 256)  # 90 fields: over twice the cap, a short test
     grammar = qwen3_5_engine._grammar
     fields = [f"field_{i}" for i in range(90)]
     schema = {"type": "object", "properties": {f: {"type": "integer"} for f in fields}, "required": fields}
@@ -1644,6 +1689,8 @@ def test_a_long_smallest_answer_is_searched_within_the_cap_and_still_closes(qwen
     while len(out) < budget and not (out and out[-1] in eos):
         prefer = smallest if len(out) < n0 - closing._SEARCH_CAP // 2 else digits
         out.append(int(np.argmax(np.array(proc(mx.array(out or [0]), mx.array(prefer))))))
-    assert limits and max(limits) <= closing._SEARCH_CAP
+    # The row's own search walks the cap; a choice judged near the end (tight: its row's
+    # completion is within _STRUCTURE_SLACK of the budget) walks what is left of the budget.
+    assert limits and max(limits) <= closing._SEARCH_CAP + closing._STRUCTURE_SLACK
     assert out[-1] in eos  # the digit lover would write digits for ever: closing ended it, in budget
     assert set(json.loads(grammar.tokenizer.decode_str([t for t in out if t not in eos]))) == set(fields)

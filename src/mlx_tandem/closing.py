@@ -50,8 +50,11 @@ _MAX_FAILED_SEARCHES = 3
 # whose smallest answer is thousands of tokens (400 required rows) held every stream for
 # seconds at its first token, in proportion to max_tokens (review h157). A completion
 # longer than this is far from any end a search could steer to; the row is looked at
-# again as its own tokens shorten it.
-_SEARCH_CAP = 256
+# again as its own tokens shorten it. The cost: a row whose completion is still longer
+# than this when its budget runs out is not steered: 256 left a tool call of 40 required
+# numbers (about 370 tokens) unsteered; 512 closes it, and walks about 0.2 s at most on
+# the factory model (a tool call of 80, about 730 tokens, still ends with "length").
+_SEARCH_CAP = 512
 # A choice of at most this many tokens, one of them markup (a special token such as
 # <tool_call>), is judged branch by branch near the end of the budget (GrammarProcessor).
 _BRANCH_CHOICES = 4
@@ -62,6 +65,11 @@ _SMALL_CHOICES = 24
 # Within _SLACK of the end, where a choice not judged takes the whole completion: an enum of
 # twenty values begins in about forty first tokens.
 _CLOSING_CHOICES = 64
+# Choices are judged one by one (as above) only where the completion is at most this long:
+# each choice is a search that walks it, and a tool call of 40 required numbers (about 330
+# tokens) judged 24 choices a step, 0.7 s a step for 60 steps while every row waited. A
+# longer completion is steered and forced whole, as before choices were judged.
+_JUDGED_COMPLETION = 64
 
 
 class TokenClasses(NamedTuple):
@@ -376,6 +384,7 @@ class GrammarProcessor:
         self._calls = 0
         self._forced: list[int] = []
         self._estimate = 0  # tokens the last simulated completion needed
+        self._longest_fit = 0  # the longest completion of a choice judged at the last search
         # The last completion found, kept from the state the row is in now: advanced when the
         # row emits its first token, else (``_path_stale``) to be checked before it is used.
         self._path: Optional[list[int]] = None
@@ -443,8 +452,8 @@ class GrammarProcessor:
                 path = short
         return path
 
-    def _fitting_branches(self, allowed: np.ndarray, remaining: int,
-                          path: Optional[list[int]]) -> tuple[np.ndarray, Optional[list[int]], bool]:
+    def _fitting_branches(self, allowed: np.ndarray, remaining: int, path: Optional[list[int]],
+                          capped: bool = False) -> tuple[np.ndarray, Optional[list[int]], bool]:
         """At a choice that a special token opens (a tool call or a document, another call
         or the end), or at any small choice once the budget is within ``_STRUCTURE_SLACK``
         of the completion (a JSON key, an XML call's next ``<parameter=`` or its
@@ -456,7 +465,9 @@ class GrammarProcessor:
         search took); an optional key or parameter opened near the end did the same, at
         eight tokens over the closing length on every seed. A search per choice: judged
         near the end only (sooner, it tripled the grammar's cost per token in
-        benchmarks/structured.py).
+        benchmarks/structured.py). ``capped``: the row's own completion is longer than
+        ``_SEARCH_CAP``, so not near the end: only a special token's choice is judged, as
+        where the completion is longer than ``_JUDGED_COMPLETION``.
 
         The third value: whether every choice kept is known to leave a completion that
         fits (judged, or the one choice there is, on the completion found)."""
@@ -464,14 +475,14 @@ class GrammarProcessor:
         choices = np.flatnonzero(allowed[:n])
         known = not allowed[n:].any()  # no id past the tokenizer's vocabulary, never judged
         special = 1 < len(choices) <= _BRANCH_CHOICES and self._tiers.special[choices].any()
-        tight = path is None or len(path) >= remaining - _STRUCTURE_SLACK
-        closing = path is None or len(path) >= remaining - _SLACK
+        near = not capped and (path is None or remaining - _STRUCTURE_SLACK <= len(path) <= _JUDGED_COMPLETION)
+        tight = near
+        closing = near and (path is None or len(path) >= remaining - _SLACK)
         judged = special or (tight and 1 < len(choices) <= (_CLOSING_CHOICES if closing else _SMALL_CHOICES))
+        self._longest_fit = 0
         if not judged:
             return allowed, path, known and path is not None and len(choices) == 1 and int(choices[0]) == path[0]
         fits: dict[int, list[int]] = {}
-        limit = min(remaining - 1, _SEARCH_CAP)
-        unknown = False  # a choice whose completion is longer than a search walks: kept
         for tok in (int(t) for t in choices):
             if tok in self._eos:
                 fits[tok] = [tok]
@@ -479,29 +490,25 @@ class GrammarProcessor:
             probe = self.matcher.deep_copy()
             if not probe.consume_token(tok):
                 continue
-            rest = [min(self._eos)] if probe.is_stopped() else self._search(probe, limit)
-            if rest is None and limit < remaining - 1:
-                unknown = True
-                fits[tok] = []
-            elif rest is not None and 1 + len(rest) <= remaining:  # a match's EOS needs room too
+            # Not capped (_SEARCH_CAP): a choice is taken away only where it is known not to
+            # fit, and a capped search cannot tell. A branch's search walks its completion,
+            # or the budget where none fits: a tool call of hundreds of tokens opened beside
+            # a short response_format stayed open at max_tokens 300 and ended with "length"
+            # (review h160). Judged only at a special token's choice or near the end.
+            rest = [min(self._eos)] if probe.is_stopped() else self._search(probe, remaining - 1)
+            if rest is not None and 1 + len(rest) <= remaining:  # a match's EOS needs room too
                 fits[tok] = [tok, *rest]
-        if unknown:  # far from the end: a choice is not taken away on a completion not found
-            return allowed if len(fits) == len(choices) else self._keep(allowed, fits), path, False
+                self._longest_fit = max(self._longest_fit, len(fits[tok]))
         if not fits:
             return allowed, path, False
         if len(fits) == len(choices):
             return allowed, path, known and path is not None
-        kept = self._keep(allowed, fits)
+        kept = np.zeros_like(allowed)
+        kept[list(fits)] = True
         if path is None or path[0] not in fits:
             path = min(fits.values(), key=len)
             self._path, self._path_stale, self._path_set = path, False, allowed.tobytes()
         return kept, path, True
-
-    @staticmethod
-    def _keep(allowed: np.ndarray, tokens) -> np.ndarray:
-        kept = np.zeros_like(allowed)
-        kept[list(tokens)] = True
-        return kept
 
     def mask(self, logits):
         """The logits for the next token, masked to the grammar (one call per token)."""
@@ -565,9 +572,8 @@ class GrammarProcessor:
             limit = min(remaining, _SEARCH_CAP)
             path = self._completion(current, limit)
             capped = path is None and limit < remaining
-            if not capped:
-                current, path, all_fit = self._fitting_branches(current, remaining, path)
-            if capped:
+            current, path, all_fit = self._fitting_branches(current, remaining, path, capped)
+            if path is None and capped:
                 # Longer than a search walks: not a failure, and far from the end. Look
                 # again later, less often, as after a failed search, but never give up,
                 # and never past the point where a completion the cap holds could be tight.
@@ -591,8 +597,13 @@ class GrammarProcessor:
                 # few were judged one by one): the model chooses, and the next token is
                 # looked at again. Before (an audit), a regex "(yes|no)" at max_tokens=4
                 # was forced to its shortest branch, whatever the model preferred.
-                self._estimate = len(path)
-                self._next_check = self._calls + max(1, (remaining - len(path) - _SLACK) // 4)
+                # The next look is timed by the longest branch kept, whichever the model
+                # takes: timed by the shortest (a one-key document), a tool call of 370
+                # tokens opened beside it with 60 to spare was looked at again only after
+                # 100 tokens of digits, and ended with "length".
+                horizon = max(len(path), self._longest_fit)
+                self._estimate = horizon
+                self._next_check = self._calls + max(1, (remaining - horizon - _SLACK) // 4)
                 if len(path) >= remaining - _STRUCTURE_SLACK and self._tiers.tier[path[0]] <= 2 and not all_fit:
                     steer = path[0]  # a closer, separator or EOS, where the choice was not judged
         if self._forced:

@@ -450,7 +450,7 @@ def test_a_finished_document_allows_its_end_tokens(qwen3_5_engine):
     """A stopped matcher refuses even the EOS its mask allows: repaired as forced text,
     the end of a document ending on a number had an empty mask, and the request failed
     (the first version of the end-token repair; README's ``value: int`` example)."""
-    from mlx_tandem.closing import allowed_tokens
+    from mlx_tandem.token_classes import allowed_tokens
 
     grammar = qwen3_5_engine._grammar  # white-box: the engine's own compiler and token classes
     matcher = grammar.compile(Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer"}},

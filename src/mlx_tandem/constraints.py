@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .chat_format import ChatFormat
-from .closing import TokenClasses, token_classes
+from .token_classes import TokenClasses, token_classes
 from .errors import ConstraintError
 from .pattern_witness import schema_patterns, shortest_match, witnesses
 from .schema_prep import prepared_schema, refuse_dangling_escape

@@ -138,7 +138,7 @@ async def bench_specprefill(cfg, target: Path, draft: Path, bar) -> list[dict]:
     engine = Engine(target, show_progress=False, prefix_cache_bytes=0, max_model_len=CONTEXT,
                     specprefill_draft=str(draft), specprefill_threshold=1, specprefill_keep_pct=KEEP)
     await engine.start()
-    encode = engine._renderer.encode
+    encode = engine.encode
     await ttft(engine, prompt=natural_tokens(300, encode), params={"max_tokens": 2})  # warm-up
     rows = []
     for n in cfg["lengths"]:
@@ -181,7 +181,7 @@ async def bench_system_cache(cfg, path: Path, name: str, bar) -> dict:
     on = Engine(path, show_progress=False, max_model_len=CONTEXT, mtp="off")
     await off.start()
     await on.start()
-    encode = on._renderer.encode
+    encode = on.encode
     system = on.tokenizer.decode(natural_tokens(cfg["system_tokens"], encode, offset=3))
     params = {"max_tokens": 4}
 
@@ -216,7 +216,7 @@ async def bench_turns(cfg, path: Path, name: str, bar) -> dict:
     for label, cache_bytes in (("without_cache", 0), ("with_cache", 1 << 30)):
         engine = Engine(path, show_progress=False, prefix_cache_bytes=cache_bytes, max_model_len=CONTEXT, mtp="off")
         await engine.start()
-        encode = engine._renderer.encode
+        encode = engine.encode
         docs = corpus()
         chat = [{"role": "system", "content": engine.tokenizer.decode(natural_tokens(cfg["system_tokens"] // 2, encode))},
                 {"role": "user", "content": "Explain how to walk a directory tree and copy files."}]
@@ -244,7 +244,7 @@ async def bench_burst(cfg, path: Path, name: str, bar) -> dict:
                for label, wait in (("separate", False), ("shared", True))}
     for engine in engines.values():
         await engine.start()
-    encode = engines["shared"]._renderer.encode
+    encode = engines["shared"].encode
     waves = []
     for rep in range(cfg["burst_reps"]):
         system = engines["shared"].tokenizer.decode(natural_tokens(cfg["system_tokens"], encode, offset=11 + 5 * rep))
@@ -264,7 +264,7 @@ async def bench_document_burst(cfg, path: Path, name: str, bar) -> dict:
         await engine.start()
     waves = []
     for rep in range(cfg["burst_reps"]):
-        document, names = _document(engines["shared"]._renderer.encode, cfg["system_tokens"], offset=3 + rep)
+        document, names = _document(engines["shared"].encode, cfg["system_tokens"], offset=3 + rep)
         waves.append([[{"role": "system", "content": "Answer from the context."},
                        {"role": "user", "content": f"Context:\n{document}\n\nWhat does {names[i]} return?"}]
                       for i in range(cfg["burst"])])
@@ -312,7 +312,7 @@ async def bench_few_shot(cfg, path: Path, name: str, bar) -> dict:
                for label, on in (("without", False), ("with", True))}
     for engine in engines.values():
         await engine.start()
-    encode = engines["with"]._renderer.encode
+    encode = engines["with"].encode
     docs, examples, tokens = corpus(), [], 0
     while tokens < cfg["system_tokens"]:  # example turns up to about the burst's system prompt
         doc = docs[(len(examples) * 5 + 3) % len(docs)]
@@ -340,7 +340,7 @@ async def bench_document(cfg, path: Path, name: str, bar) -> dict:
                for label, on in (("without", False), ("with", True))}
     for engine in engines.values():
         await engine.start()
-    document, names = _document(engines["with"]._renderer.encode, cfg["system_tokens"], offset=2)
+    document, names = _document(engines["with"].encode, cfg["system_tokens"], offset=2)
 
     def chat(i):
         return [{"role": "system", "content": "Answer from the context."},

@@ -487,7 +487,7 @@ def test_bad_memory_options(opts):
 def _unexpanded(engine, msgs) -> int:
     """The prompt's length with one placeholder per image, as the front end measures it
     before the vision lane expands the images (apply_chat_template counts them expanded)."""
-    return len(engine._renderer.render(msgs))
+    return len(engine._front.renderer.render(msgs))
 
 
 def _image_chat(seed: int) -> list[dict]:

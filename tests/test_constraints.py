@@ -207,7 +207,7 @@ async def test_dicts_keyed_by_a_literal_or_an_enum_are_held_to_their_keys(qwen3_
     for names in ({"enum": ["a", "bb"], "type": "string", "maxLength": 1}, {"enum": ["a", "bb"], "pattern": "^a$"},
                   {"$ref": "#/$defs/K", "maxLength": 1}):
         assert "propertyNames" in prepared_schema({"type": "object", "$defs": defs, "propertyNames": names})
-    grammar = qwen3_5_engine._grammar
+    grammar = qwen3_5_engine._front.grammar
     compiled = Constraint.json_schema(schema)
 
     def takes(text: str) -> bool:
@@ -241,7 +241,7 @@ def test_numeric_bounds_are_held_as_written_or_refused(qwen3_5_engine):
     rewritten to ones it holds, or refused with a ConstraintError (a fuzz, 2026-11-30)."""
     from mlx_tandem.constraints import Constraint
 
-    grammar = qwen3_5_engine._grammar
+    grammar = qwen3_5_engine._front.grammar
 
     def takes(schema: dict, text: str) -> bool:
         m = grammar.compile(Constraint.json_schema(schema))
@@ -452,7 +452,7 @@ def test_a_finished_document_allows_its_end_tokens(qwen3_5_engine):
     (the first version of the end-token repair; README's ``value: int`` example)."""
     from mlx_tandem.token_classes import allowed_tokens
 
-    grammar = qwen3_5_engine._grammar  # white-box: the engine's own compiler and token classes
+    grammar = qwen3_5_engine._front.grammar  # white-box: the engine's own compiler and token classes
     matcher = grammar.compile(Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer"}},
                                                       "required": ["n"]}))
     for tok in qwen3_5_engine.tokenizer.encode('{"n": 25}'):
@@ -494,7 +494,7 @@ async def test_closing_spells_an_added_token(qwen3_5_engine):
 # ---------------------------------------------------------------------------- budget
 def _closing_length(engine, schema, long_words: bool = False) -> int:
     """Tokens the closing mode needs to finish ``schema`` from scratch (EOS included)."""
-    grammar = engine._grammar  # white-box: the engine's own compiler and closing preferences
+    grammar = engine._front.grammar  # white-box: the engine's own compiler and closing preferences
     constraint = Constraint.json_schema(schema)
     path = closing_path(grammar.compile(constraint), grammar.tiers(), frozenset(grammar.eos_token_ids),
                         limit=10_000, hints=grammar.hint_ids(constraint), long_words=long_words)
@@ -542,7 +542,7 @@ def test_closing_mode_ends_strings_with_a_quote(qwen3_5_engine, vocabulary):
     """Inside a string, closer characters are content: "}}" there closes nothing. Closing
     mode picked it forever on the demo tokenizer, found no completion, and so never steered
     the answer closed; and a closer that opens a string ('"]}}') is content too."""
-    grammar = qwen3_5_engine._grammar if vocabulary == "factory" else _demo_grammar()
+    grammar = qwen3_5_engine._front.grammar if vocabulary == "factory" else _demo_grammar()
     joke = Joke.model_json_schema()
     nested, _ = SCHEMAS["nested_object"]
     cases = [  # (schema, pytype, what the model wrote, what closing mode must make of it)
@@ -571,7 +571,7 @@ def test_closing_mode_gets_past_content_it_could_repeat(qwen3_5_engine, vocabula
     these): "]" in a string held to a pattern, "0" where a number must not be zero, "(" in
     nested parentheses, "." and "}" in turn in an email address; and "}" closing nested
     objects leaves the same choices on a vocabulary without "}}"."""
-    grammar = qwen3_5_engine._grammar if vocabulary == "factory" else _demo_grammar()
+    grammar = qwen3_5_engine._front.grammar if vocabulary == "factory" else _demo_grammar()
     code = {"type": "object", "properties": {"code": {"type": "string", "pattern": r"^[A-Z0-9_\-\[\]]+$"}},
             "required": ["code"]}
     email = {"type": "object", "properties": {"email": {"type": "string", "format": "email"}}, "required": ["email"]}
@@ -602,7 +602,7 @@ def test_closing_mode_spells_out_what_a_pattern_needs(qwen3_5_engine, vocabulary
     backslash, every single token leaves the allowed set as it was: the search found no
     completion and the answer ended with "length". It writes out a witness of the pattern
     (pattern_witness.py), escaped as the JSON string needs, from wherever the string is."""
-    grammar = qwen3_5_engine._grammar if vocabulary == "factory" else _demo_grammar()
+    grammar = qwen3_5_engine._front.grammar if vocabulary == "factory" else _demo_grammar()
     email = r"^[a-z0-9._%+-]+@[a-z0-9.-]+\.[a-z]{2,}$"
     for pattern in ["foo", "bar[0-9]", "hello world", r'a"$', r"\\$", r"x\d{2}y", email]:
         schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
@@ -697,7 +697,7 @@ def test_a_completion_found_within_a_limit_fits_it(qwen3_5_engine):
     """closing_path's completion, EOS included, is never longer than its limit. It was once
     one token longer: a row forced onto it wrote the document's last closer as its last
     token and ended with "length" (seen on a GPU, where the model wrote a long number)."""
-    grammar = qwen3_5_engine._grammar
+    grammar = qwen3_5_engine._front.grammar
     for name in ("enum_and_scalars", "nested_object", "pydantic_model"):
         constraint = Constraint.json_schema(SCHEMAS[name][0])
         n0 = _closing_length(qwen3_5_engine, SCHEMAS[name][0])
@@ -735,7 +735,7 @@ def test_scripted_models_close_at_every_budget_from_the_shortest_completion(qwen
 
     from mlx_tandem.closing import GrammarProcessor
 
-    grammar = qwen3_5_engine._grammar
+    grammar = qwen3_5_engine._front.grammar
     schema, pytype = SCHEMAS[name]
     constraint = Constraint.json_schema(schema)
     eos = set(grammar.eos_token_ids)
@@ -909,7 +909,7 @@ def test_near_the_end_only_choices_of_structure_are_steered(qwen3_5_engine, voca
     a value: the next digit of a number, a longer enum value, a regex match that may go on.
     A new entry is the model's to add where every choice was judged to leave a completion
     that fits (2026-11-30: steering took away items and keys that fitted, an audit)."""
-    grammar = qwen3_5_engine._grammar if vocabulary == "factory" else _demo_grammar()
+    grammar = qwen3_5_engine._front.grammar if vocabulary == "factory" else _demo_grammar()
     integer = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
     enum = Constraint.json_schema({"type": "object", "properties": {"a": {"enum": ["x", "xy"]}}, "required": ["a"]})
     digits = Constraint.regex("[0-9]+")
@@ -970,7 +970,7 @@ class Event(_Strict):
 def test_date_formats_take_exactly_the_dates_python_reads(qwen3_5_engine):
     """Year 0000, second 60 and February 29 outside leap years pass RFC 3339 (and
     llguidance's own format) but not Python's datetime, so not Pydantic."""
-    grammar = qwen3_5_engine._grammar
+    grammar = qwen3_5_engine._front.grammar
 
     def takes(fmt: str, text: str) -> bool:
         matcher = grammar.compile(Constraint.json_schema({"type": "string", "format": fmt}))
@@ -1333,7 +1333,7 @@ async def test_a_call_longer_than_a_search_walks_is_not_opened_where_it_cannot_f
     from mlx_tandem import closing
 
     engine = qwen3_5_engine
-    grammar = engine._grammar  # white-box: the smallest call, as closing finds it
+    grammar = engine._front.grammar  # white-box: the smallest call, as closing finds it
     params = {f"p{i}": {"type": "integer"} for i in range(40)}
     tools = [{"type": "function", "function": {"name": "wide", "description": "Takes many numbers.",
                                                "parameters": {"type": "object", "properties": params,
@@ -1421,7 +1421,7 @@ async def test_one_call_allowed_ends_the_row_as_finished(qwen3_5_engine):
     """parallel_tool_calls=False: the answer ends at its first valid call and its row is
     freed there; the request counts as finished, not aborted."""
     engine = qwen3_5_engine
-    marker = engine._grammar.marker
+    marker = engine._front.grammar.marker
     body = json.dumps('\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n')
     grammar = f'start: {marker("<tool_call>")} {body} {marker("</tool_call>")} " and then " /[a-z ]{{40,}}/'
     before = engine.stats()
@@ -1441,7 +1441,7 @@ def test_stats_count_an_answer_cut_at_its_call_when_chat_returns(qwen3_5_mtp_pat
     audit). Async and sync, MTP off and on: finished, and generation_tokens as usage counts."""
     engine = Engine(qwen3_5_mtp_path, show_progress=False, mtp=mtp).start_sync()
     try:
-        marker = engine._grammar.marker
+        marker = engine._front.grammar.marker
         body = json.dumps('\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n')
         grammar = f'start: {marker("<tool_call>")} {body} {marker("</tool_call>")} " and then " /[a-z ]{{60,}}/'
         kw = dict(tools=TOOLS, parallel_tool_calls=False, response_format={"type": "lark", "grammar": grammar})
@@ -1466,7 +1466,7 @@ def test_an_answer_cut_at_its_call_as_the_engine_closes_logs_nothing(qwen3_5_pat
     async def run():
         engine = Engine(qwen3_5_path, show_progress=False)
         await engine.start()
-        marker = engine._grammar.marker
+        marker = engine._front.grammar.marker
         body = json.dumps('\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n')
         grammar = f'start: {marker("<tool_call>")} {body} {marker("</tool_call>")} " and then " /[a-z ]{{60,}}/'
         core = engine._core
@@ -1670,7 +1670,7 @@ def test_a_long_smallest_answer_is_searched_within_the_cap_and_still_closes(qwen
     from mlx_tandem import closing
 
     monkeypatch.setattr(closing, "_SEARCH_CAP", 256)  # 90 fields: over twice the cap, a short test
-    grammar = qwen3_5_engine._grammar
+    grammar = qwen3_5_engine._front.grammar
     fields = [f"field_{i}" for i in range(90)]
     schema = {"type": "object", "properties": {f: {"type": "integer"} for f in fields}, "required": fields}
     constraint = Constraint.json_schema(schema)

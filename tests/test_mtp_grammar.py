@@ -78,7 +78,7 @@ def _smallest_document() -> int:
 
     engine = Engine(None, show_progress=False).start_sync()
     try:
-        grammar = engine._grammar
+        grammar = engine._front.grammar
         constraint = Constraint.json_schema(SCHEMA)
         return len(closing_path(grammar.compile(constraint), grammar.tiers(), frozenset(grammar.eos_token_ids),
                                 limit=10_000, hints=grammar.hint_ids(constraint)))

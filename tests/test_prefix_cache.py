@@ -363,7 +363,7 @@ def test_a_system_prompt_outlives_longer_trimmable_entries():
 
 # --------------------------------------------------------------------------- boundaries
 def test_system_boundary_is_found_for_a_template_without_chatml_markers(llama_engine):
-    renderer = llama_engine._renderer
+    renderer = llama_engine._front.renderer
     kwargs = {"chat_template": LLAMA3_TEMPLATE}
     points = {}
     for user in ("How do I sharpen a chisel?", "Zebra wood?"):
@@ -388,7 +388,7 @@ async def test_shared_system_prompt_hits_equal_cold_runs_in_mixed_batches(kind, 
         ids = [engine.apply_chat_template(c, tools=TOOLS) for c in chats]
         other_ids = [engine.apply_chat_template(c) for c in others]
         expected = [reference_greedy(path, p, 10) for p in ids]
-        system_len = {k: n for n, k in engine._renderer.cache_points(chats[3], ids[3], tools=TOOLS)}["system"]
+        system_len = {k: n for n, k in engine._front.renderer.cache_points(chats[3], ids[3], tools=TOOLS)}["system"]
         other_expected = [reference_greedy(path, p, 10) for p in other_ids]
         params = SamplingParams(max_tokens=10)
         # Wave 1: concurrent requests sharing one system prompt, nothing cached yet.
@@ -571,7 +571,7 @@ async def test_prompts_are_cut_only_where_a_snapshot_will_be_stored(qwen3_5_path
     chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user(0)}]
     async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=40) as engine:
         ids = engine.apply_chat_template(chat)
-        points = engine._renderer.cache_points(chat, ids)
+        points = engine._front.renderer.cache_points(chat, ids)
         lane = engine._core._lanes["text"]
         req = Request("probe", ids, SamplingParams(), sink=None, cache_points=points + [(20, "turn")])
         before = engine.run_on_owner_thread(lambda: lane._snapshot_points(req, 0))
@@ -601,7 +601,7 @@ def test_the_history_boundary_ends_after_the_last_reply_for_any_template(llama_e
     messages (no markers searched for); the same for requests that differ in what follows.
     Only asked for, and only where a message follows a reply; the engine's call (None)
     finds it from the second request holding that history on."""
-    renderer = llama_engine._renderer
+    renderer = llama_engine._front.renderer
     kwargs = {"chat_template": LLAMA3_TEMPLATE}
     found = []
     for question in ("Plan a birdhouse.", "Zebra wood?"):
@@ -636,7 +636,7 @@ async def test_few_shot_examples_are_stored_once_a_second_request_shares_them(qw
     questions = ["Plan a birdhouse.", "Is pine good for shelves?", "How long does varnish dry?", "Zebra wood?"]
     async with _engine(qwen3_5_path) as engine:
         ids = [engine.apply_chat_template(_few_shot(q)) for q in questions]
-        history = {k: p for p, k in engine._renderer.cache_points(_few_shot(questions[0]), ids[0],
+        history = {k: p for p, k in engine._front.renderer.cache_points(_few_shot(questions[0]), ids[0],
                                                                   history=True)}["history"]
         outs = [await engine.chat(_few_shot(q), SamplingParams(max_tokens=8)) for q in questions]
         stats = engine.stats()["prefix_cache"]

@@ -89,7 +89,7 @@ def test_the_grammar_holds_a_decimals_step_and_bounds(qwen3_5_engine):
         fee: Decimal = Field(multiple_of=Decimal("0.25"), ge=0, le=10)
         odd: float = Field(multiple_of=0.07, ge=0)  # llguidance cannot hold it: dropped
 
-    grammar = qwen3_5_engine._grammar
+    grammar = qwen3_5_engine._front.grammar
 
     def takes(name: str, text: str) -> bool:
         matcher = grammar.compile(Constraint.json_schema(json_schema(Price)["properties"][name]))
@@ -193,7 +193,7 @@ def test_the_grammar_keeps_floats_where_pydantic_checks_them(qwen3_5_engine):
 
     props = json_schema(Amounts)["properties"]
     assert "exclusiveMaximum" not in props["plain"]
-    grammar = qwen3_5_engine._grammar
+    grammar = qwen3_5_engine._front.grammar
     matchers = {}
 
     def takes(name: str, text: str) -> bool:

@@ -29,7 +29,7 @@ async def _wave(path, n: int, **options):
     async with Engine(path, show_progress=False, prefix_cache_min_tokens=8, coalesce_ms=300,
                       **options) as engine:
         ids = [engine.apply_chat_template(c, tools=TOOLS) for c in chats]
-        system = {k: p for p, k in engine._renderer.cache_points(chats[0], ids[0], tools=TOOLS)}["system"]
+        system = {k: p for p, k in engine._front.renderer.cache_points(chats[0], ids[0], tools=TOOLS)}["system"]
         outs = await asyncio.gather(*[engine.chat(c, SamplingParams(max_tokens=8), tools=TOOLS) for c in chats])
         stats = engine.stats()
         claims = engine.run_on_owner_thread(lambda: len(engine._core._lanes["text"]._claims))
@@ -67,7 +67,7 @@ async def test_a_claim_is_given_back_when_its_row_leaves_before_storing(qwen3_5_
     chats = _chats(2)
     async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
-        points = [engine._renderer.cache_points(c, p) for c, p in zip(chats, ids)]
+        points = [engine._front.renderer.cache_points(c, p) for c, p in zip(chats, ids)]
         lane = engine._core._lanes["text"]
 
         def requests():
@@ -98,7 +98,7 @@ async def test_when_the_row_waited_for_leaves_the_first_waiter_to_start_claims_a
     chats = _chats(4)
     async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
-        points = [engine._renderer.cache_points(c, p) for c, p in zip(chats, ids)]
+        points = [engine._front.renderer.cache_points(c, p) for c, p in zip(chats, ids)]
         system = {k: p for p, k in points[0]}["system"]
         lane = engine._core._lanes["text"]
         requests = [Request(f"r{i}", p, SamplingParams(), sink=None, max_tokens=4, cache_points=pts)
@@ -136,7 +136,7 @@ async def test_a_request_waits_only_when_the_claim_adds_enough(qwen3_5_path):
     async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8,
                       prefix_cache_shared=False) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
-        points = [engine._renderer.cache_points(c, p) for c, p in zip(chats, ids)]
+        points = [engine._front.renderer.cache_points(c, p) for c, p in zip(chats, ids)]
         system = {k: p for p, k in points[0]}["system"]
         await engine.chat(chats[0], SamplingParams(max_tokens=2))  # stores the system prompt
         lane = engine._core._lanes["text"]
@@ -208,7 +208,7 @@ async def test_once_the_budget_refused_a_prefix_no_request_waits_for_it_again(qw
                 assert out.token_ids == reference_greedy(qwen3_5_path, p, 6)
             waits.append(engine.stats()["prefix_cache"]["prefill_waits"])
             probe = Request("probe", ids[0], SamplingParams(), sink=None,
-                            cache_points=engine._renderer.cache_points(chats[0], ids[0]))
+                            cache_points=engine._front.renderer.cache_points(chats[0], ids[0]))
             cut.append(engine.run_on_owner_thread(lambda: lane._snapshot_points(probe, 0)))
         stats = engine.stats()["prefix_cache"]
     # Learned: the first wave waited and learned it, no wait after; known: no wait at all.
@@ -227,7 +227,7 @@ async def test_a_specprefill_job_claims_its_system_prompt_once_it_prefills_it(ll
     short_chat = [long_chat[0], {"role": "user", "content": "Any floods?"}]
     async with _engine(llama_path, draft_path, specprefill_keep_pct=0.5) as engine:
         ids = [engine.apply_chat_template(c) for c in (long_chat, short_chat)]
-        points = [engine._renderer.cache_points(c, p) for c, p in zip((long_chat, short_chat), ids)]
+        points = [engine._front.renderer.cache_points(c, p) for c, p in zip((long_chat, short_chat), ids)]
         system = {k: p for p, k in points[0]}["system"]
         lane = engine._core._lanes["text"]
 
@@ -258,7 +258,7 @@ async def test_a_claim_never_outlives_its_rows_prompt(qwen3_5_path):
     chats = _chats(1)
     async with Engine(qwen3_5_path, show_progress=False, prefix_cache_min_tokens=8) as engine:
         ids = engine.apply_chat_template(chats[0])
-        points = engine._renderer.cache_points(chats[0], ids)
+        points = engine._front.renderer.cache_points(chats[0], ids)
         lane = engine._core._lanes["text"]
 
         def walk():
@@ -289,7 +289,7 @@ async def test_requests_sharing_few_shot_examples_prefill_them_once(kind, reques
     chats = [_few_shot(_user(i)) for i in range(4)]
     async with Engine(path, show_progress=False, prefix_cache_min_tokens=8, coalesce_ms=300) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
-        history = {k: p for p, k in engine._renderer.cache_points(chats[0], ids[0], history=True)}["history"]
+        history = {k: p for p, k in engine._front.renderer.cache_points(chats[0], ids[0], history=True)}["history"]
         outs = await asyncio.gather(*[engine.chat(c, SamplingParams(max_tokens=8)) for c in chats])
         stats = engine.stats()
         claims = engine.run_on_owner_thread(lambda: len(engine._core._lanes["text"]._claims))
@@ -355,7 +355,7 @@ async def test_a_request_keeps_both_the_prefix_a_row_in_prefill_shares_and_the_o
     async with Engine(qwen3_5_path, show_progress=False) as engine:
         ids = {k: engine.apply_chat_template(c) for k, c in chats.items()}
         requests = {k: Request(k, ids[k], SamplingParams(), sink=None, max_tokens=4,
-                               cache_points=engine._renderer.cache_points(chats[k], ids[k])) for k in chats}
+                               cache_points=engine._front.renderer.cache_points(chats[k], ids[k])) for k in chats}
         lane = engine._core._lanes["text"]
 
         def add():
@@ -401,7 +401,7 @@ async def test_a_row_that_came_alone_stores_the_document_for_the_requests_after_
     async with Engine(qwen3_5_path, show_progress=False, prefill_step_size=16) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
         requests = [Request(f"r{i}", p, SamplingParams(), sink=None, max_tokens=2,
-                            cache_points=engine._renderer.cache_points(c, p)) for i, (c, p) in enumerate(zip(chats, ids))]
+                            cache_points=engine._front.renderer.cache_points(c, p)) for i, (c, p) in enumerate(zip(chats, ids))]
         lane = engine._core._lanes["text"]
         parts = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
 
@@ -464,7 +464,7 @@ async def test_points_found_against_the_queue_are_found_again_when_a_request_is_
     async with Engine(qwen3_5_path, show_progress=False, prefix_cache_wait_for_prefill=wait) as engine:
         ids = {k: engine.apply_chat_template(c) for k, c in chats.items()}
         requests = {k: Request(k, ids[k], SamplingParams(), sink=None, max_tokens=4,
-                               cache_points=engine._renderer.cache_points(chats[k], ids[k])) for k in chats}
+                               cache_points=engine._front.renderer.cache_points(chats[k], ids[k])) for k in chats}
         lane = engine._core._lanes["text"]
 
         def shared():

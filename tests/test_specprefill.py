@@ -204,7 +204,7 @@ async def test_only_the_uncached_suffix_is_scored_and_filled_sparsely(kind, requ
     short = [chats[0][0], {"role": "user", "content": "Any floods?"}]
     async with _engine(path, draft_path, specprefill_keep_pct=0.5) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
-        boundary = {k: n for n, k in engine._renderer.cache_points(chats[1], ids[1])}["system"]
+        boundary = {k: n for n, k in engine._front.renderer.cache_points(chats[1], ids[1])}["system"]
         await engine.chat(chats[0], {"max_tokens": 10})
         after_first = engine.stats()["specprefill"]
         second = await engine.chat(chats[1], {"max_tokens": 10})
@@ -243,7 +243,7 @@ async def test_shared_few_shot_examples_are_prefilled_densely_and_reused(qwen3_5
     short = _few_shot_reports("Any floods?")[:-1] + [{"role": "user", "content": "Any floods?"}]
     async with _engine(qwen3_5_path, draft_path, specprefill_keep_pct=0.5) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
-        points = {k: n for n, k in engine._renderer.cache_points(chats[0], ids[0], history=True)}
+        points = {k: n for n, k in engine._front.renderer.cache_points(chats[0], ids[0], history=True)}
         system, history = points["system"], points["history"]
         runs = []
         for chat in chats:
@@ -275,7 +275,7 @@ async def test_examples_the_cache_cannot_keep_are_not_prefilled_densely_again(qw
     async with _engine(qwen3_5_path, draft_path, specprefill_keep_pct=0.5,
                        prefix_cache_bytes=system_bytes + history_bytes // 2) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
-        points = {k: n for n, k in engine._renderer.cache_points(chats[0], ids[0], history=True)}
+        points = {k: n for n, k in engine._front.renderer.cache_points(chats[0], ids[0], history=True)}
         runs = []
         for chat in chats:
             out = await engine.chat(chat, {"max_tokens": 2})
@@ -296,7 +296,7 @@ async def test_the_system_prompt_is_prefilled_densely_without_the_prefix_cache(l
     chat = _gauge_reports()[0]
     async with _engine(llama_path, draft_path, specprefill_keep_pct=0.5, prefix_cache_bytes=0) as engine:
         ids = engine.apply_chat_template(chat)
-        boundary = {k: n for n, k in engine._renderer.cache_points(chat, ids)}["system"]
+        boundary = {k: n for n, k in engine._front.renderer.cache_points(chat, ids)}["system"]
         await engine.chat(chat, {"max_tokens": 4})
         stats = engine.stats()["specprefill"]
     assert boundary > 100 and stats["sparse_tokens"] == len(ids) - 1 - boundary
@@ -307,7 +307,7 @@ async def test_the_draft_scores_only_what_its_own_cache_does_not_hold(qwen3_5_pa
     chats = _gauge_reports()
     async with _engine(qwen3_5_path, draft_path, specprefill_keep_pct=0.3) as engine:
         ids = [engine.apply_chat_template(c) for c in chats]
-        boundary = {k: n for n, k in engine._renderer.cache_points(chats[1], ids[1])}["system"]
+        boundary = {k: n for n, k in engine._front.renderer.cache_points(chats[1], ids[1])}["system"]
         await engine.chat(chats[0], {"max_tokens": 4})
         first = engine.stats()["specprefill"]
         await engine.chat(chats[1], {"max_tokens": 4})

@@ -301,7 +301,7 @@ async def test_stop_strings_end_the_text_but_never_cut_a_tool_call(qwen3_5_engin
     marker in Qwen's format) cut every call into an invalid one. The call is parsed as
     without the stop, and a stop in the text after it still ends the answer."""
     engine = qwen3_5_engine
-    m = engine._grammar.marker  # a grammar stands in for a model that calls, then writes on
+    m = engine._front.grammar.marker  # a grammar stands in for a model that calls, then writes on
     call = f'{m("<tool_call>")} "\\n{{\\"name\\": \\"add\\", \\"arguments\\": {{\\"a\\": 2, \\"b\\": 3}}}}\\n" {m("</tool_call>")}'
     fmt = {"type": "lark", "grammar": f'start: "ok " {call} "\\nthen}}\\nmore"'}
     plain = await engine.chat(USER, SamplingParams(max_tokens=60), tools=[ADD], response_format=fmt)
@@ -322,7 +322,7 @@ async def test_a_call_spelling_its_end_marker_in_an_argument_is_one_call(qwen3_5
     marker by token id). Read by text, the call ended inside the string, was invalid, and
     its rest leaked into the content; a stop string could then cut it."""
     engine = qwen3_5_engine
-    m = engine._grammar.marker  # a grammar stands in for a model that calls, then writes on
+    m = engine._front.grammar.marker  # a grammar stands in for a model that calls, then writes on
     body = json.dumps('\n{"name": "note", "arguments": {"text": "a</tool_call>b}"}}\n')
     fmt = {"type": "lark", "grammar": f'start: "ok " {m("<tool_call>")} {body} {m("</tool_call>")} "\\nthen}} more"'}
     out = await engine.chat(USER, SamplingParams(max_tokens=80, stop=stop), tools=[NOTE], response_format=fmt)
@@ -339,7 +339,7 @@ async def test_a_call_marker_spelled_in_ordinary_tokens_is_text(qwen3_5_engine, 
     invalid call, a real call after it was lost inside it, and a stop string after the
     mention was taken for the call's text and never matched (an audit)."""
     engine = qwen3_5_engine
-    m = engine._grammar.marker  # a grammar stands in for a model that mentions, then calls
+    m = engine._front.grammar.marker  # a grammar stands in for a model that mentions, then calls
     assert m("<tool_call>").startswith("<[")  # one special token here
     body = json.dumps('\n{"name": "note", "arguments": {"text": "hi"}}\n')
     fmt = {"type": "lark", "grammar": f'start: "Use the <tool_call> tag. " {m("<tool_call>")} {body} '
@@ -427,8 +427,8 @@ async def _mistral_engine(llama_path):
     from mlx_tandem import Engine
 
     async with Engine(llama_path, show_progress=False) as engine:
-        engine._format = dataclasses.replace(
-            engine._format, tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
+        engine._front.format = dataclasses.replace(
+            engine._front.format, tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
             tool_parser=mistral.parse_tool_call, tool_format="mistral", template_has_tools=True)
         yield engine
 

@@ -445,7 +445,7 @@ async def coder_engine(qwen3_5_path):
     """The factory Qwen3.5 model, reading and writing calls in Qwen3.5's XML syntax."""
     engine = Engine(qwen3_5_path, show_progress=False)
     await engine.start()
-    engine._format = dataclasses.replace(engine._format, **CODER, template_has_tools=True)
+    engine._front.format = dataclasses.replace(engine._front.format, **CODER, template_has_tools=True)
     yield engine
     await engine.close()
 
@@ -492,7 +492,7 @@ async def test_calls_the_model_opens_are_held_to_the_tools(coder_engine, qwen3_5
     free = Engine(qwen3_5_path, show_progress=False, constrain_tool_calls=False)
     await free.start()
     try:
-        free._format = dataclasses.replace(free._format, **CODER, template_has_tools=True)
+        free._front.format = dataclasses.replace(free._front.format, **CODER, template_has_tools=True)
         raw = await opened(free)
     finally:
         await free.close()
@@ -508,11 +508,11 @@ async def test_mtp_stays_lossless_on_xml_calls(qwen3_5_mtp_path):
         engine = Engine(qwen3_5_mtp_path, show_progress=False, mtp=mode, mtp_depth=2, max_batch_size=32)
         await engine.start()
         try:
-            engine._format = dataclasses.replace(engine._format, **CODER, template_has_tools=True)
-            g = engine._grammar
+            engine._front.format = dataclasses.replace(engine._front.format, **CODER, template_has_tools=True)
+            g = engine._front.grammar
             requests = []
             for name in MODELS:
-                c = tool_call_constraint(engine._format, XML_TOOLS, [name], parallel=False, marker=g.marker)
+                c = tool_call_constraint(engine._front.format, XML_TOOLS, [name], parallel=False, marker=g.marker)
                 shortest = len(closing_path(g.compile(c), g.tiers(), frozenset(g.eos_token_ids), 400,
                                             g.hint_ids(c), text_markup=True))
                 requests += [(name, n) for n in (shortest, shortest + 8, 160)]
@@ -564,8 +564,8 @@ async def test_calls_close_from_the_shortest_budget(coder_engine, name):
 
     jsonschema = pytest.importorskip("jsonschema")
     tool = {"type": "function", "function": {"name": name, "parameters": CLOSING_CASES[name]}}
-    g = coder_engine._grammar
-    c = tool_call_constraint(coder_engine._format, [tool], [name], parallel=False, marker=g.marker)
+    g = coder_engine._front.grammar
+    c = tool_call_constraint(coder_engine._front.format, [tool], [name], parallel=False, marker=g.marker)
     shortest = len(closing_path(g.compile(c), g.tiers(), frozenset(g.eos_token_ids), 1000, g.hint_ids(c),
                                 text_markup=True))
     # the call with only its required parameters, each value one token
@@ -634,7 +634,7 @@ def test_a_qwen35_style_template_is_read_as_xml_and_a_call_in_history_reads_back
     (path / "chat_template.jinja").write_text(XML_CALLS_TEMPLATE)
     engine = Engine(path, show_progress=False).start_sync()
     try:
-        assert engine._format.tool_format == "qwen3_coder"
+        assert engine._front.format.tool_format == "qwen3_coder"
         for choice in ("add", "book", "lookup"):
             out = engine.chat_sync(USER, SamplingParams(max_tokens=400), tools=XML_TOOLS, tool_choice=choice)
             [call] = out.tool_calls
@@ -646,7 +646,7 @@ def test_a_qwen35_style_template_is_read_as_xml_and_a_call_in_history_reads_back
             prompt = engine.tokenizer.decode(engine.apply_chat_template(history, tools=XML_TOOLS))
             turn = prompt[prompt.index("<|im_start|>assistant\n"):].split("<|im_end|>")[0]  # the call, not the new turn
             assert render_call(call.name, call.arguments) in turn
-            parser = ChatOutputParser(engine._format, tools=XML_TOOLS, parse_tool_calls=True)
+            parser = ChatOutputParser(engine._front.format, tools=XML_TOOLS, parse_tool_calls=True)
             again = parser.feed(turn.removeprefix("<|im_start|>assistant\n")).tool_calls + parser.finish().tool_calls
             assert [(c.name, c.arguments) for c in again] == [(call.name, call.arguments)]
         # Under "auto", a listed name the syntax cannot hold is shown as it is, and the call

@@ -2,7 +2,7 @@
 
 The engine API takes its per-call options as keywords (``tools=``, ``response_format=``...):
 a misspelt one must be an InvalidRequestError naming it, not Python's TypeError, on every
-call form (chats, raw prompts); the values are validated later, in ``Engine._make_request``.
+call form (chats, raw prompts); the values are validated later, in ``RequestBuilder.build`` (request_builder.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ _COMPLETE_OPTIONS = ("response_format", "request_id")  # a raw prompt has no tem
 
 @dataclasses.dataclass
 class CallSpec:
-    """One call's inputs, as given (validated in Engine._make_request)."""
+    """One call's inputs, as given (validated in RequestBuilder.build)."""
 
     messages: Optional[Sequence[dict]] = None
     prompt: Optional[str | Sequence[int]] = None

@@ -1,15 +1,14 @@
 """Engine: the public facade. Async-first API with sync twins; never touches mlx itself.
 
-Front-end work (validation, message normalization, chat rendering, tokenization) runs on
-the caller's thread; the request then goes to the EngineCore's owner thread, and results
-come back through a per-request sink.
+Front-end work (validation, message normalization, chat rendering, tokenization; see
+request_builder.py) runs on the caller's thread; the request then goes to the EngineCore's
+owner thread, and results come back through a per-request sink.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -22,16 +21,10 @@ from .call_spec import CallSpec, deadline_of
 from .chat_format import ChatFormat
 from .chat_output import ChatOutputParser
 from .chat_plan import plan_chat
-from .closing import GrammarProcessor
-from .constraints import GrammarCompiler, TokenBan, after_reasoning, response_format_constraint
-from .tool_call_grammar import LazyToolCallGrammar
 from .core import EngineCore
 from .fork_guard import inherited_engine_error
 from .default_model import DEFAULT_MODEL_NAME, default_model_path, names_default
-from .detokenizer import CallMarkers
-from .errors import (ConstraintError, ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError,
-                     UnsupportedContentError, own_copy)
-from .media import load_images, media_markers, refuse_media_markers
+from .errors import EngineClosedError, InvalidRequestError, ModelLoadError, own_copy
 from .messages import has_media, validate_messages
 from .model_info import ModelInfo, local_checkpoint, read_model_info
 from .model_loader import LoadedModel, checkpoint_key
@@ -39,11 +32,11 @@ from .off_loop import run_off_loop
 from .options import EngineOptions
 from .outputs import RequestOutput, StreamDelta
 from .params import SamplingParams
-from .prompt import PromptRenderer, raw_prompt_ids
+from .request_builder import RequestBuilder
 from .stats import EngineStats
 from .streams import AsyncStream, SyncStream
 from .teardown import close_at_exit
-from .request import AsyncSink, Request, SyncSink, new_request_id
+from .request import AsyncSink, Request, SyncSink
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +91,7 @@ class Engine:
         self._model_arg = None if default else key if key != "<default>" else checkpoint_key(model)
         self._model_name = DEFAULT_MODEL_NAME if default else os.fspath(model)
         self._core: Optional[EngineCore] = None
-        self._renderer: Optional[PromptRenderer] = None
-        self._format: Optional[ChatFormat] = None
-        self._grammar: Optional[GrammarCompiler] = None
+        self._front: Optional[RequestBuilder] = None  # made at load
         self._lock = threading.Lock()
         self._closed = False
 
@@ -138,17 +129,13 @@ class Engine:
             return self._core
 
     def _on_ready(self, loaded: LoadedModel) -> None:
-        if self._renderer is not None:
+        if self._front is not None:
             return
         # Once, under the lock: callers making their first call together must end with one
         # renderer and a grammar compiler that share its tokenizer lock.
         with self._lock:
-            if self._renderer is None:
-                self._format = ChatFormat.from_tokenizer(loaded.tokenizer)
-                renderer = PromptRenderer(loaded.tokenizer, short_call_ids=self._format.tool_format == "mistral")
-                self._grammar = GrammarCompiler(
-                    loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids, lock=renderer.lock)
-                self._renderer = renderer
+            if self._front is None:
+                self._front = RequestBuilder(loaded, self.options)
 
     async def start(self) -> "Engine":
         """Load the model (on the engine thread) if it is not loaded yet."""
@@ -209,34 +196,14 @@ class Engine:
 
     @property
     def context_length(self) -> int:
-        return self.options.max_model_len or self.loaded.context_length
+        self.loaded
+        return self._front.context_length
 
     @property
     def chat_format(self) -> ChatFormat:
         """Reasoning markers and tool-call syntax of the model's chat template."""
         self.loaded
-        return self._format
-
-    @functools.cached_property
-    def _think_ids(self) -> Optional[tuple[int, int]]:
-        """The reasoning markers' token ids where each is one token (the lazy call grammar
-        follows reasoning by them), else None."""
-        fmt = self._format
-        if not fmt.has_thinking:
-            return None
-        start, end = (self._renderer.encode(m) for m in (fmt.think_start, fmt.think_end))
-        return (start[0], end[0]) if len(start) == len(end) == 1 else None
-
-    @functools.cached_property
-    def _call_start_id(self) -> Optional[int]:
-        """The special token that is the tool-call start marker, if it is one (see
-        ``CallMarkers.call_start_id``)."""
-        start = self._format.tool_call_start
-        return self._grammar.marker_id(start) if start else None
-
-    @functools.cached_property
-    def _media_markers(self) -> tuple[str, ...]:
-        return media_markers(self.loaded.processor)
+        return self._front.format
 
     @property
     def owner_thread(self) -> threading.Thread:
@@ -294,132 +261,8 @@ class Engine:
 
     # ------------------------------------------------------------------ front end
     def _make_request(self, spec: CallSpec, sink) -> tuple[Request, Optional[ChatOutputParser]]:
-        if spec.request_id is not None and not isinstance(spec.request_id, str):
-            raise InvalidRequestError(f"request_id must be a string, got {type(spec.request_id).__name__}")
-        # Fields the request left unset sample as the checkpoint recommends (model_info.py).
-        params = SamplingParams.coerce(spec.params).with_defaults(self.loaded.sampling_defaults)
-        if params.top_k >= self.loaded.vocab_size:
-            # Keeps every token, as top_k=0 does (mlx-lm's top-k needs k < vocab, and its
-            # failure inside a compiled sampler would fail the whole batch's step).
-            params = params.with_updates(top_k=0)
-        if params.logit_bias and params.logit_bias[-1][0] >= self.loaded.vocab_size:
-            raise InvalidRequestError(f"logit_bias: token id {params.logit_bias[-1][0]} is not in this model's "
-                                      f"vocabulary [0, {self.loaded.vocab_size})")
-        renderer = self._renderer
-        parser = None
-        processors: list = []
-        lane, media, cache_points, stop_exempt = "text", None, [], None
-        starts_in_reasoning = False
-        if spec.messages is not None:
-            messages = validate_messages(spec.messages)
-            if has_media(messages):
-                # Routing: media goes to the vision lane, everything else to the text lane
-                # (MTP and the caches live there). Images are decoded below, on this thread,
-                # so a bad image fails this call before anything is queued.
-                self._check_media(messages, spec.tools)
-                lane = "vision"
-            plan = plan_chat(
-                self._format, tools=spec.tools, tool_choice=spec.tool_choice,
-                response_format=spec.response_format, reasoning=spec.reasoning,
-                parallel_tool_calls=spec.parallel_tool_calls, template_kwargs=spec.template_kwargs,
-                marker=self._grammar.marker, encode=renderer.encode,
-                constrain_calls=self.options.constrain_tool_calls)
-            text, prompt_ids, turns = renderer.render_chat(
-                messages, tools=plan.tools, template_kwargs=plan.template_kwargs)
-            opts = self.options
-            if lane == "vision":
-                media = {"images": self._load_images(messages, turns), "text": text}
-            caching = opts.vision_cache_bytes if lane == "vision" else opts.prefix_cache_bytes
-            if caching or (lane == "text" and opts.specprefill_draft is not None):
-                # The prefix caches' snapshot points; SpecPrefill keeps the system prompt dense.
-                cache_points = renderer.cache_points(
-                    messages, prompt_ids, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns,
-                    history=None if opts.prefix_cache_history and caching else False)
-            fmt = self._format
-            starts_in_reasoning = fmt.opens_in_reasoning(text, renderer.continued_text(
-                messages, text, tools=plan.tools, template_kwargs=plan.template_kwargs, turns=turns))
-            call_start_id = self._call_start_id if plan.parse_tool_calls else None
-            parser = ChatOutputParser(
-                fmt, tools=plan.tools, parse_tool_calls=plan.parse_tool_calls,
-                forced_json_calls=plan.forced_json_calls, forced_call=plan.forced_call,
-                max_tool_calls=plan.max_tool_calls, starts_in_reasoning=starts_in_reasoning, verbatim=plan.verbatim,
-                call_start_by_token=call_start_id is not None)
-            if plan.banned_token_ids:
-                processors.append(TokenBan(plan.banned_token_ids))
-            constraint = plan.constraint
-            if plan.reason_first:
-                if self._think_ids is None:
-                    raise ConstraintError(
-                        "reasoning=True with a response_format or a forced tool call needs reasoning markers "
-                        f"that are one token each; {fmt.think_start!r} and {fmt.think_end!r} are not")
-                # The answer's grammar alone first: one that matches no string compiles, and
-                # nested after a reasoning it would end the answer empty, with "stop". (The
-                # second compile costs about 0.5 ms for a JSON schema on CPU, measured.)
-                self._grammar.compile(constraint)
-                constraint = after_reasoning(constraint, self._think_ids, opened=starts_in_reasoning)
-            open_call = plan.open_call
-            if plan.parse_tool_calls and fmt.tool_call_start:  # Mistral's calls have no end marker
-                thinks = fmt.has_thinking
-                stop_exempt = CallMarkers(fmt.tool_call_start, fmt.tool_call_end,
-                                          fmt.think_start if thinks else "", fmt.think_end if thinks else "",
-                                          starts_in_reasoning, json_body=parser.json_body, call_start_id=call_start_id)
-        else:
-            prompt = spec.prompt
-            constraint = open_call = None
-            if spec.response_format is not None:
-                constraint = response_format_constraint(spec.response_format)
-            if prompt is None:
-                raise InvalidRequestError("give messages or a prompt")
-            prompt_ids = raw_prompt_ids(prompt, renderer.encode, self.loaded.vocab_size)
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty")
-        if params.specprefill:
-            if self.options.specprefill_draft is None:
-                raise InvalidRequestError("specprefill=True needs a draft model: set the engine option "
-                                          "specprefill_draft")
-            if lane != "text":
-                raise InvalidRequestError("SpecPrefill applies to text requests; this one carries images")
-        ctx = self.context_length
-        if len(prompt_ids) >= ctx:
-            # An image request is refused before the vision lane expands its images (one
-            # placeholder each here): it can only grow, and the count says it is a floor.
-            counted = "tokens before its images are expanded" if media is not None else "tokens"
-            raise ContextLengthError(
-                f"the prompt has {len(prompt_ids)} {counted}; the context window is {ctx} "
-                "(leave room for at least one generated token)",
-                prompt_tokens=len(prompt_ids), max_context=ctx)
-        req = Request(
-            request_id=spec.request_id or new_request_id(),
-            prompt_ids=prompt_ids,
-            params=params,
-            sink=sink,
-            lane=lane,
-        )
-        if media is not None:
-            req.extra["media"] = media
-        req.cache_points = cache_points
-        req.stop_exempt = stop_exempt  # stop strings end the text, never cut a tool call
-        # Generation stops at the context window: finish_reason "length".
-        req.max_tokens = min(params.max_tokens, ctx - len(prompt_ids))
-        if constraint is not None:
-            grammar = self._grammar
-            processors.append(GrammarProcessor(
-                grammar.compile(constraint), tiers=grammar.tiers(), eos_token_ids=grammar.eos_token_ids,
-                max_tokens=req.max_tokens, vocab_size=grammar.vocab_size, hints=grammar.hint_ids(constraint),
-                text_markup=constraint.text_markup))
-            req.extra["constrained"] = constraint.description
-        if open_call is not None:
-            grammar = self._grammar
-            # Compiled here, so a bad tool schema fails this call; each call it opens gets a copy.
-            pristine = grammar.compile(open_call)
-            processors.append(LazyToolCallGrammar(
-                pristine.deep_copy, start_id=plan.call_start_id, tiers=grammar.tiers(),
-                eos_token_ids=grammar.eos_token_ids, max_tokens=req.max_tokens,
-                vocab_size=grammar.vocab_size, hints=grammar.hint_ids(open_call),
-                think_ids=self._think_ids, starts_in_reasoning=starts_in_reasoning,
-                text_markup=open_call.text_markup))
-        req.processors = processors
-        return req, parser
+        self.loaded  # the front end is made at load
+        return self._front.build(spec, sink)
 
     def _not_on_owner_thread(self) -> None:
         """A request made on the engine's own thread (from a logits processor, say) would
@@ -566,7 +409,7 @@ class Engine:
         if not isinstance(text, str):
             raise InvalidRequestError(f"encode takes a string, got {type(text).__name__}")
         self.start_sync()
-        return self._renderer.encode(text)
+        return self._front.renderer.encode(text)
 
     def apply_chat_template(self, messages: ChatMessages, *, tools=None, tool_choice=None,
                             response_format=None, reasoning=None, template_kwargs=None, **unknown: Any) -> list[int]:
@@ -575,35 +418,22 @@ class Engine:
         if unknown:
             raise InvalidRequestError(f"unknown apply_chat_template options {sorted(unknown)}")
         self.start_sync()
+        front = self._front
         messages = validate_messages(messages)
         plan = plan_chat(
-            self._format, tools=tools, tool_choice=tool_choice, response_format=response_format,
+            front.format, tools=tools, tool_choice=tool_choice, response_format=response_format,
             reasoning=reasoning, parallel_tool_calls=None, template_kwargs=template_kwargs,
-            marker=self._grammar.marker, encode=self._renderer.encode)
+            marker=front.grammar.marker, encode=front.renderer.encode)
         media = has_media(messages)
         if media:
-            self._check_media(messages, tools)
-        text, ids, turns = self._renderer.render_chat(messages, tools=plan.tools,
+            front.check_media(messages, tools)
+        text, ids, turns = front.renderer.render_chat(messages, tools=plan.tools,
                                                       template_kwargs=plan.template_kwargs)
         if not media:
             return ids
-        images = self._load_images(messages, turns)
+        images = front.load_images(messages, turns)
         from .lanes.vision import expand_images
 
         vlm, processor = self.loaded.vlm, self.loaded.processor
         return self.run_on_owner_thread(lambda: expand_images(vlm, processor, images, text)[0])
 
-    def _check_media(self, messages: list, tools) -> None:
-        """Media this model can take, before the chat is rendered."""
-        if not self.loaded.supports_images:
-            raise UnsupportedContentError(
-                f"{self.loaded.path.name} is a text-only model; this request carries an image, "
-                "video or audio part")
-        refuse_media_markers(messages, tools, self._media_markers)
-
-    def _load_images(self, messages: list, turns) -> list:
-        """A request's images in the order its rendered prompt shows them (``turns``: what
-        the history was normalized with), read and checked on the caller's thread (PIL
-        only), so a bad image fails its call before anything is queued."""
-        return load_images(messages, allow_remote=self.options.allow_remote_images,
-                           max_pixels=self.options.max_image_pixels, turns=turns)

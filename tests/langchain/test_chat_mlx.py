@@ -362,7 +362,7 @@ def test_a_malformed_call_is_invalid_streamed_as_invoked():
     came out of the stream as a valid call of the wrong arguments."""
     llm = make_llm(max_tokens=60)
     llm.engine.start_sync()
-    marker = llm.engine._grammar.marker
+    marker = llm.engine._front.grammar.marker
     # A grammar stands in for a model that writes a malformed call: arguments as a list.
     body = '{"name": "add", "arguments": [3, 4]}'
     grammar = f"start: {marker('<tool_call>')} {json.dumps(chr(10) + body + chr(10))} {marker('</tool_call>')}"
@@ -388,7 +388,7 @@ def test_a_call_cut_by_max_tokens_keeps_its_arguments_and_is_never_run_from_a_st
 
     llm = make_llm()
     llm.engine.start_sync()
-    marker = llm.engine._grammar.marker
+    marker = llm.engine._front.grammar.marker
     body = '{"name": "add", "arguments": {"a": 3, "b": 4}}'
     grammar = f"start: {marker('<tool_call>')} {json.dumps(chr(10) + body + chr(10))} {marker('</tool_call>')}"
     bound = llm.bind_tools([add]).bind(response_format={"type": "lark", "grammar": grammar})
@@ -441,7 +441,7 @@ def test_a_malformed_call_is_never_a_valid_call_of_its_tool_in_a_merged_stream(m
     a cut one: the merged call is invalid as invoke's, or has an empty name."""
     llm = ChatMLX(max_tokens=80, engine_options=OPTS) if model == "demo" else make_llm(max_tokens=80)
     llm.engine.start_sync()
-    marker = llm.engine._grammar.marker
+    marker = llm.engine._front.grammar.marker
     grammar = f"start: {marker('<tool_call>')} {json.dumps(chr(10) + body + chr(10))} {marker('</tool_call>')}"
     bound = llm.bind_tools([add]).bind(response_format={"type": "lark", "grammar": grammar})
     invoked = bound.invoke("add 3 and 4")
@@ -465,7 +465,7 @@ def test_streamed_call_chunks_are_numbered_in_the_order_written():
     invalid ones), and the merged stream keeps both calls as invoke does."""
     llm = make_llm(max_tokens=80)
     llm.engine.start_sync()
-    marker = llm.engine._grammar.marker
+    marker = llm.engine._front.grammar.marker
 
     def call(body):
         return f"{marker('<tool_call>')} {json.dumps(chr(10) + body + chr(10))} {marker('</tool_call>')}"
@@ -697,7 +697,7 @@ async def test_structured_output_concurrent_batch_all_valid():
 
 # ---------------------------------------------------------------------- reasoning
 def _reasoning_grammar(engine: Engine) -> dict:
-    m = engine._grammar.marker  # forces a think block: stands in for a model that reasons
+    m = engine._front.grammar.marker  # forces a think block: stands in for a model that reasons
     return {"type": "lark", "grammar": f'start: {m("<think>")} "\\nweighing it\\n" {m("</think>")} "\\n\\nthe answer"'}
 
 
@@ -707,7 +707,7 @@ def test_v1_stream_keeps_the_call_block_after_reasoning_or_text(lead):
     call chunk's own index (the call's place, 0) collided with the first block's 0, so the
     two merged and the call's block was lost from the streamed message's content."""
     def grammar(engine):
-        m = engine._grammar.marker
+        m = engine._front.grammar.marker
         call = json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}})
         first = (f'{m("<think>")} "\\nweighing it\\n" {m("</think>")} "\\n\\n"' if lead == "reasoning"
                  else f'{m("<think>")} "\\n\\n" {m("</think>")} "\\n\\nweighing it\\n"')
@@ -745,7 +745,7 @@ def test_v1_blocks_keep_text_written_after_a_call_in_place():
     from mlx_tandem.chat_output import ChatOutputParser
 
     def grammar(engine):
-        m = engine._grammar.marker
+        m = engine._front.grammar.marker
         call = json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}})
         bad = '{"name": "add", "arguments": {"a": 1,}}'
         return {"type": "lark", "grammar": f'start: {m("<think>")} "\\n\\n" {m("</think>")} "\\n\\nabc" '
@@ -779,7 +779,7 @@ def test_v1_blocks_keep_text_written_after_a_call_in_place():
     parser_args = dict(parse_tool_calls=True, tools=[convert_to_openai_tool(add)])
     assert shape(WrittenBlocks.of(out)) == written
     for size in (1, 2, 3, 5, 8, len(out.text)):
-        parser, builder = ChatOutputParser(llm.engine._format, **parser_args), ChunkBuilder("m", written=WrittenBlocks())
+        parser, builder = ChatOutputParser(llm.engine._front.format, **parser_args), ChunkBuilder("m", written=WrittenBlocks())
         pieces = [out.text[i:i + size] for i in range(0, len(out.text), size)]
         brought = []  # text and calls in the order the chunks bring them
         for k, piece in enumerate(pieces):

@@ -322,7 +322,7 @@ def _grammar(engine: Engine, body: str) -> dict:
 
 
 def _reasoning_format(engine: Engine) -> dict:
-    m = engine._grammar.marker  # forces a think block: stands in for a model that reasons
+    m = engine._front.grammar.marker  # forces a think block: stands in for a model that reasons
     return _grammar(engine, f'{m("<think>")} "\\nweighing it\\n" {m("</think>")} "\\n\\nthe answer"')
 
 
@@ -365,7 +365,7 @@ def test_reasoning_flag_reaches_the_template():
 
 # ---------------------------------------------------------------------- tools
 def _two_calls_format(engine: Engine) -> dict:
-    m = engine._grammar.marker  # the model "decides" to call two tools (under tool_choice="auto")
+    m = engine._front.grammar.marker  # the model "decides" to call two tools (under tool_choice="auto")
     call = lambda name, a, b: (f'{m("<tool_call>")} "\\n{{\\"name\\": \\"{name}\\", \\"arguments\\": '  # noqa: E731
                                f'{{\\"a\\": {a}, \\"b\\": {b}}}}}\\n" {m("</tool_call>")}')
     return _grammar(engine, f'{call("add", 2, 3)} "\\n" {call("multiply", 4, 5)}')
@@ -415,7 +415,7 @@ def test_without_parallel_calls_a_stream_keeps_the_one_call_chat_keeps():
     chat_with_tools keeps one. Streams now keep the same one."""
     llm = make_llm(max_tokens=80)
     llm.engine.start_sync()
-    m = llm.engine._grammar.marker
+    m = llm.engine._front.grammar.marker
     call = lambda body: f"{m('<tool_call>')} {json.dumps(chr(10) + body + chr(10))} {m('</tool_call>')}"  # noqa: E731
     fmt = _grammar(llm.engine, call('{"name": "add", "arguments": [3, 4]}') + ' "\\n" '
                    + call('{"name": "add", "arguments": {"a": 1, "b": 2}}'))

@@ -3,7 +3,7 @@
 Validation, message normalization, chat rendering, tokenization, grammar compilation and
 image decoding all happen here, before anything is queued, so a bad call fails as its own
 typed error and the engine thread only ever sees requests it can run. Nothing here touches
-mlx (docs/design.md, "Threads").
+mlx (docs/design.md, "One owner thread").
 """
 
 from __future__ import annotations

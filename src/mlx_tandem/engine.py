@@ -20,12 +20,10 @@ from . import _platform
 from .call_spec import CallSpec, deadline_of
 from .chat_format import ChatFormat
 from .chat_output import ChatOutputParser
-from .chat_plan import plan_chat
 from .core import EngineCore
 from .fork_guard import inherited_engine_error
 from .default_model import DEFAULT_MODEL_NAME, default_model_path, names_default
 from .errors import EngineClosedError, InvalidRequestError, ModelLoadError, own_copy
-from .messages import has_media, validate_messages
 from .model_info import ModelInfo, local_checkpoint, read_model_info
 from .model_loader import LoadedModel, checkpoint_key
 from .off_loop import run_off_loop
@@ -419,21 +417,13 @@ class Engine:
             raise InvalidRequestError(f"unknown apply_chat_template options {sorted(unknown)}")
         self.start_sync()
         front = self._front
-        messages = validate_messages(messages)
-        plan = plan_chat(
-            front.format, tools=tools, tool_choice=tool_choice, response_format=response_format,
-            reasoning=reasoning, parallel_tool_calls=None, template_kwargs=template_kwargs,
-            marker=front.grammar.marker, encode=front.renderer.encode)
-        media = has_media(messages)
-        if media:
-            front.check_media(messages, tools)
-        text, ids, turns = front.renderer.render_chat(messages, tools=plan.tools,
-                                                      template_kwargs=plan.template_kwargs)
-        if not media:
-            return ids
-        images = front.load_images(messages, turns)
+        chat = front.render_chat(messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
+                                 reasoning=reasoning, parallel_tool_calls=None, template_kwargs=template_kwargs)
+        if not chat.has_media:
+            return chat.ids
+        images = front.load_images(chat.messages, chat.turns)
         from .lanes.vision import expand_images
 
         vlm, processor = self.loaded.vlm, self.loaded.processor
-        return self.run_on_owner_thread(lambda: expand_images(vlm, processor, images, text)[0])
+        return self.run_on_owner_thread(lambda: expand_images(vlm, processor, images, chat.text)[0])
 

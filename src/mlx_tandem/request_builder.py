@@ -9,12 +9,12 @@ mlx (docs/design.md, "One owner thread").
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 from .call_spec import CallSpec
 from .chat_format import ChatFormat
 from .chat_output import ChatOutputParser
-from .chat_plan import plan_chat
+from .chat_plan import ChatPlan, plan_chat
 from .closing import GrammarProcessor
 from .constraints import GrammarCompiler, TokenBan, after_reasoning, response_format_constraint
 from .detokenizer import CallMarkers
@@ -27,6 +27,15 @@ from .params import SamplingParams
 from .prompt import PromptRenderer, raw_prompt_ids
 from .request import Request, new_request_id
 from .tool_call_grammar import LazyToolCallGrammar
+
+
+class RenderedChat(NamedTuple):
+    messages: list  # validated and normalized (messages.py)
+    has_media: bool
+    plan: ChatPlan
+    text: str
+    ids: list[int]
+    turns: Any  # how the history was normalized: what cache points and images are read against
 
 
 class RequestBuilder:
@@ -83,21 +92,16 @@ class RequestBuilder:
         lane, media, cache_points, stop_exempt = "text", None, [], None
         starts_in_reasoning = False
         if spec.messages is not None:
-            messages = validate_messages(spec.messages)
-            if has_media(messages):
+            chat = self.render_chat(
+                spec.messages, tools=spec.tools, tool_choice=spec.tool_choice,
+                response_format=spec.response_format, reasoning=spec.reasoning,
+                parallel_tool_calls=spec.parallel_tool_calls, template_kwargs=spec.template_kwargs)
+            messages, plan, text, prompt_ids, turns = chat.messages, chat.plan, chat.text, chat.ids, chat.turns
+            if chat.has_media:
                 # Routing: media goes to the vision lane, everything else to the text lane
                 # (MTP and the caches live there). Images are decoded below, on this thread,
                 # so a bad image fails this call before anything is queued.
-                self.check_media(messages, spec.tools)
                 lane = "vision"
-            plan = plan_chat(
-                self.format, tools=spec.tools, tool_choice=spec.tool_choice,
-                response_format=spec.response_format, reasoning=spec.reasoning,
-                parallel_tool_calls=spec.parallel_tool_calls, template_kwargs=spec.template_kwargs,
-                marker=self.grammar.marker, encode=renderer.encode,
-                constrain_calls=self.options.constrain_tool_calls)
-            text, prompt_ids, turns = renderer.render_chat(
-                messages, tools=plan.tools, template_kwargs=plan.template_kwargs)
             opts = self.options
             if lane == "vision":
                 media = {"images": self.load_images(messages, turns), "text": text}
@@ -192,6 +196,22 @@ class RequestBuilder:
                 text_markup=open_call.text_markup))
         req.processors = processors
         return req, parser
+
+    def render_chat(self, messages, *, tools, tool_choice, response_format, reasoning,
+                    parallel_tool_calls, template_kwargs) -> RenderedChat:
+        """A chat validated, planned (chat_plan.py) and rendered by the model's template: what
+        both a request and ``Engine.apply_chat_template`` see, so the two never disagree."""
+        messages = validate_messages(messages)
+        media = has_media(messages)
+        if media:
+            self.check_media(messages, tools)
+        plan = plan_chat(
+            self.format, tools=tools, tool_choice=tool_choice, response_format=response_format,
+            reasoning=reasoning, parallel_tool_calls=parallel_tool_calls, template_kwargs=template_kwargs,
+            marker=self.grammar.marker, encode=self.renderer.encode,
+            constrain_calls=self.options.constrain_tool_calls)
+        text, ids, turns = self.renderer.render_chat(messages, tools=plan.tools, template_kwargs=plan.template_kwargs)
+        return RenderedChat(messages, media, plan, text, ids, turns)
 
     def check_media(self, messages: list, tools) -> None:
         """Media this model can take, before the chat is rendered."""

@@ -654,6 +654,24 @@ def test_forced_json_calls_parse_json_bodies_whatever_the_format_parser():
     assert _calls(r) == [("get_weather", {"city": "Lima"})] and r.invalid_tool_calls == []
 
 
+def test_an_xml_call_written_with_crlf_line_breaks_reads_as_with_lf():
+    """A model trained on Windows text writes CRLF between the tags: mlx-lm's (0.32) parser
+    found no ``</function>`` at the end and the call came back invalid. The framing CRs are
+    read as the template's LFs; CRs inside a value stay."""
+    tools = TOOLS + [{"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}, "n": {"type": "integer"}}}}}]
+
+    def xml(nl, text):
+        return (f"ok<tool_call>{nl}<function=note>{nl}<parameter=text>{nl}{text}{nl}</parameter>{nl}"
+                f"<parameter=n>{nl}2{nl}</parameter>{nl}</function>{nl}</tool_call>")
+
+    for text in ("a -> b", "one\r\ntwo", "ends in a CR\r"):
+        lf = parse_every_split(xml("\n", text), XML_CALLS, tools=tools, parse_tool_calls=True)
+        crlf = parse_every_split(xml("\r\n", text), XML_CALLS, tools=tools, parse_tool_calls=True)
+        assert _calls(crlf) == _calls(lf) == [("note", {"text": text, "n": 2})]
+        assert crlf.invalid_tool_calls == [] and crlf.content == "ok"
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_documents_parse_the_same_for_every_split(seed):
     """Random mixes of reasoning, content (incl. marker-like text) and calls."""

@@ -25,7 +25,7 @@ from .chat_format import ChatFormat
 from .cut_names import check_not_cut_short
 from .detokenizer import JsonStrings, partial_marker_length
 from .outputs import InvalidToolCall, ToolCall
-from .xml_calls import function_header, read_arguments, reread_names
+from .xml_calls import function_header, lf_framing, read_arguments, reread_names
 
 CONTENT, REASONING, TOOL_CALL = "content", "reasoning", "tool_call"
 
@@ -311,13 +311,14 @@ class ChatOutputParser:
     def _parse_call(self, body: str) -> list:
         """The calls of one call block. Each call is judged alone: a block of several (Kimi's
         section, Mistral's list) keeps its valid calls beside an invalid one."""
+        written = lf_framing(body) if self._xml_values else body  # what the readers take
         try:
             if self._forced_json or self._fmt.tool_parser is None:
                 parsed: Any = json.loads(body.strip())
             elif self._xml_values:
                 # Given no tools, mlx-lm's parser hands back each value's text; read_arguments
                 # reads it by the schema as the grammar writes it (see its docstring for why).
-                parsed = reread_names(body, self._fmt.tool_parser(body, None), self._tools)
+                parsed = reread_names(written, self._fmt.tool_parser(written, None), self._tools)
             else:
                 parsed = self._as_written(body, self._fmt.tool_parser(body, self._tools or None))
         except Exception as exc:  # noqa: BLE001 - any parser failure is an invalid call
@@ -330,7 +331,7 @@ class ChatOutputParser:
             if not whole and not rest:  # "[" alone: a block cut before its first call
                 return [self._invalid(body.strip(), exc)]
             return self._judged(whole, written=body) + ([self._invalid(rest, exc)] if rest else [])
-        return self._judged(parsed if isinstance(parsed, list) else [parsed], block=body, written=body)
+        return self._judged(parsed if isinstance(parsed, list) else [parsed], block=written, written=written)
 
     @staticmethod
     def _as_written(body: str, parsed: Any) -> Any:

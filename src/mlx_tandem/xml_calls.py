@@ -304,6 +304,24 @@ def reread_names(body: str, call: Any, tools: Optional[Sequence[dict]]) -> Any:
     return {**call, "name": name, "arguments": arguments} if misread else call
 
 
+# A CR before a line break that frames a tag: after a header or closing tag, or before a tag.
+_CRLF_AFTER_TAG = re.compile(r"(<(?:function|parameter)=[^<>\r\n]*>|</(?:function|parameter)>)\r\n")
+_CRLF_CALL = re.compile(r"<function=[^<>\r\n]*>\r\n")  # the call's framing, read off its header
+_CRLF_BEFORE_TAG = re.compile(r"\r\n(?=</?(?:function|parameter)[=>])")
+
+
+def lf_framing(body: str) -> str:
+    """``body`` with each CRLF that frames a tag read as the LF the template writes there.
+    mlx-lm's (0.32) parser anchors ``</function>`` at the text's end or before one final
+    "\n", and takes one "\n" off each end of a value, as do the readers here: a call a
+    model wrote with CRLF line breaks (Windows-trained data) came back invalid, "No
+    function provided". Only a call whose header ends in CRLF is read so (an LF call's
+    value may end in a CR of its own); a CR inside a value is kept."""
+    if not _CRLF_CALL.search(body):
+        return body  # an LF call: a CR before its framing LF is the value's own
+    return _CRLF_BEFORE_TAG.sub("\n", _CRLF_AFTER_TAG.sub("\\1\n", body))
+
+
 # A call's opening tag and what follows it, for an invalid call's report: the name up to
 # the tag's ">" (spaces kept, unlike the parser's reading), whether or not the call closed.
 _FUNCTION_HEADER = re.compile(r"\s*<function=([^>\n]+)>\n?(.*)", re.DOTALL)

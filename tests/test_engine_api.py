@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_tandem import Engine, RequestTimeoutError, SamplingParams, TandemError
+from mlx_tandem import Engine, InvalidRequestError, RequestTimeoutError, SamplingParams, TandemError
 
 from .prompts import chat_prompts
 
@@ -168,11 +168,34 @@ async def test_reasoning_none_keeps_the_templates_own_thinking_default(llama_eng
             "name": "a", "schema": schema}}) == engine.apply_chat_template(msgs)
 
 
+async def test_apply_chat_template_gives_the_prompt_a_request_with_the_same_options_runs(qwen3_5_engine):
+    """``apply_chat_template`` and a request render through one path (RequestBuilder.render_chat):
+    for each mix of tools, tool_choice, response_format, reasoning and parallel_tool_calls
+    (which turn thinking off, drop the tools from the prompt, ...) the ids are the ones the
+    request ran on."""
+    engine = qwen3_5_engine
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather in Oslo?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    mixes = [{}, {"reasoning": True}, {"reasoning": False}, {"response_format": schema},
+             {"tools": tools}, {"tools": tools, "tool_choice": "none"}, {"tools": tools, "tool_choice": "required"},
+             {"tools": tools, "tool_choice": "get_weather", "parallel_tool_calls": True},
+             {"tools": tools, "response_format": schema, "reasoning": False}]
+    prompts = set()
+    for options in mixes:
+        out = await engine.chat(msgs, SamplingParams(max_tokens=1), **options)
+        assert out.prompt_token_ids == engine.apply_chat_template(msgs, **options), options
+        prompts.add(tuple(out.prompt_token_ids))
+    assert len(prompts) >= 4  # the options do shape the prompt: the comparison can fail
+    with pytest.raises(InvalidRequestError, match="parallel_tool_calls"):
+        engine.apply_chat_template(msgs, tools=tools, parallel_tool_calls="yes")
+
+
 async def test_a_final_assistant_message_is_continued_only_when_asked(llama_engine, llama_path):
     """By default a final assistant message is history and a new turn follows (OpenAI); with
     continue_final_message (transformers, vLLM) the answer goes on inside it."""
-    from mlx_tandem import InvalidRequestError
-
     from .reference import reference_greedy
 
     msgs = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one two"}]

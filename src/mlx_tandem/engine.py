@@ -409,16 +409,19 @@ class Engine:
         self.start_sync()
         return self._front.renderer.encode(text)
 
-    def apply_chat_template(self, messages: ChatMessages, *, tools=None, tool_choice=None,
+    def apply_chat_template(self, messages: ChatMessages, *, tools=None, tool_choice=None, parallel_tool_calls=None,
                             response_format=None, reasoning=None, template_kwargs=None, **unknown: Any) -> list[int]:
         """The prompt token ids the engine would use for this chat, each image expanded to the
-        tokens it takes (the vision lane's processor, on the owner thread)."""
+        tokens it takes (the vision lane's processor, on the owner thread). It takes
+        ``chat``'s options but ``request_id``, checked as ``chat`` checks them, so one dict of
+        options serves both (``parallel_tool_calls`` never changes the prompt)."""
         if unknown:
             raise InvalidRequestError(f"unknown apply_chat_template options {sorted(unknown)}")
         self.start_sync()
         front = self._front
         chat = front.render_chat(messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
-                                 reasoning=reasoning, parallel_tool_calls=None, template_kwargs=template_kwargs)
+                                 reasoning=reasoning, parallel_tool_calls=parallel_tool_calls,
+                                 template_kwargs=template_kwargs)
         if not chat.has_media:
             return chat.ids
         images = front.load_images(chat.messages, chat.turns)

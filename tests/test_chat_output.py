@@ -672,6 +672,68 @@ def test_an_xml_call_written_with_crlf_line_breaks_reads_as_with_lf():
         assert crlf.invalid_tool_calls == [] and crlf.content == "ok"
 
 
+WRITE_FILE = [{"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"},
+                                     "n": {"type": "integer"}, "opts": {"type": "object"}}, "required": ["path"]}}}]
+
+
+def _xml(name, **values):
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    return f"<function={name}>\n{params}</function>"
+
+
+@pytest.mark.parametrize("written,read", [
+    # Two calls in one block: two calls (it read as one call of the first tool, both calls' values).
+    ("<tool_call>\n" + _xml("get_weather", city="Paris") + "\n" + _xml("add", a=1, b=2) + "\n</tool_call>",
+     [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]),
+    # A blank line, a space or a tab after </function> (it was invalid: "No function provided").
+    *[("<tool_call>\n" + _xml("get_weather", city="Paris") + tail + "</tool_call>", [("get_weather", {"city": "Paris"})])
+      for tail in ("\n\n", " \n", "\r\n", "\t", "\n  ")],
+    # No </function>, and a last parameter without </parameter> (dropped: {} came back valid).
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",
+     [("get_weather", {"city": "Paris"})]),
+    ("<tool_call>\n<function=write_file>\n<parameter=path>\n/a.txt\n</function>\n</tool_call>",
+     [("write_file", {"path": "/a.txt"})]),
+    ("<tool_call>\n<function=write_file>\n<parameter=path>\n/a.txt\n</tool_call>", [("write_file", {"path": "/a.txt"})]),
+    # White space before a header's ">" (it went into the value: " >\nParis").
+    ("<tool_call>\n<function=add>\n<parameter=a >\n1\n</parameter>\n<parameter=b\t>\n2\n</parameter>\n</function>\n"
+     "</tool_call>", [("add", {"a": 1, "b": 2})]),
+    # A raw line break inside a JSON string of an object value (it came back as the text).
+    ("<tool_call>\n" + _xml("write_file", path="/a", opts='{"k": "l1\nl2"}') + "\n</tool_call>",
+     [("write_file", {"path": "/a", "opts": {"k": "l1\nl2"}})]),
+    # Read as before: a value may hold </function> (but before a next <function=), or a line
+    # that spells a parameter's tag (the grammar allows both); a value running into the next
+    # tag is not split there.
+    ("<tool_call>\n" + _xml("write_file", path="/a", content="x</function>\ny") + "\n</tool_call>",
+     [("write_file", {"path": "/a", "content": "x</function>\ny"})]),
+    ("<tool_call>\n" + _xml("write_file", path="/a", content="<parameter=n>\n3") + "\n</tool_call>",
+     [("write_file", {"path": "/a", "content": "<parameter=n>\n3"})]),
+    ("<tool_call>\n<function=write_file>\n<parameter=path>\n/a\n<parameter=n>\n3\n</parameter>\n</function>\n"
+     "</tool_call>", [("write_file", {"path": "/a\n<parameter=n>\n3"})]),
+])
+def test_free_written_xml_calls_read_as_vllms_parser_reads_them(written, read):
+    """Variants of Qwen3.5's XML call a model writes without the grammar, which mlx-lm's
+    (0.32) parser misread (xml_calls.call_blocks), read as vLLM's qwen3_coder parser reads
+    them (review h161)."""
+    tools = TOOLS + WRITE_FILE
+    r = parse_every_split("ok" + written, XML_CALLS, tools=tools, parse_tool_calls=True)
+    assert _calls(r) == read and r.invalid_tool_calls == [] and r.content == "ok"
+
+
+def test_a_call_cut_off_by_max_tokens_stays_invalid_beside_a_whole_one():
+    """A block's calls are judged alone: the whole first call is kept, the cut one (no
+    </function>, no </tool_call>) is reported cut off, never completed."""
+    text = "<tool_call>\n" + _xml("get_weather", city="Paris") + "\n<function=add>\n<parameter=a>\n1"
+    for pieces in splits(text, n_random=4):
+        p = ChatOutputParser(XML_CALLS, tools=TOOLS, parse_tool_calls=True)
+        r = Result()
+        for piece in pieces:
+            r.add(p.feed(piece))
+        r.add(p.finish(truncated=True))
+        assert _calls(r) == [("get_weather", {"city": "Paris"})]
+        assert [(c.name, c.truncated) for c in r.invalid_tool_calls] == [("add", True)]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_documents_parse_the_same_for_every_split(seed):
     """Random mixes of reasoning, content (incl. marker-like text) and calls."""

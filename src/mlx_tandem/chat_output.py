@@ -25,7 +25,7 @@ from .chat_format import ChatFormat
 from .cut_names import check_not_cut_short
 from .detokenizer import JsonStrings, partial_marker_length
 from .outputs import InvalidToolCall, ToolCall
-from .xml_calls import function_header, lf_framing, read_arguments, reread_names
+from .xml_calls import call_blocks, function_header, read_arguments, reread_names
 
 CONTENT, REASONING, TOOL_CALL = "content", "reasoning", "tool_call"
 
@@ -311,7 +311,12 @@ class ChatOutputParser:
     def _parse_call(self, body: str) -> list:
         """The calls of one call block. Each call is judged alone: a block of several (Kimi's
         section, Mistral's list) keeps its valid calls beside an invalid one."""
-        written = lf_framing(body) if self._xml_values else body  # what the readers take
+        written = body
+        if self._xml_values:  # each call as the template writes one (xml_calls.call_blocks)
+            blocks = call_blocks(body)
+            if len(blocks) > 1:
+                return [item for block in blocks for item in self._parse_call(block)]
+            written = blocks[0] if blocks else body
         try:
             if self._forced_json or self._fmt.tool_parser is None:
                 parsed: Any = json.loads(body.strip())

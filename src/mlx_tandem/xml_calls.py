@@ -304,22 +304,66 @@ def reread_names(body: str, call: Any, tools: Optional[Sequence[dict]]) -> Any:
     return {**call, "name": name, "arguments": arguments} if misread else call
 
 
+# A call's end: a ``</function>`` followed, past white space, by the next call or the block's end.
+_CALL_END = re.compile(r"</function>(?=\s*(?:<function=|\Z))")
 # A CR before a line break that frames a tag: after a header or closing tag, or before a tag.
 _CRLF_AFTER_TAG = re.compile(r"(<(?:function|parameter)=[^<>\r\n]*>|</(?:function|parameter)>)\r\n")
 _CRLF_CALL = re.compile(r"<function=[^<>\r\n]*>\r\n")  # the call's framing, read off its header
 _CRLF_BEFORE_TAG = re.compile(r"\r\n(?=</?(?:function|parameter)[=>])")
+# White space before a header's ">": no name ends in it.
+_SPACE_BEFORE_GT = re.compile(r"(<(?:function|parameter)=[^<>\n]*?[^\s<>])[ \t]+>")
 
 
-def lf_framing(body: str) -> str:
-    """``body`` with each CRLF that frames a tag read as the LF the template writes there.
-    mlx-lm's (0.32) parser anchors ``</function>`` at the text's end or before one final
-    "\n", and takes one "\n" off each end of a value, as do the readers here: a call a
-    model wrote with CRLF line breaks (Windows-trained data) came back invalid, "No
-    function provided". Only a call whose header ends in CRLF is read so (an LF call's
-    value may end in a CR of its own); a CR inside a value is kept."""
-    if not _CRLF_CALL.search(body):
-        return body  # an LF call: a CR before its framing LF is the value's own
-    return _CRLF_BEFORE_TAG.sub("\n", _CRLF_AFTER_TAG.sub("\\1\n", body))
+def call_blocks(body: str) -> list[str]:
+    """The calls of a free-written call block (the text between ``<tool_call>`` and
+    ``</tool_call>``), each rewritten as the template writes one, ``<function=NAME>`` to
+    ``</function>``, for mlx-lm's (0.32) parser and the readers here. The parser takes the
+    text from the first ``<function=`` to a ``</function>`` at the text's end (or before one
+    final "\n"), so models' variants that vLLM's parser reads came back wrong:
+
+    - Two calls in one block (Qwen3-Coder writes them) read as one call of the first tool
+      with both calls' values; here each is a call. A call ends at a ``</function>`` that
+      the next ``<function=`` or the block's end follows, so a value may hold
+      ``</function>``.
+    - Anything but one "\n" after ``</function>`` (a blank line, a space: "\n\n" is one
+      token) made the call invalid, "No function provided".
+    - A call with no ``</function>`` was invalid; it runs to the block's end. (One cut off
+      by max_tokens is still reported cut off: chat_output.py.)
+    - A last parameter with no ``</parameter>`` was dropped (``{}`` came back valid); it
+      ends where the call does. One whose value runs into the next ``<parameter=`` is not
+      split there: a value may hold a line that spells a parameter's tag (the grammar allows
+      it), and the two readings cannot be told apart.
+    - White space before a header's ">" went into the value (``<parameter=city >``).
+    - CRLF line breaks between the tags (a model trained on Windows text): the parser found
+      no ``</function>`` at the end. They are read as LFs in a call whose header ends in
+      CRLF only; an LF call's value may end in a CR of its own. A CR inside a value stays.
+
+    [] where the block has no ``<function=``."""
+    blocks = []
+    start = body.find("<function=")
+    while start != -1:
+        end = _CALL_END.search(body, start)
+        block = body[start:end.end()] if end else body[start:].rstrip() + "\n</function>"
+        blocks.append(_close_last_parameter(_SPACE_BEFORE_GT.sub(r"\1>", _lf_framing(block))))
+        start = body.find("<function=", end.end()) if end else -1
+    return blocks
+
+
+def _lf_framing(block: str) -> str:
+    if not _CRLF_CALL.match(block):
+        return block  # an LF call: a CR before its framing LF is the value's own
+    return _CRLF_BEFORE_TAG.sub("\n", _CRLF_AFTER_TAG.sub("\\1\n", block))
+
+
+def _close_last_parameter(block: str) -> str:
+    """``block`` (a call, ending in ``</function>``) with its last parameter closed where
+    no ``</parameter>`` follows its tag."""
+    opened = block.rfind("<parameter=")
+    if opened == -1 or "</parameter>" in block[opened:]:
+        return block
+    end = len(block) - len("</function>")
+    value = block[:end]
+    return value + ("" if value.endswith("\n") else "\n") + "</parameter>\n</function>"
 
 
 # A call's opening tag and what follows it, for an invalid call's report: the name up to
@@ -425,7 +469,9 @@ def _takes_null(schema: Any, defs: dict, depth: int = 0) -> bool:
 
 def _json_or_literal(text: str) -> Any:
     try:
-        return json.loads(text)
+        # strict=False: a raw line break or tab inside a string, as a model writes a
+        # multi-line value free-hand (mlx-lm's own typed reading takes it too).
+        return json.loads(text, strict=False)
     except (ValueError, RecursionError):
         pass
     try:

@@ -263,7 +263,9 @@ def test_content_reasoning_and_calls_together():
     r = parse_every_split(text, parse_tool_calls=True)
     assert r.reasoning == "The user wants weather."
     assert _calls(r) == [("get_weather", {"city": "東京 🙂"})]
-    assert r.content == "Let me check.Done."
+    # The white space before the call joins the text either side of it (the text after it
+    # loses its own leading white space): they ran together, "Let me check.Done.".
+    assert r.content == "Let me check.\nDone."
     assert "<tool_call>" not in r.content and "</tool_call>" not in r.content
 
 
@@ -333,14 +335,15 @@ def test_arguments_are_read_where_the_json_formats_write_them():
 
 def test_a_call_knows_where_it_sat_in_the_content():
     """``content_offset``: the content written before each call, whatever the deltas (the
-    content joins the text either side of a call; LangChain's v1 blocks put it back)."""
+    content joins the text either side of a call, with the white space written before it;
+    LangChain's v1 blocks put it back)."""
     text = ("Let me look. " + call("get_weather", {"city": "Oslo"}) + "\nThen add.\n"
             + "<tool_call>\n{oops}\n</tool_call>" + call("add", {"a": 3}) + " Done.")
     r = parse_every_split(text, parse_tool_calls=True)
-    assert r.content == "Let me look.Then add.Done."
+    assert r.content == "Let me look. Then add.\nDone."
     calls = sorted([*r.tool_calls, *r.invalid_tool_calls], key=lambda c: c.index)
     assert [(c.index, r.content[:c.content_offset]) for c in calls] == [
-        (0, "Let me look."), (1, "Let me look.Then add."), (2, "Let me look.Then add.")]
+        (0, "Let me look."), (1, "Let me look. Then add."), (2, "Let me look. Then add.")]
 
 
 def test_valid_and_invalid_calls_in_one_answer():
@@ -431,7 +434,7 @@ def test_with_call_start_by_token_a_marker_its_token_did_not_write_is_content():
         for k, piece in enumerate(pieces):
             r.add(p.feed(piece, call_starts=[real] if k == 0 else ()))
         r.add(p.finish())
-        assert r.content == "Use the <tool_call> tag.done", pieces
+        assert r.content == "Use the <tool_call> tag. done", pieces
         assert [(c.name, c.arguments) for c in r.tool_calls] == [("add", {"a": 1, "b": 2})] and not r.invalid_tool_calls
     # Without it, the mention opens a call, as text-based parsers read it.
     assert not parse([text], parse_tool_calls=True).content.startswith("Use the <tool_call>")

@@ -328,7 +328,7 @@ async def test_a_call_spelling_its_end_marker_in_an_argument_is_one_call(qwen3_5
     out = await engine.chat(USER, SamplingParams(max_tokens=80, stop=stop), tools=[NOTE], response_format=fmt)
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("note", {"text": "a</tool_call>b}"})], out
     assert not out.invalid_tool_calls and out.finish_reason == "tool_calls"
-    assert out.content == {"}": "okthen", "b": "okthen} more"}.get(stop[0] if stop else "", "okthen} more")
+    assert out.content == {"}": "ok then", "b": "ok then} more"}.get(stop[0] if stop else "", "ok then} more")
 
 
 @pytest.mark.parametrize("stop", [[], ["tag"]])
@@ -351,7 +351,7 @@ async def test_a_call_marker_spelled_in_ordinary_tokens_is_text(qwen3_5_engine, 
         assert out.text == out.content == "Use the <tool_call> ", out
         assert not out.tool_calls and not out.invalid_tool_calls and out.finish_reason == "stop"
     else:
-        assert out.content == "Use the <tool_call> tag.done", out
+        assert out.content == "Use the <tool_call> tag. done", out
         assert [(c.name, c.arguments) for c in out.tool_calls] == [("note", {"text": "hi"})], out
         assert not out.invalid_tool_calls and out.finish_reason == "tool_calls"
     assert "".join(d.content or "" for d in deltas) == out.content

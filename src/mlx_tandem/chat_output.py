@@ -209,7 +209,7 @@ class ChatOutputParser:
         self._take(rest, out)
         if self._state == TOOL_CALL:  # stopped inside a call: parse what there is
             self._close_call(out, truncated=truncated)
-        if not self.num_tool_calls:
+        if not self._calls_written:  # else it is white space held before a call (see _switch)
             rest = self._content.take_pending()
             out.content += rest
             self._content_chars += len(rest)
@@ -244,7 +244,11 @@ class ChatOutputParser:
             self._state = CONTENT
             self._content.strip_leading = True
         elif self._state == CONTENT:  # tool_call_start
-            self._content.drop_pending()
+            if not self._content_chars:
+                self._content.drop_pending()
+            # Else the white space before the call is held: content after the call (its own
+            # leading white space stripped) begins with it, so "Let me check." and "Done."
+            # either side of a call do not run together; an answer ending with calls drops it.
             self._state = TOOL_CALL
             self._call_buf = ""
             self._strings = JsonStrings()

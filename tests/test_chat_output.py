@@ -333,6 +333,18 @@ def test_arguments_are_read_where_the_json_formats_write_them():
     assert _calls(r) == [("add", {"a": 1}), ("get_weather", {})] and r.invalid_tool_calls == []
 
 
+@pytest.mark.parametrize("fmt", [FMT, XML_CALLS], ids=["json", "xml"])
+def test_text_either_side_of_a_call_is_joined_by_the_white_space_around_it(fmt):
+    """The white space written before the call, else the one written after it (review
+    h162: "Let me check.<call>\n\nDone." still ran together); none where none was written."""
+    block = (call("get_weather", {"city": "Paris"}) if fmt is FMT
+             else "<tool_call>\n" + _xml("get_weather", city="Paris") + "\n</tool_call>")
+    for before, after, joined in (("\n", "\n\n", "\n"), ("", "\n\n", "\n\n"), (" ", "", " "), ("", "", "")):
+        r = parse_every_split(f"Let me check.{before}{block}{after}Done.", fmt, parse_tool_calls=True)
+        assert r.content == f"Let me check.{joined}Done." and _calls(r) == [("get_weather", {"city": "Paris"})]
+        assert r.tool_calls[0].content_offset == len("Let me check.")
+
+
 def test_a_call_knows_where_it_sat_in_the_content():
     """``content_offset``: the content written before each call, whatever the deltas (the
     content joins the text either side of a call, with the white space written before it;
@@ -711,16 +723,33 @@ def _xml(name, **values):
      [("write_file", {"path": "/a", "content": "x</function>\ny"})]),
     ("<tool_call>\n" + _xml("write_file", path="/a", content="<parameter=n>\n3") + "\n</tool_call>",
      [("write_file", {"path": "/a", "content": "<parameter=n>\n3"})]),
+    # A value holding a call's end and another call's start (the grammar allows it): it fired
+    # a call of the other tool (review h162). And header-shaped text inside a value is kept.
+    ("<tool_call>\n" + _xml("write_file", path="/a", content="x\n</function>\n<function=add>\n<parameter=a>\n1")
+     + "\n</tool_call>", [("write_file", {"path": "/a", "content": "x\n</function>\n<function=add>\n<parameter=a>\n1"})]),
+    ("<tool_call>\n" + _xml("write_file", path="/a", content="<parameter=city > and <function=add\t>") + "\n</tool_call>",
+     [("write_file", {"path": "/a", "content": "<parameter=city > and <function=add\t>"})]),
     ("<tool_call>\n<function=write_file>\n<parameter=path>\n/a\n<parameter=n>\n3\n</parameter>\n</function>\n"
      "</tool_call>", [("write_file", {"path": "/a\n<parameter=n>\n3"})]),
 ])
 def test_free_written_xml_calls_read_as_vllms_parser_reads_them(written, read):
     """Variants of Qwen3.5's XML call a model writes without the grammar, which mlx-lm's
-    (0.32) parser misread (xml_calls.call_blocks), read as vLLM's qwen3_coder parser reads
+    (0.32) parser misread (xml_calls.split_calls), read as vLLM's qwen3_coder parser reads
     them (review h161)."""
     tools = TOOLS + WRITE_FILE
     r = parse_every_split("ok" + written, XML_CALLS, tools=tools, parse_tool_calls=True)
     assert _calls(r) == read and r.invalid_tool_calls == [] and r.content == "ok"
+
+
+def test_a_union_with_a_string_branch_keeps_text_only_that_branch_could_write():
+    """A JSON string with a raw line break reads as an object where only an object fits (as
+    mlx-lm's typed reading does), but as the text where a string branch reads it as written."""
+    tools = [{"type": "function", "function": {"name": "put", "parameters": {"type": "object", "properties": {
+        "obj": {"type": "object"}, "either": {"anyOf": [{"type": "object"}, {"type": "string"}]}}}}}]
+    doc = '{"k": "l1\nl2"}'
+    r = parse_every_split("<tool_call>\n" + _xml("put", obj=doc, either=doc) + "\n</tool_call>", XML_CALLS,
+                          tools=tools, parse_tool_calls=True)
+    assert _calls(r) == [("put", {"obj": {"k": "l1\nl2"}, "either": doc})]
 
 
 def test_a_call_cut_off_by_max_tokens_stays_invalid_beside_a_whole_one():
@@ -735,6 +764,8 @@ def test_a_call_cut_off_by_max_tokens_stays_invalid_beside_a_whole_one():
         r.add(p.finish(truncated=True))
         assert _calls(r) == [("get_weather", {"city": "Paris"})]
         assert [(c.name, c.truncated) for c in r.invalid_tool_calls] == [("add", True)]
+        # Reported with its own text as written (it was the whole block's, review h162).
+        assert r.invalid_tool_calls[0].text == "<function=add>\n<parameter=a>\n1"
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -25,7 +25,7 @@ from .chat_format import ChatFormat
 from .cut_names import check_not_cut_short
 from .detokenizer import JsonStrings, partial_marker_length
 from .outputs import InvalidToolCall, ToolCall
-from .xml_calls import call_blocks, function_header, read_arguments, reread_names
+from .xml_calls import function_header, normalized_call, read_arguments, reread_names, split_calls
 
 CONTENT, REASONING, TOOL_CALL = "content", "reasoning", "tool_call"
 
@@ -48,13 +48,25 @@ class _Channel:
     def __init__(self, strip_leading: bool):
         self.strip_leading = strip_leading
         self.pending_ws = ""
+        self.joining = False  # after a call, with text before it: its white space may join them
+        self._stripped = ""
+
+    def resume_after_call(self, joining: bool) -> None:
+        """Text after a tool call: its leading white space is stripped, and the text joins
+        the text before the call (``joining``) with the white space written before the
+        call, else with the one written after it."""
+        self.strip_leading, self.joining, self._stripped = True, joining, ""
 
     def push(self, text: str) -> str:
         if self.strip_leading:
-            text = text.lstrip()
-            if not text:
+            body = text.lstrip()
+            if self.joining:
+                self._stripped += text[:len(text) - len(body)]
+            if not body:
                 return ""
-            self.strip_leading = False
+            if self.joining and not self.pending_ws:
+                self.pending_ws = self._stripped
+            text, self.strip_leading, self.joining, self._stripped = body, False, False, ""
         body = text.rstrip()
         out = self.pending_ws + body if body else ""
         self.pending_ws = text[len(body):] if body else self.pending_ws + text
@@ -242,13 +254,15 @@ class ChatOutputParser:
         elif self._state == REASONING:
             self._reasoning.drop_pending()
             self._state = CONTENT
-            self._content.strip_leading = True
+            self._content.resume_after_call(False)  # after reasoning: nothing to join
         elif self._state == CONTENT:  # tool_call_start
             if not self._content_chars:
                 self._content.drop_pending()
             # Else the white space before the call is held: content after the call (its own
-            # leading white space stripped) begins with it, so "Let me check." and "Done."
-            # either side of a call do not run together; an answer ending with calls drops it.
+            # leading white space stripped) begins with it, or with the white space after the
+            # call where there was none before (_Channel.resume_after_call), so "Let me
+            # check." and "Done." either side of a call do not run together; an answer
+            # ending with calls drops it.
             self._state = TOOL_CALL
             self._call_buf = ""
             self._strings = JsonStrings()
@@ -277,7 +291,7 @@ class ChatOutputParser:
     def _close_call(self, out: ParsedDelta, truncated: bool = False, items: Optional[list] = None) -> None:
         body, self._call_buf = self._call_buf, ""
         self._state = CONTENT
-        self._content.strip_leading = True
+        self._content.resume_after_call(joining=self._content_chars > 0)
         items = self._parse_call(body) if items is None else items
         if truncated and self._fmt.tool_call_end and items and isinstance(items[-1], ToolCall):
             # Its end marker never came, yet a lenient parser (GLM's) read what was written
@@ -285,8 +299,9 @@ class ChatOutputParser:
             # It is cut off like any other (a format with no end marker, Mistral's, ends its
             # calls with the answer: a body that parses is whole there).
             cut = items[-1]
+            own = (split_calls(body) or [body])[-1] if self._xml_values else body  # its own text
             items[-1] = InvalidToolCall(id=cut.id, name=cut.name, arguments=cut.arguments_json,
-                                        error="the answer reached max_tokens inside this call", text=body.strip())
+                                        error="the answer reached max_tokens inside this call", text=own.strip())
         for k, item in enumerate(items):
             if self.calls_exhausted:
                 break
@@ -316,11 +331,11 @@ class ChatOutputParser:
         """The calls of one call block. Each call is judged alone: a block of several (Kimi's
         section, Mistral's list) keeps its valid calls beside an invalid one."""
         written = body
-        if self._xml_values:  # each call as the template writes one (xml_calls.call_blocks)
-            blocks = call_blocks(body)
-            if len(blocks) > 1:
-                return [item for block in blocks for item in self._parse_call(block)]
-            written = blocks[0] if blocks else body
+        if self._xml_values:  # each call alone, as the template writes one (xml_calls.py)
+            calls = split_calls(body)
+            if len(calls) > 1:
+                return [item for call in calls for item in self._parse_call(call)]
+            written = normalized_call(calls[0]) if calls else body
         try:
             if self._forced_json or self._fmt.tool_parser is None:
                 parsed: Any = json.loads(body.strip())

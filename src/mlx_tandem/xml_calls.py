@@ -304,66 +304,94 @@ def reread_names(body: str, call: Any, tools: Optional[Sequence[dict]]) -> Any:
     return {**call, "name": name, "arguments": arguments} if misread else call
 
 
-# A call's end: a ``</function>`` followed, past white space, by the next call or the block's end.
+# Where a call may end: a ``</function>`` followed, past white space, by the next call or
+# the block's end.
 _CALL_END = re.compile(r"</function>(?=\s*(?:<function=|\Z))")
+_BARE_CALL = re.compile(r"<function=[^<>\n]*>\s*\Z")  # a call of no parameters, up to its end
 # A CR before a line break that frames a tag: after a header or closing tag, or before a tag.
 _CRLF_AFTER_TAG = re.compile(r"(<(?:function|parameter)=[^<>\r\n]*>|</(?:function|parameter)>)\r\n")
 _CRLF_CALL = re.compile(r"<function=[^<>\r\n]*>\r\n")  # the call's framing, read off its header
 _CRLF_BEFORE_TAG = re.compile(r"\r\n(?=</?(?:function|parameter)[=>])")
-# White space before a header's ">": no name ends in it.
-_SPACE_BEFORE_GT = re.compile(r"(<(?:function|parameter)=[^<>\n]*?[^\s<>])[ \t]+>")
+# A header with white space before its ">": no name ends in it.
+_LOOSE_HEADER = re.compile(r"(<(?:function|parameter)=[^<>\n]*?[^\s<>])[ \t]+>")
 
 
-def call_blocks(body: str) -> list[str]:
+def split_calls(body: str) -> list[str]:
     """The calls of a free-written call block (the text between ``<tool_call>`` and
-    ``</tool_call>``), each rewritten as the template writes one, ``<function=NAME>`` to
-    ``</function>``, for mlx-lm's (0.32) parser and the readers here. The parser takes the
-    text from the first ``<function=`` to a ``</function>`` at the text's end (or before one
-    final "\n"), so models' variants that vLLM's parser reads came back wrong:
+    ``</tool_call>``), each as written, from its ``<function=``; [] where there is none.
+    ``normalized_call`` rewrites one as the template writes it, for mlx-lm's (0.32)
+    parser and the readers here. The parser takes the text from the first ``<function=``
+    to a ``</function>`` at the text's end (or before one final "\n"), so models' variants
+    that vLLM's parser reads came back wrong (review h161):
 
     - Two calls in one block (Qwen3-Coder writes them) read as one call of the first tool
-      with both calls' values; here each is a call. A call ends at a ``</function>`` that
-      the next ``<function=`` or the block's end follows, so a value may hold
-      ``</function>``.
+      with both calls' values; here each is a call. A call ends at a ``</function>`` right
+      after a ``</parameter>`` (or after its header, for a call of no parameters) that the
+      next ``<function=`` or the block's end follows. No value can hold ``</parameter>``
+      (the grammar keeps it out, and the parser would cut the value there), so a value
+      holding ``</function><function=...`` stays one value (review h162: it fired a call
+      of another tool).
     - Anything but one "\n" after ``</function>`` (a blank line, a space: "\n\n" is one
       token) made the call invalid, "No function provided".
     - A call with no ``</function>`` was invalid; it runs to the block's end. (One cut off
       by max_tokens is still reported cut off: chat_output.py.)
-    - A last parameter with no ``</parameter>`` was dropped (``{}`` came back valid); it
-      ends where the call does. One whose value runs into the next ``<parameter=`` is not
-      split there: a value may hold a line that spells a parameter's tag (the grammar allows
-      it), and the two readings cannot be told apart.
-    - White space before a header's ">" went into the value (``<parameter=city >``).
-    - CRLF line breaks between the tags (a model trained on Windows text): the parser found
-      no ``</function>`` at the end. They are read as LFs in a call whose header ends in
-      CRLF only; an LF call's value may end in a CR of its own. A CR inside a value stays.
-
-    [] where the block has no ``<function=``."""
-    blocks = []
+    """
+    calls = []
     start = body.find("<function=")
     while start != -1:
-        end = _CALL_END.search(body, start)
-        block = body[start:end.end()] if end else body[start:].rstrip() + "\n</function>"
-        blocks.append(_close_last_parameter(_SPACE_BEFORE_GT.sub(r"\1>", _lf_framing(block))))
-        start = body.find("<function=", end.end()) if end else -1
-    return blocks
+        end = next((m.end() for m in _CALL_END.finditer(body, start) if _closes_call(body[start:m.start()])), None)
+        if end is None:
+            calls.append(body[start:])
+            break
+        calls.append(body[start:end])
+        start = body.find("<function=", end)
+    return calls
 
 
-def _lf_framing(block: str) -> str:
-    if not _CRLF_CALL.match(block):
-        return block  # an LF call: a CR before its framing LF is the value's own
-    return _CRLF_BEFORE_TAG.sub("\n", _CRLF_AFTER_TAG.sub("\\1\n", block))
+def _closes_call(text: str) -> bool:
+    """Can a ``</function>`` after ``text`` (a call so far) be the call's end?"""
+    text = text.rstrip()
+    return text.endswith("</parameter>") or bool(_BARE_CALL.match(text + "\n"))
 
 
-def _close_last_parameter(block: str) -> str:
-    """``block`` (a call, ending in ``</function>``) with its last parameter closed where
-    no ``</parameter>`` follows its tag."""
-    opened = block.rfind("<parameter=")
-    if opened == -1 or "</parameter>" in block[opened:]:
-        return block
-    end = len(block) - len("</function>")
-    value = block[:end]
-    return value + ("" if value.endswith("\n") else "\n") + "</parameter>\n</function>"
+def normalized_call(call: str) -> str:
+    """One call of ``split_calls`` as the template writes it:
+
+    - ``</function>`` at its end, added where the model left it out;
+    - a last parameter with no ``</parameter>`` closed where the call ends (it was dropped,
+      ``{}`` came back valid). One whose value runs into the next ``<parameter=`` is not
+      split there, as vLLM splits it: a value may hold a line that spells a parameter's tag
+      (the grammar allows it), and the two readings cannot be told apart;
+    - no white space before a header's ">" (``<parameter=city >`` put " >" in the value),
+      in the headers the parser reads only, never inside a value;
+    - CRLF line breaks between the tags (a model trained on Windows text; the parser found
+      no ``</function>`` at the end) read as LFs, in a call whose header ends in CRLF only:
+      an LF call's value may end in a CR of its own. A CR inside a value stays."""
+    text = call.rstrip()
+    text = text[:-len("</function>")] if text.endswith("</function>") else text
+    if _CRLF_CALL.match(call):
+        text = _CRLF_BEFORE_TAG.sub("\n", _CRLF_AFTER_TAG.sub("\\1\n", text))
+    parts, at = [], 0
+    if header := _LOOSE_HEADER.match(text):  # the call's own
+        parts.append(header.group(1) + ">")
+        at = header.end()
+    # The parameter headers the parser reads: the first <parameter= after the call's header
+    # and after each </parameter> (its regex matches from there to the next </parameter>).
+    while (opened := text.find("<parameter=", at)) != -1:
+        if header := _LOOSE_HEADER.match(text, opened):
+            parts.append(text[at:opened] + header.group(1) + ">")
+            at = header.end()
+        closed = text.find("</parameter>", max(at, opened))
+        if closed == -1:  # the last parameter, left open: it ends with the call
+            value = text[at:]
+            parts.append(value + ("" if value.endswith("\n") else "\n") + "</parameter>")
+            at = len(text)
+            break
+        parts.append(text[at:closed + len("</parameter>")])
+        at = closed + len("</parameter>")
+    parts.append(text[at:])
+    body = "".join(parts)
+    return body + ("" if body.endswith("\n") else "\n") + "</function>"
 
 
 # A call's opening tag and what follows it, for an invalid call's report: the name up to
@@ -412,11 +440,17 @@ def _read(value: Any, schema: Any, defs: dict, null_text: str = "null") -> Any:
     if value.strip().lower() == "none" and _takes_null(schema, defs):
         return None  # Python's None where the schema admits null, as vLLM's parser reads it
     got = _read_text(value, schema, defs)
+    if got is _UNREAD:
+        # A raw line break or tab inside a JSON string (a multi-line value written free-hand;
+        # mlx-lm's own typed reading takes it), where no branch reads the text as written:
+        # a union with a string branch keeps the text, which only that branch could write.
+        got = _read_text(value, schema, defs, strict=False)
     return value if got is _UNREAD else got
 
 
-def _read_text(text: str, schema: Any, defs: dict, depth: int = 0) -> Any:
-    """``text`` as a value of ``schema``, or ``_UNREAD``."""
+def _read_text(text: str, schema: Any, defs: dict, depth: int = 0, strict: bool = True) -> Any:
+    """``text`` as a value of ``schema``, or ``_UNREAD``; ``strict``: JSON's control
+    characters only escaped."""
     schema = _flatten(schema, defs)
     if schema is None or depth > _MAX_DEPTH:
         return text
@@ -428,7 +462,7 @@ def _read_text(text: str, schema: Any, defs: dict, depth: int = 0) -> Any:
                 else schema.get("anyOf") or schema.get("oneOf") if kind is None else None)
     if isinstance(branches, list):
         for branch in branches:
-            got = _read_text(text, branch, defs, depth + 1)
+            got = _read_text(text, branch, defs, depth + 1, strict)
             if got is not _UNREAD:
                 return got
         return _UNREAD
@@ -439,7 +473,7 @@ def _read_text(text: str, schema: Any, defs: dict, depth: int = 0) -> Any:
         return None if word in ("null", "none") else _UNREAD
     if kind == "boolean":
         return word == "true" if word in ("true", "false") else _UNREAD
-    read = _json_or_literal(text)
+    read = _json_or_literal(text, strict)
     if kind is None:  # no type: an object or array where the text is one, else the text
         return read if isinstance(read, (dict, list)) else (None if word in ("null", "none") else text)
     if isinstance(read, float) and read.is_integer() and kind == "integer":
@@ -467,11 +501,9 @@ def _takes_null(schema: Any, defs: dict, depth: int = 0) -> bool:
     return "allOf" not in schema and "$ref" not in schema  # no type: any value
 
 
-def _json_or_literal(text: str) -> Any:
+def _json_or_literal(text: str, strict: bool = True) -> Any:
     try:
-        # strict=False: a raw line break or tab inside a string, as a model writes a
-        # multi-line value free-hand (mlx-lm's own typed reading takes it too).
-        return json.loads(text, strict=False)
+        return json.loads(text, strict=strict)
     except (ValueError, RecursionError):
         pass
     try:

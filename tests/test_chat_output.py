@@ -734,7 +734,7 @@ def _xml(name, **values):
 ])
 def test_free_written_xml_calls_read_as_vllms_parser_reads_them(written, read):
     """Variants of Qwen3.5's XML call a model writes without the grammar, which mlx-lm's
-    (0.32) parser misread (xml_calls.split_calls), read as vLLM's qwen3_coder parser reads
+    (0.32) parser misread (xml_call_reading.split_calls), read as vLLM's qwen3_coder parser reads
     them (review h161)."""
     tools = TOOLS + WRITE_FILE
     r = parse_every_split("ok" + written, XML_CALLS, tools=tools, parse_tool_calls=True)

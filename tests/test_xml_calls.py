@@ -22,7 +22,8 @@ from pydantic import BaseModel, Field
 from mlx_tandem import Engine, SamplingParams
 from mlx_tandem.chat_format import ChatFormat
 from mlx_tandem.constraints import GrammarCompiler, open_call_constraint, tool_call_constraint
-from mlx_tandem.xml_calls import read_arguments, xml_expressible
+from mlx_tandem.xml_call_reading import read_arguments
+from mlx_tandem.xml_calls import xml_expressible
 
 from .test_constraints import TOOL_MODELS, TOOLS, USER, _Strict
 from .test_tool_call_grammar import _opens_a_call, _plan

@@ -25,7 +25,7 @@ from .chat_format import ChatFormat
 from .cut_names import check_not_cut_short
 from .detokenizer import JsonStrings, partial_marker_length
 from .outputs import InvalidToolCall, ToolCall
-from .xml_calls import function_header, normalized_call, read_arguments, reread_names, split_calls
+from .xml_call_reading import function_header, normalized_call, read_arguments, reread_names, split_calls
 
 CONTENT, REASONING, TOOL_CALL = "content", "reasoning", "tool_call"
 

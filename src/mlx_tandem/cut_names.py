@@ -4,7 +4,7 @@ mlx-lm's (0.32) parsers read a name up to a character they do not expect: Mistra
 ``get.weather[ARGS]`` came back as a call of a listed ``weather``, GLM's
 ``<tool_call>get weather</tool_call>`` as ``get``, Gemma 4's ``call:recall:get{`` as
 ``get``, LFM2's ``first-name=`` as a listed parameter ``name``, Qwen3.5's
-``<function=get weather>`` as ``get`` (``xml_calls.reread_names`` reads those right). The
+``<function=get weather>`` as ``get`` (``xml_call_reading.reread_names`` reads those right). The
 wrong tool ran, or a value went to another parameter. A call whose name (or an argument's)
 its text writes only inside a longer listed one is refused here, so that it comes back as
 an invalid call for the agent to show the model; a name written anywhere on its own (a

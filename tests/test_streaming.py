@@ -276,6 +276,47 @@ def test_stops_contained_in_one_another_cut_the_same_however_the_text_is_grouped
         assert run(text, stops, [rng.randint(1, 4) for _ in range(len(text))]) == whole, (text, stops)
 
 
+def _stop_cut_outside_calls(text: str, stops) -> tuple[str, bool]:
+    """The reference cut for a format with call markers (and no reasoning): every place a
+    stop begins in the text outside a call (from ``<tool_call>`` to the end of its
+    ``</tool_call>``, or the text's end), the one that ends first, the earlier start on a tie."""
+    inside, pos = set(), 0
+    while (start := text.find("<tool_call>", pos)) >= 0:
+        close = text.find("</tool_call>", start + len("<tool_call>"))
+        pos = len(text) if close < 0 else close + len("</tool_call>")
+        inside.update(range(start, pos))
+    hits = [(i + len(s), i) for s in stops for i in range(len(text)) if text.startswith(s, i) and i not in inside]
+    return (text[:min(hits)[1]], True) if hits else (text, False)
+
+
+def test_a_stop_that_runs_on_into_a_call_cuts_before_it_however_the_text_is_grouped():
+    """A stop that begins before a call's start and ends inside it ("\n<tool_call>\n") was
+    found in a text that came whole and missed when ``<tool_call>`` came as one token (the
+    text before the marker went out at once); and a stop inside the marker ("<t") hid one
+    that began before it (review h163). Against a reference, whole, in random pieces and a
+    character at a time."""
+    import random
+
+    def run(text, stops, sizes):
+        return _match_in_pieces(StopStringMatcher(stops, exempt=CALL), text, sizes)
+
+    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    tokens = [5, 1, 11, 1, len(text) - 31, 1, 12]
+    for stops, expected in ((["\n<tool_call>\n"], ("Sure.", True)), (["\n<tool", "<t"], ("Sure.", True)),
+                            (["\n<tool_call>\nX"], (text, False)), (["<tool_call>\n"], (text, False))):
+        for sizes in ([len(text)], [1] * len(text), tokens):
+            assert run(text, stops, sizes) == expected, (stops, sizes)
+    rng = random.Random(0)
+    pieces = ["a", "b", " ", "\n", "{", "}", "<", ">", "<tool_call>", "</tool_call>"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        spans = [(i := rng.randrange(len(text)), i + rng.randint(1, 14)) for _ in range(rng.randint(1, 3))]
+        stops = [text[i:j] for i, j in spans] + [rng.choice(["b}", "\n<", "a\n", "l>"])]
+        expected = _stop_cut_outside_calls(text, stops)
+        for sizes in ([len(text)], [1] * len(text), [rng.randint(1, 5) for _ in range(len(text))]):
+            assert run(text, stops, sizes) == expected, (text, stops, sizes)
+
+
 @pytest.mark.parametrize("stop", ["</think>", "<think>", "</thi", "think", "k>"])
 @pytest.mark.parametrize("text", ["<think>\nI think.\n</think>\n\nThe answer is 4.", "Answer first. <think>x</think>"])
 def test_stop_strings_in_reasoning_markers_do_not_depend_on_tools(stop, text):

@@ -133,15 +133,21 @@ class StopStringMatcher:
                 self._buffer = buf[end:]
                 continue
             if self._state != _CALL:  # stop strings: in text and reasoning, never in a call
-                hit = first_stop(buf, self._stop)
                 calls = tuple(mk for mk in markers if mk == self._m.call_start)
-                # A call's start wins a stop that does not come before it; reasoning markers
+                # A call's start wins a stop that does not begin before it; reasoning markers
                 # are text to stop strings ("</think>" as a stop ends the reasoning there),
                 # as they are for a request without tools, whose matcher knows no markers.
+                before_call = marker[0] if marker is not None and marker[1] in calls else None
+                hit = first_stop(buf, self._stop, before=before_call)
                 if marker is None:
                     wins = hit is not None
-                elif marker[1] in calls:
-                    wins = hit is not None and hit[0] < marker[0]
+                elif before_call is not None:
+                    wins = hit is not None
+                    # A stop that begins before the call and runs on into it ("\n<tool_call>\n")
+                    # is still forming: the text from its start waits until it completes or
+                    # is ruled out, as a character at a time would meet it (review h163).
+                    if not wins and (opened := open_stop(buf, self._stop, before_call)) is not None:
+                        return out + self._hold(buf, opened), False
                 else:
                     wins = hit is not None and hit[0] < marker[0] + len(marker[1])
                 if wins:
@@ -152,7 +158,12 @@ class StopStringMatcher:
                     if hit[0] < forming:
                         self._buffer, self._done = "", 0
                         return out + buf[:hit[0]], True
-                    return out + self._hold(buf, forming), False
+                    # Should the marker complete, a stop that begins before it wins, found
+                    # already (ending after this one) or still forming.
+                    before = first_stop(buf, self._stop, before=forming)
+                    held = min(forming, len(buf) - partial_marker_length(buf, self._stop),
+                               before[0] if before is not None else forming)
+                    return out + self._hold(buf, held), False
             if marker is not None:
                 i, mk = marker
                 end = i + len(mk)
@@ -206,24 +217,38 @@ class StopStringMatcher:
     def flush(self) -> tuple[str, bool]:
         """The end of the text: what was held back, cut at a stop string in it (a marker
         that was still forming can no longer complete)."""
-        buf, self._buffer, self._done = self._buffer, "", 0
+        buf, done = self._buffer, self._done
+        self._buffer, self._done = "", 0
         if self._stop and self._state != _CALL:
-            hit = first_stop(buf, self._stop)
+            # A call's start held back behind a stop that ran on into it: stops before it only.
+            call = self._find(buf, self._m.call_start, done) if self._m is not None and self._state == _TEXT else -1
+            hit = first_stop(buf, self._stop, before=call if call >= 0 else None)
             if hit is not None:
                 return buf[:hit[0]], True
         return buf, False
 
 
-def first_stop(buf: str, stops: Sequence[str]) -> Optional[tuple[int, str]]:
+def first_stop(buf: str, stops: Sequence[str], before: Optional[int] = None) -> Optional[tuple[int, str]]:
     """(start, stop) of the stop string that ends first in ``buf``, the earlier start on a
     tie: the one a text written a character at a time meets first, so the cut does not
     depend on how the text came in tokens (with ``[" the", "h"]``, " the end" stops at
-    " t", where the earliest start cut it to "" when " the" came in one token)."""
-    hits = [(i + len(s), i, s) for s in stops if (i := buf.find(s)) >= 0]
+    " t", where the earliest start cut it to "" when " the" came in one token). ``before``:
+    only stops that begin before it (a call's start there; one inside the call's marker
+    hid a stop that began before the call: review h163)."""
+    limit = len(buf) if before is None else before
+    hits = [(i + len(s), i, s) for s in stops if 0 <= (i := buf.find(s, 0, limit + len(s) - 1)) < limit]
     if not hits:
         return None
     _, i, s = min(hits)
     return i, s
+
+
+def open_stop(buf: str, stops: Sequence[str], before: int) -> Optional[int]:
+    """The earliest place before ``before`` where one of ``stops`` begins and runs past the
+    end of ``buf`` (the rest of ``buf`` is a proper prefix of it), else None."""
+    starts = [p for s in stops for p in range(max(0, len(buf) - len(s) + 1), min(before, len(buf)))
+              if s.startswith(buf[p:])]
+    return min(starts, default=None)
 
 
 def partial_marker_length(buf: str, markers: Sequence[str]) -> int:

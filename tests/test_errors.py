@@ -34,6 +34,13 @@ def test_bad_sampling_params(kwargs):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("stop", [b"ab", bytearray(b"ab")])
+def test_a_bytes_stop_is_refused_as_written(stop):
+    """Bytes are a sequence of ints: the error named stop=(97, 98), never what was passed."""
+    with pytest.raises(InvalidRequestError, match=r"stop=(b|bytearray\(b)'ab'"):
+        SamplingParams(stop=stop)
+
+
 async def test_temperatures_too_small_to_sample_are_greedy(llama_engine):
     """1/temperature overflows float32 near 1e-38 and the draw became a random pick; under
     1e-5 the request decodes greedily, as vLLM's does."""

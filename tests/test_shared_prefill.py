@@ -61,6 +61,19 @@ async def test_without_waiting_each_request_prefills_its_own_copy(qwen3_5_path):
     assert stats["prefill_tokens"] == sum(len(p) - 1 for p in ids)
 
 
+async def test_requests_held_for_a_shared_prefix_do_not_count_against_max_waiting(qwen3_5_path):
+    """A request kept back a step for a system prompt another row is storing could start
+    now: counted as waiting, a burst of four with ``max_waiting=2`` and free slots failed
+    with QueueFullError (review h164; ChatMLX's ``n`` shares its whole prompt, so it failed
+    too). All four run, and match their cold runs."""
+    ids, system, outs, stats, claims = await _wave(qwen3_5_path, 4, max_waiting=2, max_batch_size=8)
+    for out, p in zip(outs, ids):
+        assert out.token_ids == reference_greedy(qwen3_5_path, p, 8)
+    assert stats["prefix_cache"]["prefill_waits"] >= 2 and stats["failed"] == 0
+    assert sorted(out.usage.cached_tokens for out in outs)[1] >= system
+    assert claims == 0
+
+
 async def test_a_claim_is_given_back_when_its_row_leaves_before_storing(qwen3_5_path):
     """A waiter goes on when the row it waits for is removed (cancelled, failed) mid-prefill,
     or the lane is reset; it then prefills the prefix itself."""

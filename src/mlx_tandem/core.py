@@ -64,6 +64,7 @@ class EngineCore:
         self._running: dict[str, Request] = {}
         self._memory = MemoryLedger({"text": CacheFootprint(0)}, budget=0)  # the real one is made at load
         self._held_for_memory = 0
+        self._deferred: dict[str, int] = {}  # per lane: requests _admit last kept for a prefix (TextLane.defer)
         self._outbox: list[tuple[Request, Any]] = []  # (request, delta or error) to deliver
         self._closed = threading.Event()
         # Held while checking "closed" and putting in the inbox, and while closing before
@@ -285,7 +286,7 @@ class EngineCore:
             return
         if len(self._waiting) >= self.options.max_waiting:
             self._admit()  # a burst drained in one go: start what free slots can take first
-        if len(self._waiting) >= self.options.max_waiting:
+        if self._queued() >= self.options.max_waiting:
             self._fail(req, QueueFullError(
                 f"no request can start now (every batch slot is busy or the memory budget is reached) and "
                 f"{self.options.max_waiting} requests already wait (engine option max_waiting); try again later"))
@@ -356,6 +357,16 @@ class EngineCore:
             f"{req.max_tokens}) needs {need} bytes, over the engine's request memory budget of "
             f"{self._memory.budget} bytes; lower max_tokens or raise the engine option request_memory_bytes")
 
+    def _queued(self) -> int:
+        """The waiting requests that count against ``max_waiting``: those waiting for a slot
+        or for memory. One its lane keeps back a step for a prefix another row is storing
+        (TextLane.defer) could start now, up to the lane's free slots: counted, it made a
+        burst sharing a system prompt (or ChatMLX's ``n``) fail with QueueFullError while
+        slots were free (review h164)."""
+        startable = sum(min(n, self.options.max_batch_size - lane.num_active)
+                        for name, n in self._deferred.items() if (lane := self._lanes.get(name)) is not None)
+        return len(self._waiting) - max(0, startable)
+
     def _admit(self) -> None:
         """Start waiting requests, in arrival order, on lanes with a free slot while their
         caches fit the memory budget (memory.py). A full lane, or a request its lane defers,
@@ -365,6 +376,7 @@ class EngineCore:
         kept: deque[Request] = deque()
         memory = self._memory
         held = 0  # requests kept because the memory budget is reached (the first and all after it)
+        deferred: dict[str, int] = {}
         while self._waiting:
             req = self._waiting.popleft()
             lane = self._lanes.get(req.lane)
@@ -373,6 +385,7 @@ class EngineCore:
                 kept.append(req)
                 continue
             if lane is not None and not held and lane.defer(req):
+                deferred[req.lane] = deferred.get(req.lane, 0) + 1
                 kept.append(req)
                 continue
             if lane is not None and not held and not self._prepared(lane, req):
@@ -423,6 +436,7 @@ class EngineCore:
                 self.stats.count("constrained_requests")
         self._waiting = kept
         self._held_for_memory = held
+        self._deferred = deferred
         self._update_queue_stats()
 
     def _prepared(self, lane: Lane, req: Request) -> bool:

@@ -12,17 +12,24 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from mlx_tandem import Engine, InvalidRequestError, SamplingParams
 from mlx_tandem.errors import EngineStepError, ModelLoadError
 from mlx_tandem.spec.mtp_cache import MTPKVCache
 from mlx_tandem.specprefill.job import SparsePrefill
-from mlx_tandem.specprefill.positions import PositionedKVCache, positioned
+from mlx_tandem.specprefill.positions import PositionedKVCache, PositionedRotatingKVCache, positioned
 
 from .numerics import tolerance
 from .reference import reference_greedy
+
+
+@pytest.fixture(scope="module")
+def llama_swa_path(tiny_models):
+    """The factory llama with its first layer sliding-window attention (RotatingKVCache),
+    the window past every prompt here, so a full prefill is the exact reference."""
+    return tiny_models.get("llama", sliding_window=1024)
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -61,7 +68,29 @@ def test_merge_keeps_each_rows_true_position(shifted_first):
     assert MTPKVCache.merge([MTPKVCache(), head]).offset.tolist()[1] == 6
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("shifted_first", [True, False])
+def test_a_sliding_window_layers_merge_keeps_each_rows_true_position(shifted_first):
+    """A RotatingKVCache is no KVCache: its rows merged at the positions they stored, so a
+    sparse-prefilled row's sliding-window layers decoded at the compact position (review
+    h165). Its offset still counts what it stored: growth and rotation read it."""
+    def rotating(n):
+        c = RotatingKVCache(max_size=8)
+        c.update_and_fetch(mx.ones((1, 2, n, 4)), mx.ones((1, 2, n, 4)))
+        return c
+
+    plain = positioned([rotating(3)])[0]
+    shifted = PositionedRotatingKVCache.of(rotating(5), position_shift=7)
+    assert type(plain) is PositionedRotatingKVCache and (shifted.offset, shifted.size()) == (5, 5)
+    rows = [shifted, plain] if shifted_first else [plain, shifted]
+    batch = rows[0].merge(rows)
+    want = [12, 3] if shifted_first else [3, 12]
+    assert isinstance(batch, BatchRotatingKVCache) and batch.offset.tolist() == want and batch.size() == 5
+    for _ in range(6):  # past the window: the rows rotate, each still at its own position
+        batch.update_and_fetch(mx.zeros((2, 2, 1, 4)), mx.zeros((2, 2, 1, 4)))
+    assert batch.offset.tolist() == [w + 6 for w in want]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5", "llama_swa"])
 def test_kept_tokens_are_prefilled_at_their_original_positions(kind, request, draft_path):
     """A llama's first-layer keys depend only on a token and its RoPE position: after a sparse
     prefill they must equal the full prefill's keys at exactly the kept positions. (Qwen3.5's
@@ -84,11 +113,11 @@ def test_kept_tokens_are_prefilled_at_their_original_positions(kind, request, dr
 
     full = make_prompt_cache(model)
     model(mx.array(prompt[:-1])[None], cache=full)
-    layer = next(i for i, c in enumerate(full) if isinstance(c, KVCache))
+    layer = next(i for i, c in enumerate(full) if isinstance(c, (KVCache, RotatingKVCache)))  # llama_swa's: sliding
     row = job.row_cache()
     got = np.array(row[layer].keys[..., : row[layer].offset, :])
     want = np.array(full[layer].keys[..., : full[layer].offset, :])[:, :, kept]
-    if kind == "llama":
+    if kind != "qwen3_5":
         np.testing.assert_allclose(got, want, **tolerance(rtol=1e-4, atol=1e-5))
     else:
         np.testing.assert_allclose(got[:, :, :40], want[:, :, :40], **tolerance(rtol=1e-4, atol=1e-5))
@@ -138,7 +167,7 @@ async def test_keep_all_takes_the_plain_prefill_and_is_cached(kind, request, dra
     assert again.token_ids == reference_greedy(path, follow_up, 4)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5", "llama_swa"])
 async def test_decode_runs_at_the_true_position_and_others_are_unaffected(kind, request, draft_path):
     path = request.getfixturevalue(f"{kind}_path")
     short = _prompt(20, seed=5)
@@ -154,7 +183,7 @@ async def test_decode_runs_at_the_true_position_and_others_are_unaffected(kind, 
             batch = lane._gen._generation_batch
             i = batch.uids.index(lane._rows.uid(rid))
             n = len(lane.model.layers)
-            attn = [c for c in batch.prompt_cache[:n] if isinstance(c, BatchKVCache)]
+            attn = [c for c in batch.prompt_cache[:n] if isinstance(c, (BatchKVCache, BatchRotatingKVCache))]
             lp = attn[0].left_padding.tolist()[i]
             return [int(c.offset[i].item()) for c in attn], len(batch.tokens[i]), attn[0]._idx - lp
 

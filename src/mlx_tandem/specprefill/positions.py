@@ -7,6 +7,10 @@ request's ``KVCache`` uses one ``offset`` for both, and ``BatchKVCache.merge`` r
 offsets from stored lengths. ``PositionedKVCache`` carries the gap (``position_shift``)
 through the merge, so the row joins the continuous batch at its true position. No RoPE
 module and no shared model object is touched: another request's positions cannot change.
+A sliding-window layer's ``RotatingKVCache`` is no ``KVCache`` and its batch cache no
+``BatchKVCache`` (gemma3, gpt_oss, a llama with ``layer_types``): ``PositionedRotatingKVCache``
+carries its gap the same way (review h165: those layers decoded at the compact position).
+Its window then spans the last entries stored, as the full layers' keys are the ones kept.
 (mlx-lm 0.32.)
 """
 
@@ -15,10 +19,13 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+
+# The batch caches whose ``offset`` is each row's RoPE position, apart from what they store.
+_BATCH_ATTENTION = (BatchKVCache, BatchRotatingKVCache)
 
 
-def shift_offsets(batch: BatchKVCache, caches: list[Any]) -> BatchKVCache:
+def shift_offsets(batch: Any, caches: list[Any]) -> Any:
     """Add each row's ``position_shift`` (0 when it has none) to a merged batch cache."""
     shifts = [int(getattr(c, "position_shift", 0)) for c in caches]
     if any(shifts):
@@ -45,13 +52,34 @@ class PositionedKVCache(KVCache):
         return shift_offsets(BatchKVCache.merge(caches), caches)
 
 
+class PositionedRotatingKVCache(RotatingKVCache):
+    """A request's sliding-window cache whose next RoPE position is ``offset + position_shift``.
+    ``offset`` stays the count of tokens it took: its growth, rotation and mask read it."""
+
+    def __init__(self, max_size: int, keep: int = 0, position_shift: int = 0):
+        super().__init__(max_size, keep)
+        self.position_shift = position_shift
+
+    @classmethod
+    def of(cls, kv: RotatingKVCache, position_shift: int = 0) -> "PositionedRotatingKVCache":
+        out = cls(kv.max_size, kv.keep, position_shift)
+        out.keys, out.values, out.offset, out._idx = kv.keys, kv.values, kv.offset, kv._idx
+        return out
+
+    @classmethod
+    def merge(cls, caches):
+        return shift_offsets(BatchRotatingKVCache.merge(caches), caches)
+
+
 def positioned(cache: list[Any]) -> list[Any]:
-    """The same cache with every plain ``KVCache`` made a ``PositionedKVCache`` (shift 0).
+    """The same cache with every plain ``KVCache`` made a ``PositionedKVCache`` and every
+    ``RotatingKVCache`` a ``PositionedRotatingKVCache`` (shift 0).
 
     The text lane gives every row such a cache, so a batch's first row (whose class picks
     the merge) always carries shifts through, whatever kind of row joins with it.
     """
-    return [PositionedKVCache.of(c) if type(c) is KVCache else c for c in cache]
+    return [PositionedKVCache.of(c) if type(c) is KVCache else
+            PositionedRotatingKVCache.of(c) if type(c) is RotatingKVCache else c for c in cache]
 
 
 def as_batch_of_one(cache: list[Any]) -> list[Any]:
@@ -66,7 +94,7 @@ def set_position(batch_cache: list[Any], position: int) -> None:
     to the backbone's position (the MTP head's entries sit one position behind) keep it.
     The first attention cache is the reference (the backbone's come first in a row's list).
     """
-    attn = [c for c in batch_cache if isinstance(c, BatchKVCache)]
+    attn = [c for c in batch_cache if isinstance(c, _BATCH_ATTENTION)]
     if not attn:
         return
     delta = position - int(attn[0].offset[0].item())
@@ -88,5 +116,11 @@ def from_batch_of_one(batch_cache: list[Any], position: int) -> list[Any]:
                 row = PositionedKVCache.of(row, shift)
             else:  # e.g. the MTP head's cache: same protocol, its own class
                 row.position_shift = shift
+        elif isinstance(c, BatchRotatingKVCache):
+            # extract() sets the row's offset to its RoPE position; a RotatingKVCache's
+            # offset must count the tokens it took (a one-row batch's ``_offset``).
+            shift = int(c.offset[0].item()) - c._offset
+            row.offset = c._offset
+            row = PositionedRotatingKVCache.of(row, shift)
         out.append(row)
     return out

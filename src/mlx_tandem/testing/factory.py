@@ -139,6 +139,10 @@ def _sizes(defaults: dict, sizes: dict) -> dict:
 # --------------------------------------------------------------------------- llama / draft
 def _write_llama(path: Path, ids: dict, *, seed, dtype, max_position_embeddings, sizes,
                  defaults=_LLAMA_DEFAULTS, **_):
+    # ``sliding_window``: even layers are sliding-window attention (mlx-lm's llama reads
+    # ``layer_types``; their caches are RotatingKVCaches, as gemma3's and gpt_oss's are).
+    sizes = dict(sizes)
+    window = sizes.pop("sliding_window", None)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -152,6 +156,10 @@ def _write_llama(path: Path, ids: dict, *, seed, dtype, max_position_embeddings,
         "torch_dtype": dtype,
         **_sizes(defaults, sizes),
     }
+    if window is not None:
+        config["sliding_window"] = int(window)
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                 for i in range(config["num_hidden_layers"])]
     weights = _init_model("llama", config, seed)
     _write_config(path, config)
     _save(path, weights, dtype)

@@ -349,6 +349,22 @@ def test_a_lookup_trims_an_entry_that_can_be_trimmed_whatever_was_stored_first()
         assert pc.fetch(shared + [30, 31])[1] == 6 and pc.hits_by_kind["history"] == 1
 
 
+def test_stored_entries_are_each_kept_evicted_or_superseded():
+    """An attention-only entry serves every prefix of itself, so storing it drops shorter
+    ones of no more durable a kind: counted apart from evictions (review h164: neither
+    counted them, and entries fell short of stored - evicted)."""
+    pc = PrefixCache(1 << 20, min_tokens=2)
+    pc.store([1, 2, 3, 4], [_kv(4, 1.0)], "final")
+    pc.store([1, 2, 3, 4, 5, 6], [_kv(6, 1.0)], "turn")  # serves [1..4]: it goes
+    pc.store([1, 2, 9, 9], [_kv(4, 2.0)], "system")
+    pc.store([1, 2, 9, 9, 9, 9], [_kv(6, 2.0)], "final")  # the system prompt stays
+    pc._evict_to(pc.nbytes - 1)
+    snap = pc.snapshot()
+    assert (snap["stored"], snap["superseded"], snap["evicted"]) == (4, 1, 1)
+    assert snap["entries"] == snap["stored"] - snap["superseded"] - snap["evicted"] == 2
+    assert pc.fetch([1, 2, 3, 4, 5])[1] == 4  # served by the longer entry, cut back
+
+
 def test_a_system_prompt_outlives_longer_trimmable_entries():
     pc = PrefixCache(1 << 20, min_tokens=2)
     pc.store([1, 2, 3, 4], [_kv(4, 1.0)], "system")

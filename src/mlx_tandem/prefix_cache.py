@@ -64,7 +64,8 @@ class PrefixCache:
         self.misses = 0
         self.hit_tokens = 0
         self.stored = 0
-        self.evicted = 0
+        self.evicted = 0  # dropped for room
+        self.superseded = 0  # dropped because a longer entry that can be cut back serves them
         self.hits_by_kind = {k: 0 for k in KINDS}
         self.last_lookup: tuple[int, Optional[str]] = (0, None)  # (tokens reused, entry kind or None)
         self.prefill_waits = 0  # requests that waited for a row in prefill to store their prefix
@@ -219,6 +220,7 @@ class PrefixCache:
                     self._trie.add(old.tokens, old)
                 else:
                     self._forget(old)
+                    self.superseded += 1
         self._evict_to(self.budget_bytes, keep=entry)
         return True
 
@@ -282,6 +284,7 @@ class PrefixCache:
             "hits_by_kind": dict(self.hits_by_kind),
             "stored": self.stored,
             "evicted": self.evicted,
+            "superseded": self.superseded,
             "prefill_waits": self.prefill_waits,
             "refused": self.refused,
             "entries": len(self),

@@ -278,39 +278,50 @@ def test_stops_contained_in_one_another_cut_the_same_however_the_text_is_grouped
 
 def _stop_cut_outside_calls(text: str, stops) -> tuple[str, bool]:
     """The reference cut for a format with call markers (and no reasoning): every place a
-    stop begins in the text outside a call (from ``<tool_call>`` to the end of its
-    ``</tool_call>``, or the text's end), the one that ends first, the earlier start on a tie."""
-    inside, pos = set(), 0
+    stop begins outside a call (from ``<tool_call>`` to the end of its ``</tool_call>``, or
+    the text's end) and ends by the end of the start marker of a call it runs into, the one
+    that ends first, the earlier start on a tie."""
+    calls, pos = [], 0
     while (start := text.find("<tool_call>", pos)) >= 0:
         close = text.find("</tool_call>", start + len("<tool_call>"))
         pos = len(text) if close < 0 else close + len("</tool_call>")
-        inside.update(range(start, pos))
-    hits = [(i + len(s), i) for s in stops for i in range(len(text)) if text.startswith(s, i) and i not in inside]
+        calls.append((start, start + len("<tool_call>"), pos))
+    hits = [(i + len(s), i) for s in stops for i in range(len(text)) if text.startswith(s, i)
+            and not any(a <= i < c or (i < a < i + len(s) and i + len(s) > m) for a, m, c in calls)]
     return (text[:min(hits)[1]], True) if hits else (text, False)
 
 
-def test_a_stop_that_runs_on_into_a_call_cuts_before_it_however_the_text_is_grouped():
-    """A stop that begins before a call's start and ends inside it ("\n<tool_call>\n") was
-    found in a text that came whole and missed when ``<tool_call>`` came as one token (the
-    text before the marker went out at once); and a stop inside the marker ("<t") hid one
-    that began before it (review h163). Against a reference, whole, in random pieces and a
-    character at a time."""
+def test_a_stop_that_begins_before_a_call_counts_up_to_its_start_marker_however_the_text_is_grouped():
+    """A stop that begins before a call's start and ends in its marker (".\n<tool_call>")
+    ends the answer there; one that runs on into the call ("\n<tool_call>\n") does not, as
+    the call's text is never matched. It was found in a text that came whole and missed
+    when ``<tool_call>`` came as one token, and a stop inside the marker ("<t") hid one
+    that began before it (review h163); a stop running over a whole call then hid one
+    after it, and one running from reasoning into a call matched whole only (review
+    h166). Against a reference, whole, in random pieces and a character
+    at a time."""
     import random
 
     def run(text, stops, sizes):
         return _match_in_pieces(StopStringMatcher(stops, exempt=CALL), text, sizes)
 
-    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
-    tokens = [5, 1, 11, 1, len(text) - 31, 1, 12]
-    for stops, expected in ((["\n<tool_call>\n"], ("Sure.", True)), (["\n<tool", "<t"], ("Sure.", True)),
-                            (["\n<tool_call>\nX"], (text, False)), (["<tool_call>\n"], (text, False))):
+    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> }'
+    tokens = [5, 1, 11, 1, len(text) - 33, 1, 12, 2]
+    for stops, expected in ((["\n<tool_call>\n"], (text, False)), ([".\n<tool_call>"], ("Sure", True)),
+                            (["\n<tool", "<t"], ("Sure.", True)), (["<tool_call>"], (text, False)),
+                            ([text[2:-1] + "Z", "}"], (text[:-1], True))):
         for sizes in ([len(text)], [1] * len(text), tokens):
             assert run(text, stops, sizes) == expected, (stops, sizes)
+    # From reasoning over its end marker into a call: the call's text is not matched either.
+    for text, stop, exempt in (("</think>{<tool_call>x", "hink>{<tool_call>x", dataclasses.replace(THINKING, starts_in_reasoning=True)),
+                               ("<think></think><tool_call>x", "></think><tool_call>x", THINKING)):
+        for sizes in ([len(text)], [1] * len(text)):
+            assert _match_in_pieces(StopStringMatcher([stop], exempt=exempt), text, sizes) == (text, False)
     rng = random.Random(0)
     pieces = ["a", "b", " ", "\n", "{", "}", "<", ">", "<tool_call>", "</tool_call>"]
     for _ in range(3000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
-        spans = [(i := rng.randrange(len(text)), i + rng.randint(1, 14)) for _ in range(rng.randint(1, 3))]
+        spans = [(i := rng.randrange(len(text)), i + rng.randint(1, 30)) for _ in range(rng.randint(1, 3))]
         stops = [text[i:j] for i, j in spans] + [rng.choice(["b}", "\n<", "a\n", "l>"])]
         expected = _stop_cut_outside_calls(text, stops)
         for sizes in ([len(text)], [1] * len(text), [rng.randint(1, 5) for _ in range(len(text))]):

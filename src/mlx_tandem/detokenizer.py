@@ -95,6 +95,8 @@ class StopStringMatcher:
         # of a reasoning marker held back because a stop string may run on past it.
         self._done = 0
         self._strings = JsonStrings() if self._m is not None and self._m.json_body else None
+        m = self._m
+        self._heads = {mk[0] for mk in (m.call_start, m.call_end, m.think_start, m.think_end) if mk} if m else set()
 
     def _markers(self) -> tuple[str, ...]:
         """The markers that change the state from here."""
@@ -110,9 +112,26 @@ class StopStringMatcher:
         return (m.call_start,)
 
     def feed(self, text: str) -> tuple[str, bool]:
-        """Consume new text. Returns (text safe to emit, whether a stop string was hit)."""
+        """Consume new text. Returns (text safe to emit, whether a stop string was hit).
+
+        Text that may hold a marker is read a character at a time: the cut must not depend
+        on how the text came in tokens, and where markers switch matching on and off
+        between a stop's start and end (a stop running from reasoning over ``</think>`` into
+        a call, review h166), reading a piece whole met them in another order. Text without
+        a marker's first character, most of it, is read whole: no marker can begin there."""
         if not self._stop:
             return text, False
+        if len(text) > 1 and self._heads and any(h in text or h in self._buffer for h in self._heads):
+            out = ""
+            for ch in text:
+                piece, hit = self._feed(ch)
+                out += piece
+                if hit:
+                    return out, True
+            return out, False
+        return self._feed(text)
+
+    def _feed(self, text: str) -> tuple[str, bool]:
         self._buffer += text
         self._fed += len(text)
         out = ""
@@ -134,20 +153,17 @@ class StopStringMatcher:
                 continue
             if self._state != _CALL:  # stop strings: in text and reasoning, never in a call
                 calls = tuple(mk for mk in markers if mk == self._m.call_start)
-                # A call's start wins a stop that does not begin before it; reasoning markers
-                # are text to stop strings ("</think>" as a stop ends the reasoning there),
-                # as they are for a request without tools, whose matcher knows no markers.
-                before_call = marker[0] if marker is not None and marker[1] in calls else None
-                hit = first_stop(buf, self._stop, before=before_call)
-                if marker is None:
+                # A call's start wins a stop that does not begin before it, or that runs on
+                # past the marker into the call (the call's text is never matched:
+                # ".\n<tool_call>" stops, "\n<tool_call>\n" does not); reasoning markers are
+                # text to stop strings ("</think>" as a stop ends the reasoning there), as
+                # they are for a request without tools, whose matcher knows no markers.
+                if marker is not None and marker[1] in calls:
+                    hit = first_stop(buf, self._stop, before=marker[0], end=marker[0] + len(marker[1]))
+                else:
+                    hit = first_stop(buf, self._stop)
+                if marker is None or marker[1] in calls:
                     wins = hit is not None
-                elif before_call is not None:
-                    wins = hit is not None
-                    # A stop that begins before the call and runs on into it ("\n<tool_call>\n")
-                    # is still forming: the text from its start waits until it completes or
-                    # is ruled out, as a character at a time would meet it (review h163).
-                    if not wins and (opened := open_stop(buf, self._stop, before_call)) is not None:
-                        return out + self._hold(buf, opened), False
                 else:
                     wins = hit is not None and hit[0] < marker[0] + len(marker[1])
                 if wins:
@@ -217,38 +233,29 @@ class StopStringMatcher:
     def flush(self) -> tuple[str, bool]:
         """The end of the text: what was held back, cut at a stop string in it (a marker
         that was still forming can no longer complete)."""
-        buf, done = self._buffer, self._done
-        self._buffer, self._done = "", 0
+        buf, self._buffer, self._done = self._buffer, "", 0
         if self._stop and self._state != _CALL:
-            # A call's start held back behind a stop that ran on into it: stops before it only.
-            call = self._find(buf, self._m.call_start, done) if self._m is not None and self._state == _TEXT else -1
-            hit = first_stop(buf, self._stop, before=call if call >= 0 else None)
+            hit = first_stop(buf, self._stop)
             if hit is not None:
                 return buf[:hit[0]], True
         return buf, False
 
 
-def first_stop(buf: str, stops: Sequence[str], before: Optional[int] = None) -> Optional[tuple[int, str]]:
+def first_stop(buf: str, stops: Sequence[str], before: Optional[int] = None,
+               end: Optional[int] = None) -> Optional[tuple[int, str]]:
     """(start, stop) of the stop string that ends first in ``buf``, the earlier start on a
     tie: the one a text written a character at a time meets first, so the cut does not
     depend on how the text came in tokens (with ``[" the", "h"]``, " the end" stops at
-    " t", where the earliest start cut it to "" when " the" came in one token). ``before``:
-    only stops that begin before it (a call's start there; one inside the call's marker
-    hid a stop that began before the call: review h163)."""
-    limit = len(buf) if before is None else before
-    hits = [(i + len(s), i, s) for s in stops if 0 <= (i := buf.find(s, 0, limit + len(s) - 1)) < limit]
+    " t", where the earliest start cut it to "" when " the" came in one token). Only stops
+    that begin before ``before`` and end by ``end`` (a call's start marker: a stop inside
+    it hid one that began before the call, review h163)."""
+    before = len(buf) if before is None else before
+    end = len(buf) if end is None else end
+    hits = [(i + len(s), i, s) for s in stops if 0 <= (i := buf.find(s, 0, end)) < before]
     if not hits:
         return None
     _, i, s = min(hits)
     return i, s
-
-
-def open_stop(buf: str, stops: Sequence[str], before: int) -> Optional[int]:
-    """The earliest place before ``before`` where one of ``stops`` begins and runs past the
-    end of ``buf`` (the rest of ``buf`` is a proper prefix of it), else None."""
-    starts = [p for s in stops for p in range(max(0, len(buf) - len(s) + 1), min(before, len(buf)))
-              if s.startswith(buf[p:])]
-    return min(starts, default=None)
 
 
 def partial_marker_length(buf: str, markers: Sequence[str]) -> int:

@@ -34,10 +34,10 @@ def test_bad_sampling_params(kwargs):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("stop", [b"ab", bytearray(b"ab")])
+@pytest.mark.parametrize("stop", [b"ab", bytearray(b"ab"), memoryview(b"ab")])
 def test_a_bytes_stop_is_refused_as_written(stop):
     """Bytes are a sequence of ints: the error named stop=(97, 98), never what was passed."""
-    with pytest.raises(InvalidRequestError, match=r"stop=(b|bytearray\(b)'ab'"):
+    with pytest.raises(InvalidRequestError, match=r"stop=(b'ab'|bytearray\(b'ab'\)|<memory)"):
         SamplingParams(stop=stop)
 
 

@@ -138,7 +138,7 @@ class SamplingParams:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, 0.0)
         # Accept a single string or any sequence for stop; a list for processors.
-        if isinstance(self.stop, (Mapping, bytes, bytearray)):  # bytes: read as ints, the error named (120,)
+        if isinstance(self.stop, (Mapping, bytes, bytearray, memoryview)):  # bytes: read as ints, the error named (120,)
             raise InvalidRequestError(f"SamplingParams.stop={self.stop!r}: must be a string or a list of strings")
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         object.__setattr__(self, "stop", stop)

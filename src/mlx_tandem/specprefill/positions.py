@@ -54,7 +54,9 @@ class PositionedKVCache(KVCache):
 
 class PositionedRotatingKVCache(RotatingKVCache):
     """A request's sliding-window cache whose next RoPE position is ``offset + position_shift``.
-    ``offset`` stays the count of tokens it took: its growth, rotation and mask read it."""
+    ``offset`` stays a count of what it stored, never a position: growth, rotation and the
+    mask read it (from a restored prefix past the window it counts from the window's
+    entries, which mlx-lm's batch merge keeps; the shift holds the rest)."""
 
     def __init__(self, max_size: int, keep: int = 0, position_shift: int = 0):
         super().__init__(max_size, keep)

@@ -202,6 +202,36 @@ def test_logprobs_with_mtp_equal_those_without(qwen3_5_mtp_path, mode):
         assert accepted_alone > 0
 
 
+def test_a_bf16_checkpoint_kept_bf16_reports_logprobs_within_its_rounding(tiny_models, monkeypatch):
+    """On a GPU a bf16 checkpoint stays bf16, and mlx-lm (0.32) takes a plain step's
+    log-softmax in bf16: its rounded logsumexp shifted every value (0.026 here), where an
+    MTP step's values, taken in float32, did not (review h167). Renormalized in float32,
+    the two differ by the rounding of each value only: half a bf16 step of its size."""
+    import math
+
+    from mlx_tandem import _platform
+
+    monkeypatch.setattr(_platform, "compute_dtype", lambda: None)  # what a GPU does
+    path = tiny_models.get("qwen3_5", dtype="bfloat16")
+    asks = {"max_tokens": 8, "logprobs": True, "top_logprobs": 4}
+
+    async def run(mtp):
+        async with Engine(path, show_progress=False, mtp=mtp, prefix_cache_bytes=0) as engine:
+            assert engine._core.loaded.dtype.endswith("bfloat16")
+            return await engine.complete("The quick brown fox jumps over the lazy dog and", asks)
+
+    plain, spec = asyncio.run(run("off")), asyncio.run(run("on"))
+    assert spec.token_ids == plain.token_ids
+
+    def half_step(v: float) -> float:  # half a bf16 step (8 significant bits) at |v|
+        return 2.0 ** (math.floor(math.log2(abs(v))) - 8) if v else 0.0
+
+    for p, s in zip(plain.logprobs, spec.logprobs):
+        assert abs(p.logprob - s.logprob) <= half_step(s.logprob) + 2e-3, (p.logprob, s.logprob)
+        for a, b in zip(p.top_logprobs, s.top_logprobs):
+            assert abs(a.logprob - b.logprob) <= half_step(b.logprob) + 2e-3, (a.logprob, b.logprob)
+
+
 def test_image_rows_report_the_distribution_their_tokens_were_drawn_from(qwen3_5_vl_path):
     """The vision lane draws inside the row's processors: each token's logprobs must be the
     distribution of its own step (a user's processor, last before the draw, sees the same

@@ -24,7 +24,12 @@ def gather(logprobs: Sequence[mx.array], tokens: Sequence[int], top: Sequence[in
     """For each row: ``logprobs`` (V,) or (1, V), the token drawn from it, how many of the
     most likely tokens to list (0: none), and the ids its sampler never draws
     (``samplers.BannedSampler``: a chat without tools cannot open a call), which are taken
-    out of the distribution as the sampler takes them out."""
+    out of the distribution as the sampler takes them out.
+
+    Every row is normalized again in float32: mlx-lm (0.32) takes the log-softmax in the
+    model's dtype, and on a bf16 checkpoint (kept bf16 on a GPU) its rounded logsumexp
+    shifted every value by up to 0.06, where an MTP step's values (spec/batch.py, from the
+    logits in float32) did not (review h167)."""
     if not logprobs:
         return []
     rows = []
@@ -33,8 +38,7 @@ def gather(logprobs: Sequence[mx.array], tokens: Sequence[int], top: Sequence[in
         ids = [t for t in ban if t < a.shape[-1]]
         if ids:  # the few banned ids set, not a vocabulary-wide mask built every step
             a[mx.array(ids)] = -float("inf")
-            a = a - mx.logsumexp(a, axis=-1, keepdims=True)
-        rows.append(a)
+        rows.append(a - mx.logsumexp(a, axis=-1, keepdims=True))
     lp = mx.stack(rows)
     chosen = mx.take_along_axis(lp, mx.array(list(tokens), dtype=mx.int32)[:, None], axis=1)[:, 0]
     k = min(max(top), lp.shape[-1])

@@ -88,9 +88,12 @@ class BannedSampler:
         self._keep = None
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        if self._keep is None or self._keep.shape[-1] != logprobs.shape[-1]:
-            self._keep = keep_mask(self.banned, logprobs.shape[-1])
-        masked = mx.where(mx.array(self._keep), logprobs, mx.array(-float("inf"), dtype=logprobs.dtype))
+        # Read once: two engines' owner threads (vocabularies of two widths) may swap the
+        # mask between the check and its use (review h167).
+        keep = self._keep
+        if keep is None or keep.shape[-1] != logprobs.shape[-1]:
+            keep = self._keep = keep_mask(self.banned, logprobs.shape[-1])
+        masked = mx.where(mx.array(keep), logprobs, mx.array(-float("inf"), dtype=logprobs.dtype))
         if self._base is None:  # greedy, as mlx-lm's fallback sampler
             return mx.argmax(masked, axis=-1)
         return self._base(masked - mx.logsumexp(masked, axis=-1, keepdims=True))

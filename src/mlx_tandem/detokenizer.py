@@ -96,7 +96,7 @@ class StopStringMatcher:
         self._done = 0
         self._strings = JsonStrings() if self._m is not None and self._m.json_body else None
         m = self._m
-        self._heads = {mk[0] for mk in (m.call_start, m.call_end, m.think_start, m.think_end) if mk} if m else set()
+        self._all_markers = tuple(mk for mk in (m.call_start, m.call_end, m.think_start, m.think_end) if mk) if m else ()
 
     def _markers(self) -> tuple[str, ...]:
         """The markers that change the state from here."""
@@ -114,14 +114,15 @@ class StopStringMatcher:
     def feed(self, text: str) -> tuple[str, bool]:
         """Consume new text. Returns (text safe to emit, whether a stop string was hit).
 
-        Text that may hold a marker is read a character at a time: the cut must not depend
+        Text that completes a marker is read a character at a time: the cut must not depend
         on how the text came in tokens, and where markers switch matching on and off
         between a stop's start and end (a stop running from reasoning over ``</think>`` into
-        a call, review h166), reading a piece whole met them in another order. Text without
-        a marker's first character, most of it, is read whole: no marker can begin there."""
+        a call, review h166), reading a piece whole met them in another order. Other text,
+        most of it, is read whole: nothing switches there (a marker still forming is held
+        back alike either way)."""
         if not self._stop:
             return text, False
-        if len(text) > 1 and self._heads and any(h in text or h in self._buffer for h in self._heads):
+        if len(text) > 1 and self._all_markers and any(mk in self._buffer + text for mk in self._all_markers):
             out = ""
             for ch in text:
                 piece, hit = self._feed(ch)

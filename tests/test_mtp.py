@@ -301,6 +301,26 @@ def test_auto_policy_measures_and_chooses():
     assert idle.predicted_speedup(1) > 1 and not any(idle.speculate(1) for _ in range(20))
 
 
+def test_auto_policy_times_a_plain_probe_while_speculation_wins():
+    """MTPGenerationBatch times a plain step only after a plain one (the step right after a
+    speculative one has no pipelined forward to wait for). A one-step probe was therefore
+    never timed, and t_plain kept its first measures while speculation won (review h169):
+    the probe is two plain steps, and the second one's time counts."""
+    pol = AutoPolicy(explore_steps=2, probe_every=8)
+    timed, last_plain = [], False
+    for step in range(200):
+        spec = pol.speculate(1)
+        if spec:
+            pol.record(1, speculative=True, seconds=1.0, gain=3.0)
+        elif last_plain:  # the batch's rule: a plain step is timed after a plain one
+            pol.record(1, speculative=False, seconds=0.9 if step < 20 else 0.5)
+            timed.append(step)
+        last_plain = not spec
+    assert len([t for t in timed if t >= 20]) >= 15  # each probe timed once
+    assert pol.buckets[1].t_plain == pytest.approx(0.5, abs=0.02)  # the new cost was learnt
+    assert pol.predicted_speedup(1) == pytest.approx(1.5, abs=0.1)
+
+
 def test_auto_mode_stops_speculating_when_drafts_are_rejected(qwen3_5_path, caplog):
     """The plain factory head is random: "auto" explores, measures ~0 acceptance and
     decodes plainly from then on, and the log says the head may not be the model's."""

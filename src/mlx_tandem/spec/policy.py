@@ -43,6 +43,7 @@ class _Bucket:
     n_plain: int = 0
     n_spec: int = 0
     since_probe: int = 0
+    probing: int = 0  # plain steps left in a probe
 
 
 def _ema(old: Optional[float], new: float, alpha: float = 0.2) -> float:
@@ -61,6 +62,9 @@ class AutoPolicy:
 
     def speculate(self, batch_size: int) -> bool:
         b = self.buckets.setdefault(self._key(batch_size), _Bucket())
+        if b.probing:
+            b.probing -= 1
+            return False
         if b.n_spec < self.explore_steps:
             return True
         if b.n_plain < self.explore_steps:
@@ -72,6 +76,10 @@ class AutoPolicy:
         b.since_probe += 1
         if b.since_probe >= self.probe_every:  # re-measure the mode we are not using
             b.since_probe = 0
+            # A plain step right after a speculative one is not timed (it has no pipelined
+            # forward to wait for: spec/batch.py), so a plain probe is two steps; one alone
+            # left t_plain at its first measures for good (review h169).
+            b.probing = 1 if best else 0
             return not best
         return best
 

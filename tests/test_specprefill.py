@@ -90,6 +90,38 @@ def test_a_sliding_window_layers_merge_keeps_each_rows_true_position(shifted_fir
     assert batch.offset.tolist() == [w + 6 for w in want]
 
 
+def test_attention_caches_inside_a_cache_list_keep_the_rows_true_position():
+    """falcon_h1's and deepseek_v32's layers keep their caches in a CacheList, which merges
+    each member by its first row's member's class. The sparse prefill's positions reached
+    only the list's top level, so those layers decoded at the compact position (review
+    h165's suspicion, found so by reading). Runs at 0..3 and 10..12, then the last prompt
+    token at 20: every attention member sits there, and a merge with a plain row keeps it."""
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    from mlx_tandem.specprefill.positions import as_batch_of_one, from_batch_of_one, set_position
+
+    def row_cache():
+        state = ArraysCache(2)
+        state[0], state[1] = mx.zeros((1, 3)), mx.zeros((1, 2))
+        return positioned([CacheList(state, KVCache()), KVCache()])
+
+    def attention(cache):
+        return [cache[0].caches[1], cache[1]]
+
+    batch = as_batch_of_one(row_cache())
+    for start, n in ((0, 3), (10, 2)):
+        set_position(batch, start)
+        for kv in attention(batch):
+            kv.update_and_fetch(mx.ones((1, 2, n, 4)), mx.ones((1, 2, n, 4)))
+    row = from_batch_of_one(batch, 20)
+    assert [(kv.offset, kv.position_shift) for kv in attention(row)] == [(5, 15), (5, 15)]
+    plain = row_cache()
+    for kv in attention(plain):
+        kv.update_and_fetch(mx.ones((1, 2, 4, 4)), mx.ones((1, 2, 4, 4)))
+    merged = [plain[0].merge([plain[0], row[0]]).caches[1], plain[1].merge([plain[1], row[1]])]
+    assert [kv.offset.tolist() for kv in merged] == [[4, 20], [4, 20]]
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5", "llama_swa"])
 def test_kept_tokens_are_prefilled_at_their_original_positions(kind, request, draft_path):
     """A llama's first-layer keys depend only on a token and its RoPE position: after a sparse

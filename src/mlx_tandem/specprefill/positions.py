@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, CacheList, KVCache, RotatingKVCache
 
 # The batch caches whose ``offset`` is each row's RoPE position, apart from what they store.
 _BATCH_ATTENTION = (BatchKVCache, BatchRotatingKVCache)
@@ -80,8 +80,21 @@ def positioned(cache: list[Any]) -> list[Any]:
     The text lane gives every row such a cache, so a batch's first row (whose class picks
     the merge) always carries shifts through, whatever kind of row joins with it.
     """
-    return [PositionedKVCache.of(c) if type(c) is KVCache else
-            PositionedRotatingKVCache.of(c) if type(c) is RotatingKVCache else c for c in cache]
+    return [_positioned(c) for c in cache]
+
+
+def _positioned(c: Any) -> Any:
+    # A CacheList (falcon_h1's, deepseek_v32's layers) merges each member by its first
+    # row's member's class: its attention members carry shifts the same way.
+    if isinstance(c, CacheList):
+        return CacheList(*(_positioned(m) for m in c.caches))
+    return PositionedKVCache.of(c) if type(c) is KVCache else \
+        PositionedRotatingKVCache.of(c) if type(c) is RotatingKVCache else c
+
+
+def _leaves(cache: list[Any]) -> list[Any]:
+    """Every cache of a row's list, a CacheList's members in their place."""
+    return [leaf for c in cache for leaf in (_leaves(c.caches) if isinstance(c, CacheList) else [c])]
 
 
 def as_batch_of_one(cache: list[Any]) -> list[Any]:
@@ -96,7 +109,7 @@ def set_position(batch_cache: list[Any], position: int) -> None:
     to the backbone's position (the MTP head's entries sit one position behind) keep it.
     The first attention cache is the reference (the backbone's come first in a row's list).
     """
-    attn = [c for c in batch_cache if isinstance(c, _BATCH_ATTENTION)]
+    attn = [c for c in _leaves(batch_cache) if isinstance(c, _BATCH_ATTENTION)]
     if not attn:
         return
     delta = position - int(attn[0].offset[0].item())
@@ -108,21 +121,24 @@ def set_position(batch_cache: list[Any], position: int) -> None:
 def from_batch_of_one(batch_cache: list[Any], position: int) -> list[Any]:
     """Back to a request's cache whose next token sits at ``position`` (see PositionedKVCache)."""
     set_position(batch_cache, position)
-    out = []
-    for c in batch_cache:
-        row = c.extract(0)
-        if isinstance(c, BatchKVCache):
-            stored = row.offset if row.keys is not None else 0
-            shift = int(c.offset[0].item()) - stored
-            if type(row) is KVCache:
-                row = PositionedKVCache.of(row, shift)
-            else:  # e.g. the MTP head's cache: same protocol, its own class
-                row.position_shift = shift
-        elif isinstance(c, BatchRotatingKVCache):
-            # extract() sets the row's offset to its RoPE position; a RotatingKVCache's
-            # offset must count the tokens it took (a one-row batch's ``_offset``).
-            shift = int(c.offset[0].item()) - c._offset
-            row.offset = c._offset
-            row = PositionedRotatingKVCache.of(row, shift)
-        out.append(row)
-    return out
+    return [_row_of(c) for c in batch_cache]
+
+
+def _row_of(c: Any) -> Any:
+    """One batch-of-one cache back as a request's, with its gap as ``position_shift``."""
+    if isinstance(c, CacheList):
+        return CacheList(*(_row_of(m) for m in c.caches))
+    row = c.extract(0)
+    if isinstance(c, BatchKVCache):
+        stored = row.offset if row.keys is not None else 0
+        shift = int(c.offset[0].item()) - stored
+        if type(row) is KVCache:
+            return PositionedKVCache.of(row, shift)
+        row.position_shift = shift  # e.g. the MTP head's cache: same protocol, its own class
+    elif isinstance(c, BatchRotatingKVCache):
+        # extract() sets the row's offset to its RoPE position; a RotatingKVCache's
+        # offset must count the tokens it took (a one-row batch's ``_offset``).
+        shift = int(c.offset[0].item()) - c._offset
+        row.offset = c._offset
+        return PositionedRotatingKVCache.of(row, shift)
+    return row
